@@ -1,0 +1,47 @@
+"""``hf-gpu-train``: one module per subcommand, each with ``register(subparsers)`` and ``run(args) -> int``.
+
+Subcommand modules import only what they need at call time: ``detect`` must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import UsageError
+
+SUBCOMMANDS = ("detect", "doctor", "machines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hf-gpu-train",
+        description="Detect GPUs, check the stack, and plan fine-tuning runs for Hugging Face Trainer/Accelerate.",
+    )
+    parser.add_argument("--version", action="version", version=f"hf-gpu-train {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f".{name.replace('-', '_')}", __name__)
+        sub = module.register(subparsers)
+        sub.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except UsageError as error:
+        print(f"hf-gpu-train {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry_point() -> None:
+    sys.exit(main())

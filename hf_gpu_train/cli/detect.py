@@ -1,0 +1,89 @@
+"""``hf-gpu-train detect``: what this machine (or a snapshot) has, without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ..hardware.profile import HardwareProfile
+from ..textfmt import gib, table
+from .common import add_machine_argument, resolve_profile
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("detect", help="show GPUs, memory, precision support and topology",
+                              description="Show GPUs, memory, compute capability, precision support and the GPU "
+                              "topology. Never imports torch unless --software is given.")
+    add_machine_argument(p)
+    p.add_argument("--json", action="store_true", help="print the machine snapshot as JSON")
+    p.add_argument("--save", metavar="FILE", help="write the machine snapshot to FILE (for --machine elsewhere)")
+    p.add_argument("--software", action="store_true", help="also collect torch, CUDA build, cuDNN and NCCL versions (imports torch)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    profile, live = resolve_profile(args)
+    if args.software and live:
+        from ..hardware.software import detect_software
+
+        profile = replace(profile, software=detect_software())
+    if args.save:
+        from ..hardware.snapshot import save
+
+        path = save(profile, args.save)
+        if not args.json:
+            print(f"saved snapshot to {path}")
+    if args.json:
+        from ..hardware.snapshot import to_json
+
+        print(to_json(profile), end="")
+        return 0
+    print(render(profile, live))
+    return 0
+
+
+def render(profile: HardwareProfile, live: bool = True) -> str:
+    from ..hardware.topology import LEGEND, p2p_summary, topology_matrix
+
+    h = profile.host
+    source = "this machine" if live else f"snapshot {profile.display_name}"
+    lines = [f"Machine: {h.hostname} ({source})"]
+    if profile.description:
+        lines.append(f"  {profile.description}")
+    lines.append(
+        f"Host: {h.cpu_model or '?'}, {h.physical_cores or '?'} cores / {h.logical_cores or '?'} threads, "
+        f"{h.numa_nodes or '?'} NUMA node(s), RAM {gib(h.ram_total_bytes, 0)}, /dev/shm {gib(h.shm_total_bytes)}"
+        + (f", InfiniBand {', '.join(h.infiniband_devices)}" if h.infiniband_devices else "")
+    )
+    if profile.nvml_error:
+        lines.append(f"GPUs: none usable. {profile.nvml_error}")
+        if h.nvidia_pci_devices:
+            lines.append(f"  {h.nvidia_pci_devices} NVIDIA device(s) on the PCI bus: run `hf-gpu-train doctor` for the fix.")
+        return "\n".join(lines)
+    lines.append(f"Driver {profile.driver_version}, CUDA driver API {profile.cuda_driver_version}, {len(profile.gpus)} GPU(s)")
+    if not profile.gpus:
+        return "\n".join(lines)
+    rows = [["GPU", "Name", "Memory", "Used", "CC", "bf16", "fp8", "Power", "MIG", "Display", "NUMA", "Bus id"]]
+    for g in profile.gpus:
+        rows.append([
+            g.index, g.name, gib(g.memory_total_bytes), gib(g.memory_used_bytes), g.capability_str,
+            "yes" if g.bf16_supported else "no", "yes" if g.fp8_supported else "no",
+            "?" if g.power_limit_w is None else f"{g.power_limit_w:.0f} W",
+            {True: "on", False: "off", None: "?"}[g.mig_enabled], {True: "yes", False: "no", None: "?"}[g.display_active],
+            "?" if g.numa_node is None else g.numa_node, g.pci_bus_id,
+        ])
+    lines += ["", table(rows)]
+    procs = [f"GPU{g.index}: pid {p.pid} {p.name or '?'} {gib(p.used_memory_bytes)}" for g in profile.gpus for p in g.processes]
+    if procs:
+        lines += ["", "Processes holding GPU memory:"] + [f"  {p}" for p in procs]
+    if len(profile.gpus) > 1:
+        lines += ["", "Topology (nvidia-smi topo -m notation):", table(topology_matrix(profile), header=False),
+                  p2p_summary(profile), LEGEND]
+    if profile.software:
+        s = profile.software
+        lines += ["", f"Software: Python {s.python_version}, torch {s.torch_version or 'not installed'} "
+                  f"(CUDA build {s.torch_cuda_build or 'none'}), cuDNN {s.cudnn_version or '-'}, NCCL {s.nccl_version or '-'}, "
+                  f"transformers {s.transformers_version or '-'}, accelerate {s.accelerate_version or '-'}"]
+    if profile.notes:
+        lines += ["", "Detection notes:"] + [f"  {n}" for n in profile.notes]
+    return "\n".join(lines)

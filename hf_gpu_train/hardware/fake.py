@@ -1,0 +1,226 @@
+"""An NVML backend that answers from a ``HardwareProfile`` (usually a snapshot).
+
+It lets every decision, check and callback run on a machine without a GPU, and it exercises the
+real detection code: snapshot -> FakeNvmlBackend -> detect() -> the same snapshot. Failures are
+injected by name, the way a driver would produce them::
+
+    FakeNvmlBackend(profile, init_failure="driver_not_loaded")
+    FakeNvmlBackend(profile, failures={"power_limit_mw": "not_supported"})
+
+``series`` replays changing values (utilization, power, clocks, ...) for telemetry tests:
+``series={"utilization_pct": [(10, 5), (95, 40)]}`` answers each call with the next item and
+keeps the last one; ``{"temperature_c": {0: [60, 85], 1: [60]}}`` gives each GPU its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backend import NOT_SUPPORTED, NvmlFailure
+from .profile import CLOCK_EVENT_REASON_BITS, P2P_STATUS_NAMES, TOPOLOGY_LEVELS, HardwareProfile
+
+_LEVEL_BY_NAME = {name: level for level, name in TOPOLOGY_LEVELS.items()}
+_P2P_BY_NAME = {name: code for code, name in P2P_STATUS_NAMES.items()}
+_REASON_BIT = {name: bit for bit, name in CLOCK_EVENT_REASON_BITS.items()}
+_SWITCH_BUS_ID = "0000:ff:00.0"  # where a fake NVSwitch sits; any id no GPU uses
+
+
+class FakeNvmlBackend:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        init_failure: str | None = None,
+        failures: dict[str, str] | None = None,
+        series: dict[str, Any] | None = None,
+    ):
+        self.profile = profile
+        self.init_failure = init_failure
+        self.failures = dict(failures or {})
+        self.series = dict(series or {})
+        self.calls: dict[str, int] = {}
+        self._served: dict[tuple[str, int], int] = {}
+        self.initialised = False
+        if profile.nvml_error and init_failure is None:
+            self.init_failure = "library_not_found"
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _check(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if method != "init" and not self.initialised:
+            raise NvmlFailure("uninitialized", "NVML not initialised")
+        kind = self.failures.get(method)
+        if kind:
+            raise NvmlFailure(kind, f"{method}: {kind} (injected)")
+
+    def _value(self, method: str, handle: int, default: Any) -> Any:
+        """The next value of an injected series for this GPU, else the snapshot's value."""
+        values = self.series.get(method)
+        if isinstance(values, dict):
+            values = values.get(handle)
+        if not values:
+            if default is None:
+                raise NvmlFailure(NOT_SUPPORTED, f"{method}: unknown in snapshot")
+            return default
+        key = (method, handle)
+        served = self._served.get(key, 0)
+        self._served[key] = served + 1
+        return values[min(served, len(values) - 1)]
+
+    def _gpu(self, handle: int):
+        return self.profile.gpus[handle]
+
+    # -- NvmlBackend ---------------------------------------------------------------------
+    def init(self) -> None:
+        self._check("init")
+        if self.init_failure:
+            raise NvmlFailure(self.init_failure, f"nvmlInit: {self.init_failure} (injected)")
+        self.initialised = True
+
+    def shutdown(self) -> None:
+        self._check("shutdown")
+        self.initialised = False
+
+    def driver_version(self) -> str:
+        self._check("driver_version")
+        if self.profile.driver_version is None:
+            raise NvmlFailure(NOT_SUPPORTED)
+        return self.profile.driver_version
+
+    def cuda_driver_version(self) -> int:
+        self._check("cuda_driver_version")
+        if self.profile.cuda_driver_version is None:
+            raise NvmlFailure(NOT_SUPPORTED)
+        major, minor = self.profile.cuda_driver_version.split(".")
+        return int(major) * 1000 + int(minor) * 10
+
+    def device_count(self) -> int:
+        self._check("device_count")
+        return len(self.profile.gpus)
+
+    def handle(self, index: int) -> int:
+        self._check("handle")
+        if not 0 <= index < len(self.profile.gpus):
+            raise NvmlFailure("invalid_argument", f"no GPU {index}")
+        return index
+
+    def name(self, h: int) -> str:
+        self._check("name")
+        return self._gpu(h).name
+
+    def uuid(self, h: int) -> str:
+        self._check("uuid")
+        return self._gpu(h).uuid
+
+    def pci_bus_id(self, h: int) -> str:
+        self._check("pci_bus_id")
+        return self._gpu(h).pci_bus_id
+
+    def memory_info(self, h: int) -> tuple[int, int]:
+        self._check("memory_info")
+        gpu = self._gpu(h)
+        used = self._value("memory_info_used", h, gpu.memory_used_bytes or 0)
+        return gpu.memory_total_bytes, used
+
+    def compute_capability(self, h: int) -> tuple[int, int]:
+        self._check("compute_capability")
+        return self._value("compute_capability", h, self._gpu(h).compute_capability)
+
+    def power_limit_mw(self, h: int) -> int:
+        self._check("power_limit_mw")
+        watts = self._gpu(h).power_limit_w
+        return self._value("power_limit_mw", h, None if watts is None else round(watts * 1000))
+
+    def power_usage_mw(self, h: int) -> int:
+        self._check("power_usage_mw")
+        return self._value("power_usage_mw", h, None)
+
+    def mig_enabled(self, h: int) -> bool:
+        self._check("mig_enabled")
+        return self._value("mig_enabled", h, self._gpu(h).mig_enabled)
+
+    def display_active(self, h: int) -> bool:
+        self._check("display_active")
+        return self._value("display_active", h, self._gpu(h).display_active)
+
+    def numa_node(self, h: int) -> int:
+        self._check("numa_node")
+        return self._value("numa_node", h, self._gpu(h).numa_node)
+
+    def cpu_affinity(self, h: int) -> str:
+        self._check("cpu_affinity")
+        return self._value("cpu_affinity", h, self._gpu(h).cpu_affinity)
+
+    def compute_processes(self, h: int) -> list[tuple[int, int | None]]:
+        self._check("compute_processes")
+        return [(p.pid, p.used_memory_bytes) for p in self._gpu(h).processes]
+
+    def process_name(self, pid: int) -> str:
+        self._check("process_name")
+        for gpu in self.profile.gpus:
+            for proc in gpu.processes:
+                if proc.pid == pid and proc.name is not None:
+                    return proc.name
+        raise NvmlFailure(NOT_SUPPORTED, f"no name for pid {pid}")
+
+    def nvlink_remotes(self, h: int) -> list[tuple[str, bool]]:
+        """Synthesised from the snapshot: direct links to peers, then the switch links."""
+        self._check("nvlink_remotes")
+        gpu = self._gpu(h)
+        remotes: list[tuple[str, bool]] = []
+        for pair in self.profile.pairs:
+            if gpu.index not in (pair.a, pair.b):
+                continue
+            peer = self.profile.gpu(pair.b if pair.a == gpu.index else pair.a)
+            switched = min(gpu.nvswitch_links, peer.nvswitch_links) if gpu.nvswitch_links and peer.nvswitch_links else 0
+            remotes += [(peer.pci_bus_id, False)] * (pair.nvlinks - switched)
+        remotes += [(_SWITCH_BUS_ID, True)] * gpu.nvswitch_links
+        return remotes
+
+    def _pair(self, h1: int, h2: int):
+        pair = self.profile.pair(self._gpu(h1).index, self._gpu(h2).index)
+        if pair is None:
+            raise NvmlFailure(NOT_SUPPORTED, "pair not in snapshot")
+        return pair
+
+    def topology_common_ancestor(self, h1: int, h2: int) -> int:
+        self._check("topology_common_ancestor")
+        topology = self._pair(h1, h2).topology
+        if topology is None:
+            raise NvmlFailure(NOT_SUPPORTED)
+        return _LEVEL_BY_NAME[topology]
+
+    def p2p_status(self, h1: int, h2: int, capability: str) -> int:
+        self._check("p2p_status")
+        pair = self._pair(h1, h2)
+        status = pair.p2p_read if capability == "read" else pair.p2p_write
+        if status is None:
+            raise NvmlFailure(NOT_SUPPORTED)
+        return _P2P_BY_NAME.get(status, 6)
+
+    def clock_event_reasons(self, h: int) -> int:
+        self._check("clock_event_reasons")
+        mask = sum(_REASON_BIT[name] for name in self._gpu(h).clock_event_reasons)
+        return self._value("clock_event_reasons", h, mask)
+
+    def sm_clock_mhz(self, h: int) -> int:
+        self._check("sm_clock_mhz")
+        return self._value("sm_clock_mhz", h, self._gpu(h).sm_clock_mhz)
+
+    def sm_clock_max_mhz(self, h: int) -> int:
+        self._check("sm_clock_max_mhz")
+        return self._value("sm_clock_max_mhz", h, self._gpu(h).sm_clock_max_mhz)
+
+    def temperature_c(self, h: int) -> int:
+        self._check("temperature_c")
+        return self._value("temperature_c", h, self._gpu(h).temperature_c)
+
+    def utilization_pct(self, h: int) -> tuple[int, int]:
+        self._check("utilization_pct")
+        gpu_pct = self._gpu(h).utilization_pct
+        return self._value("utilization_pct", h, None if gpu_pct is None else (gpu_pct, 0))
+
+    def pcie_link(self, h: int) -> tuple[int, int]:
+        self._check("pcie_link")
+        gpu = self._gpu(h)
+        default = None if gpu.pcie_link_gen is None else (gpu.pcie_link_gen, gpu.pcie_link_width)
+        return self._value("pcie_link", h, default)

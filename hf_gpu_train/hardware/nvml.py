@@ -1,0 +1,217 @@
+"""The real NVML backend: the only module in hf_gpu_train that imports ``pynvml``.
+
+``pynvml`` comes from the ``nvidia-ml-py`` package (the PyPI package named ``pynvml`` is a
+deprecated wrapper that warns on import). Every pynvml error is translated into ``NvmlFailure``
+here, so callers never see pynvml's dynamically generated exception classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+from .backend import (
+    DRIVER_MISMATCH,
+    DRIVER_NOT_LOADED,
+    FUNCTION_NOT_FOUND,
+    GPU_IS_LOST,
+    LIBRARY_NOT_FOUND,
+    NO_PERMISSION,
+    NOT_SUPPORTED,
+    OTHER,
+    NvmlFailure,
+    normalize_bus_id,
+)
+from .profile import cpulist
+
+# NVML return codes (nvml.h nvmlReturn_t) mapped to our failure kinds.
+_KIND_BY_CODE = {
+    3: NOT_SUPPORTED,
+    4: NO_PERMISSION,
+    9: DRIVER_NOT_LOADED,
+    12: LIBRARY_NOT_FOUND,
+    13: FUNCTION_NOT_FOUND,
+    15: GPU_IS_LOST,
+    18: DRIVER_MISMATCH,
+}
+
+# P2P capability indices. Written as literals: pynvml defines NVML_P2P_CAPS_INDEX_READ as ``0,``
+# (a tuple, by a stray comma in nvidia-ml-py 13.x), which NVML would reject.
+_P2P_CAPS = {"read": 0, "write": 1, "nvlink": 2, "atomics": 3, "prop": 4}
+
+
+def _translating(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn any pynvml.NVMLError raised by ``method`` into an ``NvmlFailure``."""
+
+    @functools.wraps(method)
+    def wrapper(self: "PynvmlBackend", *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except self._pynvml.NVMLError as error:
+            code = getattr(error, "value", None)
+            raise NvmlFailure(_KIND_BY_CODE.get(code, OTHER), str(error)) from None
+
+    return wrapper
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class PynvmlBackend:
+    """NVML through nvidia-ml-py. Construction never fails; ``init()`` may raise NvmlFailure."""
+
+    def __init__(self) -> None:
+        self._pynvml: Any = None
+
+    def init(self) -> None:
+        try:
+            import pynvml
+        except ImportError as error:  # the package itself is missing, not the driver
+            raise NvmlFailure(LIBRARY_NOT_FOUND, f"nvidia-ml-py is not installed ({error})") from None
+        self._pynvml = pynvml
+        self._init()
+
+    @_translating
+    def _init(self) -> None:
+        self._pynvml.nvmlInit()
+
+    @_translating
+    def shutdown(self) -> None:
+        self._pynvml.nvmlShutdown()
+
+    @_translating
+    def driver_version(self) -> str:
+        return _text(self._pynvml.nvmlSystemGetDriverVersion())
+
+    @_translating
+    def cuda_driver_version(self) -> int:
+        return int(self._pynvml.nvmlSystemGetCudaDriverVersion_v2())
+
+    @_translating
+    def device_count(self) -> int:
+        return int(self._pynvml.nvmlDeviceGetCount())
+
+    @_translating
+    def handle(self, index: int) -> Any:
+        return self._pynvml.nvmlDeviceGetHandleByIndex(index)
+
+    @_translating
+    def name(self, handle: Any) -> str:
+        return _text(self._pynvml.nvmlDeviceGetName(handle))
+
+    @_translating
+    def uuid(self, handle: Any) -> str:
+        return _text(self._pynvml.nvmlDeviceGetUUID(handle))
+
+    @_translating
+    def pci_bus_id(self, handle: Any) -> str:
+        return normalize_bus_id(self._pynvml.nvmlDeviceGetPciInfo(handle).busId)
+
+    @_translating
+    def memory_info(self, handle: Any) -> tuple[int, int]:
+        info = self._pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.total), int(info.used)
+
+    @_translating
+    def compute_capability(self, handle: Any) -> tuple[int, int]:
+        major, minor = self._pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return int(major), int(minor)
+
+    @_translating
+    def power_limit_mw(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetEnforcedPowerLimit(handle))
+
+    @_translating
+    def power_usage_mw(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetPowerUsage(handle))
+
+    @_translating
+    def mig_enabled(self, handle: Any) -> bool:
+        current, _pending = self._pynvml.nvmlDeviceGetMigMode(handle)
+        return current == self._pynvml.NVML_DEVICE_MIG_ENABLE
+
+    @_translating
+    def display_active(self, handle: Any) -> bool:
+        return bool(self._pynvml.nvmlDeviceGetDisplayActive(handle))
+
+    @_translating
+    def numa_node(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetNumaNodeId(handle))
+
+    @_translating
+    def cpu_affinity(self, handle: Any) -> str:
+        words = max(1, ((os.cpu_count() or 64) + 63) // 64)
+        masks = self._pynvml.nvmlDeviceGetCpuAffinity(handle, words)
+        return cpulist([w * 64 + bit for w, mask in enumerate(masks) for bit in range(64) if (int(mask) >> bit) & 1])
+
+    @_translating
+    def compute_processes(self, handle: Any) -> list[tuple[int, int | None]]:
+        procs = self._pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)) for p in procs]
+
+    @_translating
+    def process_name(self, pid: int) -> str:
+        return _text(self._pynvml.nvmlSystemGetProcessName(pid))
+
+    def nvlink_remotes(self, handle: Any) -> list[tuple[str, bool]]:
+        """(remote PCI bus id, remote is an NVSwitch) for each active NVLink of this GPU."""
+        nv = self._pynvml
+        remotes: list[tuple[str, bool]] = []
+        for link in range(nv.NVML_NVLINK_MAX_LINKS):
+            try:
+                if nv.nvmlDeviceGetNvLinkState(handle, link) != nv.NVML_FEATURE_ENABLED:
+                    continue
+                bus_id = normalize_bus_id(nv.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+            except nv.NVMLError as error:
+                if getattr(error, "value", None) in (3, 2):  # NotSupported / InvalidArgument: no more links
+                    break
+                raise NvmlFailure(_KIND_BY_CODE.get(getattr(error, "value", None), OTHER), str(error)) from None
+            try:
+                is_switch = nv.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link) == nv.NVML_NVLINK_DEVICE_TYPE_SWITCH
+            except nv.NVMLError:  # older drivers: no device type query, links then go GPU to GPU
+                is_switch = False
+            remotes.append((bus_id, is_switch))
+        return remotes
+
+    @_translating
+    def topology_common_ancestor(self, h1: Any, h2: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetTopologyCommonAncestor(h1, h2))
+
+    @_translating
+    def p2p_status(self, h1: Any, h2: Any, capability: str) -> int:
+        return int(self._pynvml.nvmlDeviceGetP2PStatus(h1, h2, _P2P_CAPS[capability]))
+
+    @_translating
+    def clock_event_reasons(self, handle: Any) -> int:
+        nv = self._pynvml
+        query = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        if query is not None:
+            try:
+                return int(query(handle))
+            except nv.NVMLError_FunctionNotFound:  # older driver: fall back to the old name
+                pass
+        return int(nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+
+    @_translating
+    def sm_clock_mhz(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetClockInfo(handle, self._pynvml.NVML_CLOCK_SM))
+
+    @_translating
+    def sm_clock_max_mhz(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetMaxClockInfo(handle, self._pynvml.NVML_CLOCK_SM))
+
+    @_translating
+    def temperature_c(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetTemperature(handle, self._pynvml.NVML_TEMPERATURE_GPU))
+
+    @_translating
+    def utilization_pct(self, handle: Any) -> tuple[int, int]:
+        rates = self._pynvml.nvmlDeviceGetUtilizationRates(handle)
+        return int(rates.gpu), int(rates.memory)
+
+    @_translating
+    def pcie_link(self, handle: Any) -> tuple[int, int]:
+        nv = self._pynvml
+        return int(nv.nvmlDeviceGetCurrPcieLinkGeneration(handle)), int(nv.nvmlDeviceGetCurrPcieLinkWidth(handle))

@@ -1,0 +1,26 @@
+"""Plain-text tables for the terminal (no dependency: the CLI must start fast)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+
+def table(rows: Sequence[Sequence[object]], header: bool = True) -> str:
+    cells = [[("" if c is None else str(c)) for c in row] for row in rows]
+    if not cells:
+        return ""
+    widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(max(len(r) for r in cells))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
+        if header and n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def gib(num_bytes: int | float | None, digits: int = 1) -> str:
+    return "?" if num_bytes is None else f"{num_bytes / 2**30:.{digits}f} GiB"
+
+
+def bullet(lines: Iterable[str]) -> str:
+    return "\n".join(f"  - {line}" for line in lines)

@@ -1,0 +1,70 @@
+"""One prepared check for a real GPU machine: run it there, read the figures it prints.
+
+    python scripts/gpu_check.py
+
+1. ``hf-gpu-train detect`` against ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``: every mismatch.
+2. ``hf-gpu-train doctor`` (live, with the small win on each GPU): every check.
+Later sections (fine-tune samples/s, telemetry, OOM recovery) are added by later issues.
+Exit 0 when detection agrees with nvidia-smi and the doctor found no FAIL.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_gpu_train.hardware.crosscheck import QUERY_FIELDS, compare, parse_query_csv, parse_topo_matrix  # noqa: E402
+
+
+def section(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def nvidia_smi(*args: str) -> str:
+    return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def check_detection() -> bool:
+    from hf_gpu_train.cli.detect import render
+    from hf_gpu_train.hardware.detect import detect
+
+    section("detect vs nvidia-smi")
+    start = time.perf_counter()
+    profile = detect()
+    print(f"detect() took {1000 * (time.perf_counter() - start):.0f} ms")
+    print(render(profile))
+    if shutil.which("nvidia-smi") is None:
+        print("nvidia-smi not found: nothing to compare with")
+        return bool(profile.gpus)
+    rows = parse_query_csv(nvidia_smi(f"--query-gpu={QUERY_FIELDS}", "--format=csv"))
+    topo_text = nvidia_smi("topo", "-m")
+    print(topo_text)
+    mismatches = compare(profile, rows, parse_topo_matrix(topo_text))
+    for line in mismatches:
+        print(f"MISMATCH {line}")
+    print(f"detection: {len(mismatches)} mismatch(es) over {len(rows)} GPU(s)")
+    return not mismatches
+
+
+def check_doctor() -> bool:
+    from hf_gpu_train.cli import main
+
+    section("doctor")
+    return main(["doctor"]) == 0
+
+
+def main() -> int:
+    results = {"detection": check_detection(), "doctor": check_doctor()}
+    section("summary")
+    for name, ok in results.items():
+        print(f"{name}: {'OK' if ok else 'FAILED'}")
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

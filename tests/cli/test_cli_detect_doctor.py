@@ -1,0 +1,67 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_gpu_train.cli import main
+from hf_gpu_train.hardware.snapshot import load, load_machine
+
+
+def test_detect_table_and_topology(capsys):
+    assert main(["detect", "--machine", "4x-rtx3090-nvlink-pairs"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA GeForce RTX 3090" in out and "8.6" in out
+    assert "GPU0  X     NV4   PHB   PHB" in out
+    assert "P2P: OK on 2 of 6 pairs" in out
+
+
+def test_detect_json_and_save_round_trip(tmp_path, capsys):
+    target = tmp_path / "box.json"
+    assert main(["detect", "--machine", "8x-h100-sxm", "--json", "--save", str(target)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["format"] == "hf_gpu_train.machine" and len(printed["profile"]["gpus"]) == 8
+    assert load(target) == load_machine("8x-h100-sxm")
+    assert main(["detect", "--machine", str(target)]) == 0
+
+
+def test_usage_errors_exit_2_without_traceback(tmp_path, capsys):
+    assert main(["detect", "--machine", "no-such-box"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-box" in err and "hf-gpu-train machines" in err and "Traceback" not in err
+    (tmp_path / "x.json").write_text("[]")
+    assert main(["doctor", "--machine", str(tmp_path / "x.json")]) == 2
+    with pytest.raises(SystemExit) as info:
+        main(["detect", "--bogus"])
+    assert info.value.code == 2
+
+
+def test_doctor_on_snapshots(capsys):
+    assert main(["doctor", "--machine", "2x-a100-one-busy"]) == 0
+    assert "[WARN] other processes" in capsys.readouterr().out
+    assert main(["doctor", "--machine", "cpu-only", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checks"][0]["status"] == "WARN" and report["exit_code"] == 0
+
+
+def test_machines_lists_every_reference_machine(capsys):
+    assert main(["machines"]) == 0
+    out = capsys.readouterr().out
+    for name in ("8x-h100-sxm", "1x-t4", "cpu-only", "2x-rtx4090"):
+        assert name in out
+
+
+def test_console_script_detect_runs_without_torch():
+    code = ("import sys; from hf_gpu_train.cli import main; rc = main(['detect']); "
+            "assert 'torch' not in sys.modules, 'detect imported torch'; sys.exit(rc)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Machine:" in result.stdout
+
+
+@pytest.mark.slow
+def test_live_doctor_on_this_machine_exits_cleanly():
+    result = subprocess.run([sys.executable, "-m", "hf_gpu_train", "doctor", "--json"], capture_output=True, text=True, timeout=120)
+    report = json.loads(result.stdout)
+    assert result.returncode == report["exit_code"]
+    assert report["checks"][0]["name"] == "driver"
