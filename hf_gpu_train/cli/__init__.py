@@ -11,7 +11,7 @@ import sys
 
 from ..errors import UsageError
 
-SUBCOMMANDS = ("detect", "doctor", "machines")
+SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,43 @@
+"""``hf-gpu-train check-config FILE.yaml``: lint an accelerate config against a machine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from .common import add_machine_argument, resolve_profile
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("check-config", help="check an accelerate config against this machine (or a snapshot)",
+                              description="Errors exit 1, a clean config exits 0, an unreadable file exits 2.")
+    p.add_argument("config_file")
+    add_machine_argument(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..launch.lint import ERROR, lint
+    from ..launch.render import env_path_for, parse_env
+
+    path = Path(args.config_file)
+    try:
+        config = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise UsageError(f"cannot read {path} as YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not an accelerate config (expected a mapping of keys)")
+    env_file = env_path_for(path)
+    env = parse_env(env_file.read_text()) if env_file.is_file() else {}
+    profile, _ = resolve_profile(args)
+    findings = lint(config, profile, env)
+    for f in findings:
+        print(f"{f.level}: {f.message}")
+    errors = sum(f.level == ERROR for f in findings)
+    print(f"{path}: {errors} error(s), {len(findings) - errors} warning(s) against {profile.display_name}")
+    return 1 if errors else 0

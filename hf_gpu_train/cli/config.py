@@ -1,0 +1,116 @@
+"""``hf-gpu-train config``: detected hardware -> accelerate YAML + .env + launch command, each value with its reason."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+from .common import add_machine_argument, resolve_profile
+
+
+def add_planner_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="NAME_OR_PATH", help="model to plan memory for: a local HF directory, a hub id, or a timm name")
+    p.add_argument("--params", type=float, help="parameter count instead of --model (e.g. 7e9)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (text models)")
+    p.add_argument("--image-size", type=int, default=224, help="image side in pixels (vision models)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw-8bit", "sgd", "adafactor"])
+    p.add_argument("--global-batch", type=int, default=32, help="target samples per optimizer step over all GPUs")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("config", help="write an accelerate config + .env for this machine (or a snapshot)",
+                              description="Plan a launch from detected hardware and write DIR/NAME.yaml (accelerate config) "
+                              "and DIR/NAME.env (environment for the training processes).")
+    add_machine_argument(p)
+    p.add_argument("--output", required=True, metavar="DIR/NAME", help="writes DIR/NAME.yaml and DIR/NAME.env")
+    p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3"])
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"])
+    p.add_argument("--gpus", default="all", help="all, a count (2), or NVML indices (0,3)")
+    p.add_argument("--num-processes", type=int, dest="cpu_processes", help="processes per machine on a machine without GPUs")
+    p.add_argument("--num-machines", type=int, default=1)
+    p.add_argument("--machine-rank", type=int, default=0)
+    p.add_argument("--main-process-ip")
+    p.add_argument("--main-process-port", type=int, default=29500)
+    p.add_argument("--rdzv-backend", default="static", choices=["static", "c10d"])
+    p.add_argument("--include-busy", action="store_true", help="use GPUs where other processes hold memory")
+    p.add_argument("--busy-threshold-gib", type=float, default=1.0, help="memory held by others that makes a GPU busy")
+    p.add_argument("--debug-nccl", action="store_true", help="add NCCL_DEBUG=INFO and friends to the environment")
+    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    p.add_argument("--script", default="scripts/finetune.py", help="training script named in the printed commands")
+    add_planner_arguments(p)
+    return p
+
+
+def model_spec_from_args(args: argparse.Namespace):
+    from ..launch.model_spec import ModelSpec, resolve_model
+
+    if args.model and args.params:
+        raise UsageError("give --model or --params, not both")
+    if args.model:
+        return resolve_model(args.model, args.image_size)
+    if args.params:
+        if args.params <= 0:
+            raise UsageError(f"--params {args.params}: must be positive")
+        return ModelSpec(name=f"{args.params:.3g} parameters", params=int(args.params))
+    return None
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..launch.plan import PlanOptions, make_plan
+    from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
+    from ..textfmt import table
+
+    profile, live = resolve_profile(args)
+    options = PlanOptions(
+        strategy=args.strategy, precision=args.precision, gpus=args.gpus, num_machines=args.num_machines,
+        machine_rank=args.machine_rank, main_process_ip=args.main_process_ip, main_process_port=args.main_process_port,
+        rdzv_backend=args.rdzv_backend, cpu_processes=args.cpu_processes, include_busy=args.include_busy,
+        busy_threshold_bytes=int(args.busy_threshold_gib * 2**30), debug_nccl=args.debug_nccl,
+        model=model_spec_from_args(args), seq_len=args.seq_len, image_size=args.image_size, optimizer=args.optimizer,
+        global_batch=args.global_batch,
+    )
+    plan = make_plan(profile, options)
+    out = Path(args.output)
+    yaml_path, env_path = out.with_name(out.name + ".yaml"), out.with_name(out.name + ".env")
+    existing = [p for p in (yaml_path, env_path) if p.exists()]
+    if existing and not args.force:
+        raise UsageError(f"{', '.join(map(str, existing))} already exist(s): pass --force to overwrite, or another --output")
+    command = "hf-gpu-train " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["config"] else f"hf-gpu-train config --output {out}"
+    yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    yaml_path.write_text(render_yaml(plan, command))
+    env_path.write_text(render_env(plan))
+    written = [yaml_path, env_path]
+    if options.num_machines > 1:
+        sbatch = out.with_name(out.name + ".sbatch")
+        sbatch.write_text(render_sbatch(plan, yaml_path, args.script))
+        written.append(sbatch)
+    print(f"Plan for {plan.machine}: {plan.strategy}")
+    print(table([["Setting", "Value", "Reason"]] + [[s.key, s.value, s.reason] for s in plan.settings]))
+    if plan.memory:
+        m = plan.memory
+        print(f"\nMemory per GPU ({m.strategy}, micro-batch {m.micro_batch}): "
+              + ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in m.breakdown.rows() if value)
+              + f"; total {m.breakdown.total / 2**30:.2f} of {m.gpu_memory_bytes / 2**30:.1f} GiB")
+    if live and options.machine_rank == 0 and options.num_machines > 1 and port_in_use(options.main_process_port):
+        print(f"\nwarning: port {options.main_process_port} is in use on this machine: pick another --main-process-port")
+    print("\nWrote " + ", ".join(map(str, written)))
+    print(f"\nLaunch:\n  {launch_command(yaml_path, args.script)}")
+    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script)}")
+    print(f"or with torchrun:\n  {torchrun_command(plan, args.script)}")
+    if options.num_machines > 1:
+        print(f"On SLURM: sbatch {written[-1]}  (one task per node, c10d rendezvous)")
+    return 0

@@ -1,0 +1,205 @@
+"""The memory planner: will it fit, with which micro-batch, accumulation and strategy?
+
+Per GPU, for DDP, FSDP and DeepSpeed ZeRO-2/3: weights, gradients, optimizer states, fp32 master
+weights under mixed precision, activations from the model's shape, the CUDA context and a headroom.
+Unlike ``accelerate estimate-memory`` (batch size 1, no activations: accelerate #2512, #2910) it
+counts activations, so it can pick a batch size.
+
+Sources for the formulas:
+- bytes per parameter of mixed-precision Adam training (16 with torch AMP: fp32 weights, fp32 grads,
+  two fp32 moments; ZeRO paper, Rajbhandari et al. 2020, section 3);
+- activations per transformer layer: 34·s·h bytes per sample in 16-bit with fused attention
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1 without the 5·a·s² attention
+  scores that SDPA/flash kernels do not store; +5·a·s²·... with eager attention);
+- checkpointing keeps each layer's input (2·s·h bytes) and one layer's activations at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .model_spec import ModelSpec
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces: 300-800 MiB in practice
+HEADROOM_FRACTION = 0.08  # allocator fragmentation and transient buffers
+
+OPTIMIZER_BYTES_PER_PARAM = {
+    "adamw": 8.0,  # two fp32 moments
+    "adamw-8bit": 2.0,  # bitsandbytes: two 8-bit moments (+ small quantization state)
+    "sgd": 4.0,  # momentum buffer
+    "adafactor": 0.05,  # factored second moment (rows + columns), no momentum: ~1% of AdamW
+}
+STRATEGIES = ("ddp", "fsdp-shard-grad-op", "fsdp", "deepspeed-zero2", "deepspeed-zero3",
+              "fsdp-offload", "deepspeed-zero2-offload", "deepspeed-zero3-offload")
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    micro_batch: int = 1
+    seq_len: int = 512
+    image_size: int = 224
+    precision: str = "bf16"  # bf16 | fp16 | fp32
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    num_gpus: int = 1
+    attention: str = "sdpa"  # sdpa | eager
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    strategy: str
+    weights: float
+    gradients: float
+    optimizer: float
+    master_weights: float
+    comm_buffers: float
+    gathered_params: float
+    activations: float
+    context: float
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.master_weights + self.comm_buffers
+                + self.gathered_params + self.activations + self.context)
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer),
+                ("fp32 master weights", self.master_weights), ("communication buffers", self.comm_buffers),
+                ("gathered parameters", self.gathered_params), ("activations", self.activations),
+                ("CUDA context", self.context)]
+
+
+def activation_bytes(spec: ModelSpec, shape: TrainingShape) -> float:
+    """Activation memory of one micro-batch."""
+    half = shape.precision in ("bf16", "fp16")
+    if spec.activation_bytes_per_sample_fp32:  # measured (vision): autocast keeps most in 16-bit
+        per_sample = spec.activation_bytes_per_sample_fp32 * (0.55 if half else 1.0)
+        if shape.gradient_checkpointing:
+            per_sample *= 0.25  # block inputs only, plus one block being recomputed
+        return per_sample * shape.micro_batch
+    if not spec.is_transformer_shaped:
+        return 0.0
+    s, h, L, a, b = shape.seq_len, spec.hidden_size, spec.num_layers, spec.num_heads, shape.micro_batch
+    scale = 1.0 if half else 2.0  # the formula counts 16-bit tensors
+    per_layer = s * h * 34 + (5 * a * s * s if shape.attention == "eager" else 0)
+    if shape.gradient_checkpointing:
+        per_sample = (2 * s * h * L + per_layer) * scale
+    else:
+        per_sample = per_layer * L * scale
+    if spec.causal_lm and spec.vocab_size:
+        per_sample += 12 * s * spec.vocab_size  # fp32 logits, their gradient and the softmax
+    return per_sample * b
+
+
+def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBreakdown:
+    """Bytes per GPU for one strategy."""
+    P, N = float(spec.params), max(1, shape.num_gpus)
+    half = shape.precision in ("bf16", "fp16")
+    w = 2.0 if half else 4.0
+    opt = OPTIMIZER_BYTES_PER_PARAM[shape.optimizer]
+    layer = float(spec.largest_layer_params or P / max(1, spec.num_layers or 12))
+    acts = activation_bytes(spec, shape)
+    offload = strategy.endswith("-offload")
+    base = strategy.removesuffix("-offload")
+    zero = dict(weights=0.0, gradients=0.0, optimizer=0.0, master_weights=0.0, comm_buffers=0.0, gathered_params=0.0)
+    if base in ("ddp", "single"):
+        # torch AMP keeps fp32 weights and grads; DDP's reducer keeps gradient buckets beside them
+        parts = dict(zero, weights=4 * P, gradients=4 * P, optimizer=opt * P, comm_buffers=4 * P if base == "ddp" and N > 1 else 0.0)
+    elif base == "fsdp-shard-grad-op":
+        parts = dict(zero, weights=4 * P / N + w * P, gradients=4 * P / N, optimizer=opt * P / N, gathered_params=0.0)
+    elif base == "fsdp":
+        parts = dict(zero, weights=4 * P / N, gradients=4 * P / N, optimizer=0.0 if offload else opt * P / N,
+                     gathered_params=2 * layer * (w + 4))  # current + prefetched unit, params and their grads
+        if offload:
+            parts.update(weights=0.0, gradients=0.0)
+    elif base == "deepspeed-zero2":
+        master = 4 * P / N if half else 0.0
+        parts = dict(zero, weights=w * P, gradients=w * P / N, optimizer=0.0 if offload else opt * P / N,
+                     master_weights=0.0 if offload else master, comm_buffers=2 * w * min(P, 5e8) / 4)
+    elif base == "deepspeed-zero3":
+        master = 4 * P / N if half else 0.0
+        parts = dict(zero, weights=0.0 if offload else w * P / N, gradients=w * P / N,
+                     optimizer=0.0 if offload else opt * P / N, master_weights=0.0 if offload else master,
+                     gathered_params=2 * layer * w)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+    return MemoryBreakdown(strategy=strategy, activations=acts, context=CUDA_CONTEXT_BYTES, **parts)
+
+
+def usable_bytes(gpu_memory_bytes: int) -> float:
+    return gpu_memory_bytes * (1 - HEADROOM_FRACTION)
+
+
+def largest_micro_batch(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory_bytes: int, limit: int = 4096) -> int:
+    """The largest micro-batch that fits (0: not even one sample)."""
+    budget = usable_bytes(gpu_memory_bytes)
+
+    def fits(b: int) -> bool:
+        return estimate(spec, replace(shape, micro_batch=b), strategy).total <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # largest lo that fits, smallest hi that does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    strategy: str
+    micro_batch: int
+    gradient_accumulation: int
+    gradient_checkpointing: bool
+    effective_batch: int
+    breakdown: MemoryBreakdown
+    gpu_memory_bytes: int
+    reasons: tuple[str, ...] = ()
+    candidates: tuple[tuple[str, bool, int], ...] = field(default=())  # (strategy, checkpointing, max micro-batch)
+
+
+def plan_memory(
+    spec: ModelSpec,
+    gpu_memory_bytes: int,
+    world_size: int,
+    shape: TrainingShape,
+    target_global_batch: int,
+    strategies: tuple[str, ...] = ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload"),
+    min_micro_batch: int = 4,
+) -> MemoryPlan | None:
+    """The cheapest strategy (in the given order) that fits, the largest micro-batch up to what the
+    target global batch needs, and checkpointing only when it buys a useful micro-batch."""
+    if target_global_batch < 1:
+        raise ValueError("target_global_batch must be >= 1")
+    per_gpu_target = math.ceil(target_global_batch / world_size)
+    candidates = []
+    for strategy in strategies:
+        plain = largest_micro_batch(spec, replace(shape, gradient_checkpointing=False), strategy, gpu_memory_bytes)
+        candidates.append((strategy, False, plain))
+        checkpointing = False
+        best = plain
+        if plain < min(min_micro_batch, per_gpu_target):
+            ckpt = largest_micro_batch(spec, replace(shape, gradient_checkpointing=True), strategy, gpu_memory_bytes)
+            candidates.append((strategy, True, ckpt))
+            if ckpt > plain:
+                best, checkpointing = ckpt, True
+        if best == 0:
+            continue
+        accumulation = math.ceil(per_gpu_target / best)
+        micro = math.ceil(per_gpu_target / accumulation)
+        chosen = replace(shape, micro_batch=micro, gradient_checkpointing=checkpointing)
+        reasons = [f"{strategy}: up to micro-batch {best}" + (" with gradient checkpointing" if checkpointing else "")
+                   + f" fits in {gpu_memory_bytes / GIB:.1f} GiB"]
+        if strategy != strategies[0]:
+            reasons.append(f"cheaper strategies do not fit: {', '.join(s for s in strategies[:strategies.index(strategy)])}")
+        return MemoryPlan(strategy=strategy, micro_batch=micro, gradient_accumulation=accumulation,
+                          gradient_checkpointing=checkpointing, effective_batch=micro * accumulation * world_size,
+                          breakdown=estimate(spec, chosen, strategy), gpu_memory_bytes=gpu_memory_bytes,
+                          reasons=tuple(reasons), candidates=tuple(candidates))
+    return None

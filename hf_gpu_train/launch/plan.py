@@ -1,0 +1,236 @@
+"""Profile + options -> LaunchPlan: the accelerate config, the environment, each value with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..hardware.profile import GpuInfo, HardwareProfile
+from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, PlanError, decide_precision, nccl_environment, select_gpus
+from .memory import MemoryPlan, TrainingShape, plan_memory
+from .model_spec import ModelSpec
+
+STRATEGY_CHOICES = ("auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
+DEFAULT_PORT = 29500
+DEFAULT_GLOBAL_BATCH = 32
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    strategy: str = "auto"
+    precision: str = "auto"
+    gpus: str = "all"
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int = DEFAULT_PORT
+    rdzv_backend: str = "static"
+    cpu_processes: int | None = None
+    include_busy: bool = False
+    busy_threshold_bytes: int = DEFAULT_BUSY_THRESHOLD_BYTES
+    debug_nccl: bool = False
+    model: ModelSpec | None = None
+    seq_len: int = 512
+    image_size: int = 224
+    optimizer: str = "adamw"
+    global_batch: int = DEFAULT_GLOBAL_BATCH
+    fp8_backend_installed: bool | None = None
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: object
+    reason: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    machine: str
+    strategy: str
+    accelerate: dict
+    env: tuple[tuple[str, str, str], ...]
+    settings: tuple[Setting, ...]
+    gpus: tuple[GpuInfo, ...]
+    memory: MemoryPlan | None = None
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return {k: v for k, v, _ in self.env}
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.accelerate["num_processes"] // self.accelerate["num_machines"]
+
+
+def _validate(options: PlanOptions) -> None:
+    if options.strategy not in STRATEGY_CHOICES:
+        raise PlanError(f"--strategy {options.strategy!r} is not one of {', '.join(STRATEGY_CHOICES)}")
+    if options.num_machines < 1:
+        raise PlanError(f"--num-machines {options.num_machines}: at least 1")
+    if not 0 <= options.machine_rank < options.num_machines:
+        raise PlanError(f"--machine-rank {options.machine_rank}: must be in 0..{options.num_machines - 1} for {options.num_machines} machine(s)")
+    if options.num_machines > 1 and not options.main_process_ip:
+        raise PlanError("--num-machines > 1 needs --main-process-ip (the address of machine rank 0, reachable from every node)")
+    if not 1024 <= options.main_process_port <= 65535:
+        raise PlanError(f"--main-process-port {options.main_process_port}: use a port in 1024..65535 (default {DEFAULT_PORT})")
+    if options.rdzv_backend not in ("static", "c10d"):
+        raise PlanError(f"--rdzv-backend {options.rdzv_backend!r}: static or c10d")
+    if options.global_batch < 1:
+        raise PlanError(f"--global-batch {options.global_batch}: at least 1")
+    if options.cpu_processes is not None and options.cpu_processes < 1:
+        raise PlanError(f"--num-processes {options.cpu_processes}: at least 1")
+
+
+def _cpu_processes(profile: HardwareProfile, options: PlanOptions) -> tuple[int, str]:
+    if options.cpu_processes:
+        return options.cpu_processes, "CPU processes as asked"
+    cores = profile.host.physical_cores or profile.host.logical_cores or 1
+    count = 2 if cores >= 2 else 1
+    return count, f"{count} CPU process(es) on {cores} core(s); gloo DDP (raise with --num-processes)"
+
+
+def _memory_plan(profile, options, gpus, precision, world_size) -> tuple[MemoryPlan | None, str]:
+    """(memory plan, strategy) for the GPU case."""
+    multi = world_size > 1
+    if options.strategy == "single" or (options.strategy == "auto" and not multi):
+        candidates = ("single",)
+    elif options.strategy in ("auto", "fsdp"):
+        candidates = ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload") if options.strategy == "auto" else (
+            "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
+    elif options.strategy == "ddp":
+        candidates = ("ddp",)
+    else:
+        candidates = (options.strategy, options.strategy + "-offload")
+    if options.model is None:
+        return None, candidates[0]
+    shape = TrainingShape(seq_len=options.seq_len, image_size=options.image_size,
+                          precision={"no": "fp32", "fp8": "bf16"}.get(precision, precision),
+                          optimizer=options.optimizer, num_gpus=world_size)
+    memory = min(g.memory_total_bytes - (g.memory_used_bytes or 0) for g in gpus)
+    plan = plan_memory(options.model, memory, world_size, shape, options.global_batch, strategies=candidates)
+    if plan is None:
+        raise PlanError(
+            f"{options.model.name} ({options.model.params / 1e9:.2f}B parameters) does not fit in {memory / 2**30:.1f} GiB per GPU "
+            f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing: use more GPUs "
+            f"(--num-machines), a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
+            + ("" if options.strategy == "auto" else ", or --strategy auto"))
+    return plan, plan.strategy
+
+
+def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> LaunchPlan:
+    _validate(options)
+    settings: list[Setting] = []
+    warnings: list[str] = []
+    gpus, gpu_reasons = select_gpus(profile, options.gpus, options.include_busy, options.busy_threshold_bytes)
+    precision, precision_reason = decide_precision(gpus, options.precision, options.fp8_backend_installed)
+    env = list(nccl_environment(profile, gpus, options.num_machines, options.debug_nccl))
+    acc: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
+
+    if not gpus:
+        per_machine, why = _cpu_processes(profile, options)
+        strategy = "cpu-ddp" if per_machine * options.num_machines > 1 else "cpu"
+        if options.strategy not in ("auto", "ddp", "single"):
+            raise PlanError(f"--strategy {options.strategy} needs GPUs; this machine has none: use --strategy auto")
+        # accelerate's MULTI_CPU path starts one process without mpirun, and a MULTI_GPU config on a
+        # machine without CUDA starts N processes that each think they are alone. MULTI_GPU plus
+        # ACCELERATE_USE_CPU=1 in the environment gives real gloo DDP (ARCHITECTURE.md, CPU traps).
+        acc.update(distributed_type="MULTI_GPU" if strategy == "cpu-ddp" else "NO", use_cpu=True)
+        settings.append(Setting("distributed_type", acc["distributed_type"],
+                                "gloo DDP on the CPU through the MULTI_GPU launcher + ACCELERATE_USE_CPU=1 "
+                                "(accelerate's MULTI_CPU path would start one process without mpirun)"
+                                if strategy == "cpu-ddp" else "one CPU process"))
+        env.append(("ACCELERATE_USE_CPU", "1", "without it a MULTI_GPU config on a CPU machine starts independent processes"))
+        threads = max(1, (profile.host.physical_cores or 1) // per_machine)
+        env.append(("OMP_NUM_THREADS", str(threads), f"{profile.host.physical_cores or 1} physical core(s) / {per_machine} process(es)"))
+        memory = None
+        settings.append(Setting("num_processes", per_machine * options.num_machines, why))
+        gpu_ids = None
+    else:
+        per_machine = len(gpus)
+        world = per_machine * options.num_machines
+        memory, strategy = _memory_plan(profile, options, gpus, precision, world)
+        gpu_ids = ",".join(str(g.index) for g in gpus)
+        acc["use_cpu"] = False
+        settings.append(Setting("gpu_ids", gpu_ids, "; ".join(gpu_reasons)))
+        settings.append(Setting("num_processes", world, f"{per_machine} GPU(s) x {options.num_machines} machine(s): the total over all machines"))
+        _strategy_settings(acc, settings, strategy, memory, options, per_machine)
+        threads = max(1, (profile.host.physical_cores or per_machine) // per_machine)
+        env.append(("OMP_NUM_THREADS", str(threads), f"{profile.host.physical_cores} physical cores / {per_machine} process(es); "
+                    "torchrun would set 1"))
+        numa = {g.numa_node for g in gpus}
+        if len(numa) > 1 and None not in numa:
+            acc["enable_cpu_affinity"] = True
+            settings.append(Setting("enable_cpu_affinity", True, f"GPUs span NUMA nodes {sorted(numa)}: pin each process near its GPU"))
+
+    acc.update(mixed_precision=precision, num_processes=per_machine * options.num_machines, num_machines=options.num_machines,
+               machine_rank=options.machine_rank, main_training_function="main", rdzv_backend=options.rdzv_backend,
+               same_network=True)
+    acc.setdefault("distributed_type", "NO")
+    if gpu_ids is not None:
+        acc["gpu_ids"] = gpu_ids
+    settings.insert(0, Setting("mixed_precision", precision, precision_reason))
+    if options.num_machines > 1:
+        acc.update(main_process_ip=options.main_process_ip, main_process_port=options.main_process_port)
+        settings.append(Setting("num_machines", options.num_machines, f"this is machine_rank {options.machine_rank}; "
+                                "every node gets its own file with its rank"))
+        settings.append(Setting("main_process", f"{options.main_process_ip}:{options.main_process_port}",
+                                "rank 0's address; static rendezvous on one network (same_network: true)"
+                                if options.rdzv_backend == "static" else "c10d rendezvous endpoint"))
+    elif options.main_process_port != DEFAULT_PORT:
+        acc["main_process_port"] = options.main_process_port
+    for key, value, reason in env:
+        settings.append(Setting(key, value, reason))
+    return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
+                      settings=tuple(settings), gpus=gpus, memory=memory, warnings=tuple(warnings))
+
+
+def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:
+    world = per_machine * options.num_machines
+    why = "; ".join(memory.reasons) if memory else ("one GPU: no distribution" if world == 1 else
+                                                    "no --model given: DDP assumed to fit (pass --model for a memory check)")
+    base = strategy.removesuffix("-offload")
+    offload = strategy.endswith("-offload")
+    if base == "single":
+        acc["distributed_type"] = "NO"
+        settings.append(Setting("distributed_type", "NO", why))
+    elif base == "ddp":
+        acc["distributed_type"] = "MULTI_GPU"
+        settings.append(Setting("distributed_type", "MULTI_GPU", "DDP with NCCL: " + why))
+    elif base.startswith("fsdp"):
+        acc["distributed_type"] = "FSDP"
+        layer = options.model.layer_class if options.model else None
+        cfg = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": base == "fsdp",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": offload,
+            "fsdp_activation_checkpointing": bool(memory and memory.gradient_checkpointing),
+        }
+        if layer:
+            cfg["fsdp_transformer_layer_cls_to_wrap"] = layer
+        acc["fsdp_config"] = cfg
+        mode = "parameters resharded after forward (ZeRO-3-like)" if base == "fsdp" else "parameters kept between forward and backward (ZeRO-2-like, less traffic)"
+        settings.append(Setting("distributed_type", "FSDP", f"FSDP2, {mode}" + (", parameters offloaded to CPU (last resort)" if offload else "") + ": " + why))
+    else:
+        stage = 3 if base == "deepspeed-zero3" else 2
+        acc["distributed_type"] = "DEEPSPEED"
+        acc["deepspeed_config"] = {
+            "zero_stage": stage,
+            "offload_optimizer_device": "cpu" if offload else "none",
+            "offload_param_device": "cpu" if offload and stage == 3 else "none",
+            "gradient_accumulation_steps": memory.gradient_accumulation if memory else 1,
+            "gradient_clipping": 1.0,
+            "zero3_init_flag": stage == 3,
+            **({"zero3_save_16bit_model": True} if stage == 3 else {}),
+        }
+        settings.append(Setting("distributed_type", "DEEPSPEED", f"ZeRO-{stage}" + (" with CPU offload (last resort)" if offload else "") + ": " + why))
+    if memory:
+        settings.append(Setting("per_device_train_batch_size", memory.micro_batch,
+                                f"largest micro-batch the planner fits is enough for the global batch {options.global_batch}"))
+        settings.append(Setting("gradient_accumulation_steps", memory.gradient_accumulation,
+                                f"{memory.micro_batch} x {memory.gradient_accumulation} x {world} GPU(s) = {memory.effective_batch}"))
+        settings.append(Setting("gradient_checkpointing", memory.gradient_checkpointing,
+                                "needed for a useful micro-batch" if memory.gradient_checkpointing else "not needed: activations fit"))
