@@ -14,14 +14,13 @@ NVSwitch), A100 PCIe NVLink-bridge guide (NV12 per bridged pair), GeForce RTX 30
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.hardware import snapshot  # noqa: E402
-from hf_gpu_train.hardware.profile import cpulist, GpuInfo, GpuPair, GpuProcess, HardwareProfile, HostInfo  # noqa: E402
+from hf_gpu_train.hardware.profile import GpuInfo, GpuPair, GpuProcess, HardwareProfile, HostInfo, cpulist  # noqa: E402
 
 MIB = 2**20
 GIB = 2**30

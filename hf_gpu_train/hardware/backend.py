@@ -8,7 +8,8 @@ generated exception classes, so no caller ever needs pynvml to handle an error.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .backend import (
     DRIVER_MISMATCH,
@@ -45,7 +46,7 @@ def _translating(method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn any pynvml.NVMLError raised by ``method`` into an ``NvmlFailure``."""
 
     @functools.wraps(method)
-    def wrapper(self: "PynvmlBackend", *args: Any) -> Any:
+    def wrapper(self: PynvmlBackend, *args: Any) -> Any:
         try:
             return method(self, *args)
         except self._pynvml.NVMLError as error:

@@ -45,7 +45,7 @@ P2P_STATUS_NAMES = {
 }
 
 
-def cpulist(cpus: "list[int] | tuple[int, ...]") -> str:
+def cpulist(cpus: list[int] | tuple[int, ...]) -> str:
     """CPU ids in Linux cpulist notation: [0, 1, 2, 5] -> "0-2,5"."""
     ranges: list[str] = []
     ids = sorted(set(cpus))
@@ -138,7 +138,7 @@ class GpuInfo:
 
     @property
     def capability_str(self) -> str:
-        return "?" if self.compute_capability is None else "%d.%d" % self.compute_capability
+        return "?" if self.compute_capability is None else f"{self.compute_capability[0]}.{self.compute_capability[1]}"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import json
 import re
 import types
 import typing
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ def reference_machine_names() -> list[str]:
     return sorted(p.stem for p in MACHINES_DIR.glob("*.json"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_reference(name: str) -> HardwareProfile:
     return load(MACHINES_DIR / f"{name}.json")
 

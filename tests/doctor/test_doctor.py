@@ -3,7 +3,7 @@ from dataclasses import replace
 import pytest
 
 from hf_gpu_train.doctor import FAIL, PASS, SKIP, WARN, exit_code, run_checks
-from hf_gpu_train.doctor.gpu_checks import check_driver, check_idle_throttling, check_mig, check_other_processes
+from hf_gpu_train.doctor.gpu_checks import check_idle_throttling, check_mig, check_other_processes
 from hf_gpu_train.doctor.host_checks import check_disk, check_shm
 from hf_gpu_train.doctor.live_checks import ProbeResult, p2p_copy_checks, small_win_checks
 from hf_gpu_train.doctor.stack_checks import check_cuda_compat, check_cudnn_nccl, check_torch, torch_install_command

@@ -2,7 +2,14 @@
 
 import pytest
 
-from hf_gpu_train.launch.memory import CUDA_CONTEXT_BYTES, TrainingShape, activation_bytes, estimate, largest_micro_batch, plan_memory
+from hf_gpu_train.launch.memory import (
+    CUDA_CONTEXT_BYTES,
+    TrainingShape,
+    activation_bytes,
+    estimate,
+    largest_micro_batch,
+    plan_memory,
+)
 from hf_gpu_train.launch.model_spec import ModelSpec
 from hf_gpu_train.launch.plan import PlanOptions, make_plan
 
