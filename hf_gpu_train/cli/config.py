@@ -35,6 +35,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--machine-rank", type=int, default=0)
     p.add_argument("--main-process-ip")
     p.add_argument("--main-process-port", type=int, default=29500)
+    p.add_argument("--node-machines", default="", metavar="FILE_OR_NAME,...",
+                   help="snapshots of the other nodes (multi-node): checked to bring the same GPUs as this one")
     p.add_argument("--rdzv-backend", default="static", choices=["static", "c10d"])
     p.add_argument("--include-busy", action="store_true", help="use GPUs where other processes hold memory")
     p.add_argument("--busy-threshold-gib", type=float, default=1.0, help="memory held by others that makes a GPU busy")
@@ -70,6 +72,7 @@ def port_in_use(port: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..hardware.snapshot import load_machine
     from ..launch.plan import PlanOptions, make_plan
     from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
     from ..textfmt import table
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         busy_threshold_bytes=int(args.busy_threshold_gib * 2**30), debug_nccl=args.debug_nccl,
         model=model_spec_from_args(args), seq_len=args.seq_len, image_size=args.image_size, optimizer=args.optimizer,
         global_batch=args.global_batch,
+        other_nodes=tuple(load_machine(n) for n in args.node_machines.split(",") if n.strip()),
     )
     plan = make_plan(profile, options)
     out = Path(args.output)

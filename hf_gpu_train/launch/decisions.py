@@ -180,6 +180,25 @@ def _prefer_close(profile: HardwareProfile, usable: list[GpuInfo], count: int, r
     return usable[:count]
 
 
+def check_homogeneous(profile: HardwareProfile, gpus: tuple[GpuInfo, ...], other_nodes: tuple[HardwareProfile, ...],
+                      gpu_spec: str, include_busy: bool, busy_threshold_bytes: int) -> None:
+    """Every node must bring the same GPUs: accelerate starts num_processes // num_machines
+    processes on each node (accelerate #3894), so a smaller node over-subscribes, a mixed one is paced by the slowest."""
+    mine = sorted(g.name for g in gpus)
+    for node in other_nodes:
+        try:
+            theirs = sorted(g.name for g in select_gpus(node, gpu_spec, include_busy, busy_threshold_bytes)[0])
+        except PlanError as error:
+            raise PlanError(f"node {node.display_name}: {error}") from None
+        if theirs != mine:
+            def summary(names):
+                return ", ".join(f"{names.count(n)}x {n}" for n in sorted(set(names))) or "no GPU"
+
+            raise PlanError(f"nodes must be homogeneous: {node.display_name} has {summary(theirs)} usable where "
+                            f"{profile.display_name} has {summary(mine)}; accelerate starts the same number of processes "
+                            "on every node (num_processes // num_machines). Use --gpus to pick a common subset.")
+
+
 # -- NCCL --------------------------------------------------------------------------------------
 
 def nccl_environment(

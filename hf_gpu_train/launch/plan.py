@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..hardware.profile import GpuInfo, HardwareProfile
-from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, PlanError, decide_precision, nccl_environment, select_gpus
+from .decisions import (
+    DEFAULT_BUSY_THRESHOLD_BYTES,
+    PlanError,
+    check_homogeneous,
+    decide_precision,
+    nccl_environment,
+    select_gpus,
+)
 from .memory import MemoryPlan, TrainingShape, plan_memory
 from .model_spec import ModelSpec
 
@@ -34,6 +41,7 @@ class PlanOptions:
     optimizer: str = "adamw"
     global_batch: int = DEFAULT_GLOBAL_BATCH
     fp8_backend_installed: bool | None = None
+    other_nodes: tuple[HardwareProfile, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,8 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     settings: list[Setting] = []
     warnings: list[str] = []
     gpus, gpu_reasons = select_gpus(profile, options.gpus, options.include_busy, options.busy_threshold_bytes)
+    if options.other_nodes:
+        check_homogeneous(profile, gpus, options.other_nodes, options.gpus, options.include_busy, options.busy_threshold_bytes)
     precision, precision_reason = decide_precision(gpus, options.precision, options.fp8_backend_installed)
     env = list(nccl_environment(profile, gpus, options.num_machines, options.debug_nccl))
     acc: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}

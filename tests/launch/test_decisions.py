@@ -111,3 +111,10 @@ def test_cpu_plan_refuses_gpu_strategies(machine):
     with pytest.raises(PlanError, match="needs GPUs"):
         make_plan(machine("cpu-only"), PlanOptions(strategy="fsdp"))
     assert make_plan(machine("cpu-only"), PlanOptions(cpu_processes=1)).accelerate["distributed_type"] == "NO"
+
+
+def test_multi_node_needs_homogeneous_nodes(machine):
+    ok = make_plan(machine("8x-h100-sxm"), PlanOptions(num_machines=2, main_process_ip="n0", other_nodes=(machine("8x-h100-sxm"),)))
+    assert ok.accelerate["num_processes"] == 16
+    with pytest.raises(PlanError, match=r"nodes must be homogeneous: 8x-a100-sxm-80gb has 8x NVIDIA A100-SXM4-80GB"):
+        make_plan(machine("8x-h100-sxm"), PlanOptions(num_machines=2, main_process_ip="n0", other_nodes=(machine("8x-a100-sxm-80gb"),)))
