@@ -1,0 +1,199 @@
+"""``FinetuneConfig``: one dataclass, YAML file plus ``key=value`` overrides, defaults in one place.
+
+Unknown keys are errors naming the nearest valid key; every value is checked before a model is
+loaded; the resolved config is written into ``output_dir`` (``finetune_config.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import UsageError
+
+TASKS = ("text-classification", "image-classification")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+STRATEGIES = ("no", "steps", "epoch")
+
+
+class ConfigError(UsageError):
+    """A bad finetune config value: names the key, the value and the fix."""
+
+
+@dataclass
+class FinetuneConfig:
+    # what to train
+    task: str = "text-classification"
+    model: str = "builtin:minilm"  # local HF dir, hub id, timm name (timm/NAME), or builtin:minilm
+    pretrained_weights: str | None = None  # timm: a local .safetensors/.pth file with pretrained weights
+    # data
+    dataset: str | None = "builtin:text"  # builtin:text, builtin:digits, a hub id, a local dataset dir, or imagefolder:DIR
+    dataset_config: str | None = None
+    train_file: str | None = None
+    validation_file: str | None = None
+    train_split: str = "train"
+    validation_split: str | None = None  # None: "validation" or "test" if present, else carved
+    validation_fraction: float = 0.2
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    image_column: str = "image"
+    max_length: int = 128
+    image_size: int = 224
+    augmentation: dict[str, Any] = field(default_factory=dict)  # vision: timm create_transform kwargs for training
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    # schedule
+    output_dir: str = "outputs/run"
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 32
+    per_device_eval_batch_size: int | None = None
+    global_batch_size: int | None = None  # gradient accumulation is derived from it
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    lr_scheduler_type: str = "linear"
+    # speed and safety
+    precision: str = "auto"
+    gradient_checkpointing: bool = False
+    torch_compile: bool = False
+    dataloader_num_workers: int | str = "auto"
+    seed: int = 42
+    # evaluation, checkpoints, logging
+    eval_strategy: str = "epoch"
+    eval_steps: int | None = None
+    save_strategy: str = "epoch"
+    save_steps: int | None = None
+    save_total_limit: int | None = 2
+    logging_steps: int = 10
+    resume: str = "auto"  # auto | never | PATH to a checkpoint
+    report_to: str = "none"
+    allow_cpu: bool = False  # train on the CPU although a GPU is visible
+    telemetry: bool = True
+    oom_recovery: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # passed to TrainingArguments as they are
+
+    def validate(self) -> FinetuneConfig:
+        def bad(key: str, fix: str) -> ConfigError:
+            return ConfigError(f"{key}={getattr(self, key)!r}: {fix}")
+
+        if self.task not in TASKS:
+            raise bad("task", f"use one of {', '.join(TASKS)}")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"use one of {', '.join(PRECISIONS)}")
+        for key in ("per_device_train_batch_size", "max_length", "image_size", "logging_steps"):
+            if getattr(self, key) < 1:
+                raise bad(key, "must be at least 1")
+        if self.per_device_eval_batch_size is not None and self.per_device_eval_batch_size < 1:
+            raise bad("per_device_eval_batch_size", "must be at least 1")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise bad("global_batch_size", "must be at least 1 (or leave it out)")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise bad("max_steps", "use a positive number of steps, or -1 to train for num_train_epochs")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise bad("num_train_epochs", "must be positive (or set max_steps)")
+        if not 0 < self.validation_fraction < 1:
+            raise bad("validation_fraction", "must be between 0 and 1")
+        if self.learning_rate <= 0:
+            raise bad("learning_rate", "must be positive")
+        if not 0 <= self.warmup_ratio < 1:
+            raise bad("warmup_ratio", "must be in [0, 1)")
+        for key in ("eval_strategy", "save_strategy"):
+            if getattr(self, key) not in STRATEGIES:
+                raise bad(key, f"use one of {', '.join(STRATEGIES)}")
+        if self.save_strategy == "steps" and not self.save_steps:
+            raise bad("save_steps", "save_strategy=steps needs save_steps")
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            raise bad("eval_steps", "eval_strategy=steps needs eval_steps")
+        if isinstance(self.dataloader_num_workers, str) and self.dataloader_num_workers != "auto":
+            raise bad("dataloader_num_workers", "use auto or a number")
+        if isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers < 0:
+            raise bad("dataloader_num_workers", "must be >= 0")
+        if self.dataset is None and self.train_file is None:
+            raise ConfigError("no data: set dataset (e.g. builtin:text) or train_file")
+        if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
+            raise bad("resume", "use auto, never, or the path of a checkpoint directory that exists")
+        return self
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
+_HINTS = typing.get_type_hints(FinetuneConfig)
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(_FIELDS)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(key: str, raw: Any) -> Any:
+    """A YAML or command-line value converted to the field's type."""
+    kind = _HINTS[key]
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.lower() in ("none", "null", "~") and type(None) in typing.get_args(kind):
+            return None
+        raw = yaml.safe_load(text) if text else text
+        if raw is None:
+            raw = text
+    is_union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    options = [a for a in typing.get_args(kind) if a is not type(None)] if is_union else [kind]
+    for option in options:
+        if option is bool and isinstance(raw, bool):
+            return raw
+        if option is int and isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if option is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        if option is float and isinstance(raw, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+        if option is str and raw is not None and not isinstance(raw, (dict, list)):
+            return str(raw)
+        if typing.get_origin(option) is dict and isinstance(raw, dict):
+            return raw
+    raise ConfigError(f"{key}={raw!r}: expected {' or '.join(getattr(o, '__name__', str(o)) for o in options)}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> FinetuneConfig:
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist (see recipes/ for examples)") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold key: value pairs")
+        for key, raw in data.items():
+            if key not in _FIELDS:
+                raise _unknown(key)
+            values[key] = _coerce(key, raw)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep:
+            raise ConfigError(f"override {item!r}: write key=value (e.g. learning_rate=3e-5)")
+        if key not in _FIELDS:
+            raise _unknown(key)
+        values[key] = _coerce(key, raw)
+    return FinetuneConfig(**values).validate()
+
+
+def save_resolved(config: FinetuneConfig, output_dir: str | Path) -> Path:
+    path = Path(output_dir) / "finetune_config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# resolved hf_gpu_train finetune config of this run\n" + yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    return path

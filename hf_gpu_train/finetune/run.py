@@ -1,0 +1,136 @@
+"""``scripts/finetune.py``: config -> preflight -> data -> model -> Trainer -> train (resuming) -> evaluate.
+
+Exit 0 on success, 2 for a usage error (bad config, data or paths: one line naming the fix, nothing
+overwritten), anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import UsageError
+from .config import ConfigError, FinetuneConfig, load_config, save_resolved
+
+log = logging.getLogger("hf_gpu_train.finetune")
+
+
+def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="finetune.py",
+        description="Fine-tune a transformers or timm classifier. key=value overrides follow the YAML config.",
+        epilog="example: accelerate launch scripts/finetune.py --config recipes/minilm_text_demo.yaml learning_rate=3e-5",
+    )
+    parser.add_argument("--config", help="YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. num_train_epochs=1")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
+def _resume_point(cfg: FinetuneConfig, label_names: list[str]) -> str | None:
+    from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
+
+    out = Path(cfg.output_dir)
+    check_label_map(out, label_names, "output_dir")
+    if cfg.resume == "never":
+        if checkpoints(out):
+            raise ConfigError(f"output_dir={cfg.output_dir!r} holds checkpoints of an earlier run and resume=never: "
+                              "choose a new output_dir, or resume=auto to continue it (nothing was overwritten)")
+        return None
+    if cfg.resume == "auto":
+        found = last_complete_checkpoint(out)
+        return str(found) if found else None
+    check_label_map(cfg.resume, label_names, "checkpoint")
+    return cfg.resume
+
+
+def prepare(cfg: FinetuneConfig, runtime):
+    """(model, train, validation, collator, processing_class, label_names) for the task."""
+    from .data import load_classification_data
+
+    data = load_classification_data(cfg)
+    if cfg.task == "text-classification":
+        from .checkpoints import check_label_map
+        from .text import load_text_model, resolve_model_path, text_collator, tokenize
+
+        model_dir = Path(resolve_model_path(cfg.model))
+        if model_dir.is_dir():
+            check_label_map(model_dir, data.label_names, "model")  # warm start from one of our runs
+        model, tokenizer = load_text_model(cfg, data.label_names)
+        train, validation = tokenize(cfg, data, tokenizer)
+        return model, train, validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data
+    from .vision import attach_transforms, image_collator, load_vision_model
+
+    model = load_vision_model(cfg, data.label_names)
+    if runtime.on_cuda:
+        import torch
+
+        model = model.to(memory_format=torch.channels_last)
+    train, validation = attach_transforms(cfg, data, model)
+    return model, train, validation, image_collator(runtime.on_cuda), None, data
+
+
+def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
+    from .checkpoints import CompleteCheckpointMarker
+
+    return [CompleteCheckpointMarker(label_names)]
+
+
+def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dict:
+    from transformers import Trainer, set_seed
+
+    from .checkpoints import is_main_process, write_label_map
+    from .runtime import resolve_runtime
+    from .trainer_factory import build_trainer, gradient_accumulation
+
+    runtime = resolve_runtime(cfg)
+    set_seed(cfg.seed)
+    model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
+    resume = _resume_point(cfg, data.label_names)
+    if is_main_process():
+        save_resolved(cfg, cfg.output_dir)
+    write_label_map(cfg.output_dir, data.label_names)
+    accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
+    if cfg.global_batch_size and effective != cfg.global_batch_size:
+        log.warning("global_batch_size=%d is not a multiple of %d x %d process(es): effective batch %d",
+                    cfg.global_batch_size, cfg.per_device_train_batch_size, runtime.world_size, effective)
+    trainer = build_trainer(cfg, runtime, model, train, validation, collator, processing_class,
+                            callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
+                            trainer_class=trainer_class or Trainer)
+    if trainer.is_world_process_zero():
+        print(f"hf_gpu_train: {cfg.task}, {len(data.train)} train / {len(data.validation)} validation examples, "
+              f"{len(data.label_names)} classes; {'CUDA' if runtime.on_cuda else 'CPU'} x{runtime.world_size}, "
+              f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
+              f"x {runtime.world_size} = {effective}; workers {runtime.dataloader_workers}"
+              + (f"; resuming from {resume}" if resume else ""), flush=True)
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    train_seconds = time.perf_counter() - start
+    metrics = trainer.evaluate()
+    trainer.save_metrics("eval", metrics)
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
+                   "train_samples_per_second": result.metrics.get("train_samples_per_second"),
+                   **{k: metrics[k] for k in ("eval_accuracy", "eval_f1", "eval_loss") if k in metrics}}
+        (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        print("hf_gpu_train: " + json.dumps(summary), flush=True)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config_path, overrides = parse_args(argv)
+        cfg = load_config(config_path, overrides)
+        finetune(cfg)
+    except UsageError as error:
+        print(f"finetune: error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,57 @@
+"""Text classification: tokenizer, model and tokenized datasets, padded per batch (not to max_length)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .builtin import minilm_path
+from .config import ConfigError, FinetuneConfig
+from .data import ClassificationData
+
+
+def resolve_model_path(name: str) -> str:
+    if name == "builtin:minilm":
+        return minilm_path()
+    looks_local = name.startswith(("/", ".", "~")) or Path(name).suffix in (".json",) or name.count("/") > 1
+    if looks_local and not Path(name).expanduser().exists():
+        raise ConfigError(f"model={name!r} does not exist: give a local model directory (with config.json) or a hub id")
+    return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+
+
+def load_text_model(cfg: FinetuneConfig, label_names: list[str]):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = resolve_model_path(cfg.model)
+    id2label = dict(enumerate(label_names))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()},
+            ignore_mismatched_sizes=True,  # a fine-tuned head with other classes is replaced, after our label check
+        )
+    except OSError as error:
+        raise ConfigError(f"model={cfg.model!r}: cannot load ({str(error).splitlines()[0]})") from None
+    return model, tokenizer
+
+
+def tokenize(cfg: FinetuneConfig, data: ClassificationData, tokenizer):
+    columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
+
+    def encode(batch):
+        texts = [str(t) for t in batch[cfg.text_column]]
+        pairs = [str(t) for t in batch[cfg.text_pair_column]] if cfg.text_pair_column else None
+        return tokenizer(texts, pairs, truncation=True, max_length=cfg.max_length)
+
+    def apply(ds, split):
+        drop = [c for c in ds.column_names if c != "labels"]
+        return ds.map(encode, batched=True, remove_columns=drop, desc=f"tokenizing {split}")
+
+    del columns
+    return apply(data.train, "train"), apply(data.validation, "validation")
+
+
+def text_collator(tokenizer, on_cuda: bool):
+    from transformers import DataCollatorWithPadding
+
+    # dynamic padding to the longest in the batch; multiples of 8 feed tensor cores on the GPU
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if on_cuda else None)

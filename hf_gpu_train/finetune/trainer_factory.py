@@ -1,0 +1,83 @@
+"""The one place a Trainer is built: arguments from the config and the runtime, callbacks plugged in.
+
+Later features (telemetry callbacks, in-place OOM recovery) plug in here through ``callbacks`` and
+``trainer_class`` without touching task code.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import Trainer, TrainingArguments
+
+from .config import FinetuneConfig
+from .metrics import compute_classification_metrics, logits_to_class_ids
+from .runtime import Runtime
+
+
+def gradient_accumulation(cfg: FinetuneConfig, world_size: int) -> tuple[int, int]:
+    """(accumulation steps, effective global batch) from global_batch_size."""
+    per_step = cfg.per_device_train_batch_size * max(1, world_size)
+    if not cfg.global_batch_size:
+        return 1, per_step
+    steps = max(1, math.ceil(cfg.global_batch_size / per_step))
+    return steps, steps * per_step
+
+
+def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> TrainingArguments:
+    accumulation, _ = gradient_accumulation(cfg, runtime.world_size)
+    ampere = bool(runtime.gpus) and all(g.bf16_supported for g in runtime.gpus)
+    kwargs = dict(
+        output_dir=cfg.output_dir,
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        per_device_eval_batch_size=cfg.per_device_eval_batch_size or cfg.per_device_train_batch_size * 2,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float below 1 is a ratio of the training steps
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        bf16=runtime.precision == "bf16",
+        fp16=runtime.precision == "fp16",
+        tf32=True if ampere else None,
+        optim="adamw_torch_fused" if runtime.on_cuda else "adamw_torch",
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        torch_compile=cfg.torch_compile,
+        dataloader_num_workers=runtime.dataloader_workers,
+        dataloader_pin_memory=runtime.on_cuda,
+        dataloader_persistent_workers=runtime.on_cuda and runtime.dataloader_workers > 0,
+        eval_strategy=cfg.eval_strategy,
+        eval_steps=cfg.eval_steps,
+        eval_accumulation_steps=16,  # move gathered predictions to the CPU every 16 steps: bounded GPU memory
+        save_strategy=cfg.save_strategy,
+        save_steps=cfg.save_steps or 500,
+        save_total_limit=cfg.save_total_limit,
+        logging_steps=cfg.logging_steps,
+        report_to=cfg.report_to,
+        seed=cfg.seed,
+        use_cpu=not runtime.on_cuda,
+        remove_unused_columns=False,
+        label_names=["labels"],
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+    )
+    if task == "text-classification":
+        kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
+    kwargs.update(cfg.extra)
+    return TrainingArguments(**kwargs)
+
+
+def build_trainer(cfg, runtime, model, train, validation, collator, processing_class=None, callbacks=(), trainer_class=Trainer):
+    args = training_arguments(cfg, runtime, cfg.task)
+    return trainer_class(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=validation,
+        data_collator=collator,
+        processing_class=processing_class,
+        compute_metrics=compute_classification_metrics,
+        preprocess_logits_for_metrics=logits_to_class_ids,
+        callbacks=list(callbacks),
+    )

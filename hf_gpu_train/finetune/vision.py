@@ -1,0 +1,90 @@
+"""Image classification with timm: the model (classifier reset to the dataset's classes), timm's
+data config and transforms, and a Trainer-friendly wrapper that returns the loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ConfigError, FinetuneConfig
+from .data import ClassificationData
+
+
+class TimmClassifier(nn.Module):
+    """``forward(pixel_values, labels)`` -> {"loss", "logits"}, as the Trainer expects."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.supports_gradient_checkpointing = hasattr(model, "set_grad_checkpointing")
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.model(pixel_values)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        if not self.supports_gradient_checkpointing:
+            raise ConfigError(f"gradient_checkpointing=true: timm model {type(self.model).__name__} does not support it")
+        self.model.set_grad_checkpointing(True)
+
+
+def timm_name(model: str) -> str:
+    return model.split("/", 1)[1] if model.startswith("timm/") else model
+
+
+def load_vision_model(cfg: FinetuneConfig, label_names: list[str]):
+    import timm
+
+    name = timm_name(cfg.model)
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:5]
+        raise ConfigError(f"model={cfg.model!r} is not a timm model" + (f"; similar: {close}" if close else ""))
+    kwargs = {}
+    if cfg.pretrained_weights:
+        weights = Path(cfg.pretrained_weights).expanduser()
+        if not weights.is_file():
+            raise ConfigError(f"pretrained_weights={cfg.pretrained_weights!r} does not exist")
+        kwargs = {"pretrained": True, "pretrained_cfg_overlay": {"file": str(weights)}}
+    model = timm.create_model(name, num_classes=len(label_names), **kwargs)  # classifier reset when the count differs
+    return TimmClassifier(model)
+
+
+def attach_transforms(cfg: FinetuneConfig, data: ClassificationData, model: TimmClassifier):
+    """timm's data config (mean, std, interpolation) at cfg.image_size; train-time augmentation."""
+    import timm.data
+
+    config = timm.data.resolve_data_config({"input_size": (3, cfg.image_size, cfg.image_size)}, model=model.model)
+    augmentation = dict(cfg.augmentation)
+    if "scale" in augmentation:
+        augmentation["scale"] = tuple(augmentation["scale"])
+    try:
+        train_tf = timm.data.create_transform(**config, is_training=True, **augmentation)
+    except TypeError as error:
+        raise ConfigError(f"augmentation={cfg.augmentation!r}: {error} (keys of timm.data.create_transform)") from None
+    eval_tf = timm.data.create_transform(**config, is_training=False)
+    column = cfg.image_column
+
+    def make(transform):
+        def apply(batch):
+            return {"pixel_values": [transform(img.convert("RGB")) for img in batch[column]], "labels": batch["labels"]}
+
+        return apply
+
+    train = data.train.with_transform(make(train_tf))
+    validation = data.validation.with_transform(make(eval_tf))
+    return train, validation
+
+
+def image_collator(on_cuda: bool):
+    def collate(items):
+        pixels = torch.stack([item["pixel_values"] for item in items])
+        if on_cuda:
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return {"pixel_values": pixels, "labels": torch.tensor([item["labels"] for item in items])}
+
+    return collate

@@ -1,0 +1,18 @@
+"""Fine-tune a classifier with the Hugging Face Trainer: timm or transformers, one CPU to many GPUs.
+
+    python scripts/finetune.py                                   # MiniLM on the built-in text set
+    accelerate launch scripts/finetune.py --config recipes/minilm_text_demo.yaml learning_rate=3e-5
+    hf-gpu-train launch --config-file launch_configs/box.yaml scripts/finetune.py --config recipes/R.yaml
+
+The logic lives in hf_gpu_train.finetune; this file stays thin.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_gpu_train.finetune.run import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
