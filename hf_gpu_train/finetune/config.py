@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,21 @@ from ..errors import UsageError
 TASKS = ("text-classification", "image-classification")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("no", "steps", "epoch")
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML with only true/false as booleans: ``eval_strategy: no`` means "no", not False (YAML 1.1)."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(UsageError):
@@ -137,15 +153,19 @@ def _unknown(key: str) -> ConfigError:
 def _coerce(key: str, raw: Any) -> Any:
     """A YAML or command-line value converted to the field's type."""
     kind = _HINTS[key]
-    if isinstance(raw, str):
-        text = raw.strip()
-        if text.lower() in ("none", "null", "~") and type(None) in typing.get_args(kind):
-            return None
-        raw = yaml.safe_load(text) if text else text
-        if raw is None:
-            raw = text
     is_union = typing.get_origin(kind) in (typing.Union, types.UnionType)
     options = [a for a in typing.get_args(kind) if a is not type(None)] if is_union else [kind]
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.lower() in ("none", "null", "~") and is_union and type(None) in typing.get_args(kind):
+            return None
+        if str in options and not any(o in (int, float, bool) for o in options):
+            return text
+        try:
+            parsed = _yaml(text) if text else text
+        except yaml.YAMLError:
+            parsed = text
+        raw = text if parsed is None else parsed
     for option in options:
         if option is bool and isinstance(raw, bool):
             return raw
@@ -170,7 +190,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _yaml(path.read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist (see recipes/ for examples)") from None
         except yaml.YAMLError as error:

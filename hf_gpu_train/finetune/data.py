@@ -102,14 +102,15 @@ def _check_columns(ds, cfg: FinetuneConfig, split: str) -> None:
         raise ConfigError(f"the {split} split is empty")
 
 
-def _label_names(train, validation, column: str) -> list[str]:
+def _label_names(train, column: str) -> list[str]:
     from datasets import ClassLabel
 
     feature = train.features[column]
     if isinstance(feature, ClassLabel):
         return list(feature.names)
-    values = set(train.unique(column)) | (set(validation.unique(column)) if validation is not None else set())
-    values.discard(None)
+    values = set(train.unique(column))  # the classes are what training sees; validation must stay within them
+    if None in values:
+        raise ConfigError(f"label_column={column!r} has empty values in the train split: fill or drop those rows")
     if any(isinstance(v, float) and not float(v).is_integer() for v in values):
         raise ConfigError(f"label_column={column!r} holds non-integer numbers {sorted(values)[:5]}: classification needs classes")
     ints = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
@@ -163,7 +164,7 @@ def load_classification_data(cfg: FinetuneConfig) -> ClassificationData:
     _check_columns(train, cfg, "train")
     if validation is not None:
         _check_columns(validation, cfg, "validation")
-    names = _label_names(train, validation, cfg.label_column)
+    names = _label_names(train, cfg.label_column)
     if len(names) < 2:
         raise ConfigError(f"label_column={cfg.label_column!r} has a single class {names}: classification needs at least two")
     train = _encode_labels(train, cfg.label_column, names, "train")

@@ -42,7 +42,7 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> Trai
         fp16=runtime.precision == "fp16",
         tf32=True if ampere else None,
         optim="adamw_torch_fused" if runtime.on_cuda else "adamw_torch",
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5 name of gradient_checkpointing
         torch_compile=cfg.torch_compile,
         dataloader_num_workers=runtime.dataloader_workers,
         dataloader_pin_memory=runtime.on_cuda,

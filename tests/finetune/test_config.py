@@ -1,0 +1,69 @@
+import pytest
+import yaml
+
+from hf_gpu_train.finetune.config import ConfigError, FinetuneConfig, load_config, save_resolved
+
+
+def test_defaults_live_in_one_place_and_validate():
+    cfg = load_config()
+    assert cfg == FinetuneConfig().validate()
+    assert cfg.model == "builtin:minilm" and cfg.dataset == "builtin:text"
+
+
+def test_yaml_plus_overrides_with_types(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: image-classification\nmodel: timm/test_resnet\nlearning_rate: 1e-3\nimage_size: 64\n")
+    cfg = load_config(recipe, ["learning_rate=3e-5", "gradient_checkpointing=true", "max_train_samples=100",
+                               "validation_split=none", "augmentation={hflip: 0.0}", "dataloader_num_workers=2"])
+    assert cfg.task == "image-classification" and cfg.image_size == 64
+    assert cfg.learning_rate == 3e-5 and cfg.gradient_checkpointing is True and cfg.max_train_samples == 100
+    assert cfg.validation_split is None and cfg.augmentation == {"hflip": 0.0} and cfg.dataloader_num_workers == 2
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["learning_rat=1e-4"], "unknown config key 'learning_rat'; did you mean 'learning_rate'"),
+    (["per_device_train_batch_size=0"], "per_device_train_batch_size=0: must be at least 1"),
+    (["task=translation"], "task='translation': use one of text-classification, image-classification"),
+    (["precision=int4"], "precision='int4'"),
+    (["num_train_epochs=abc"], "expected float"),
+    (["learning_rate"], "write key=value"),
+    (["save_strategy=steps"], "save_strategy=steps needs save_steps"),
+    (["resume=/no/such/checkpoint"], "resume="),
+    (["max_steps=0"], "max_steps=0"),
+])
+def test_bad_values_name_the_key_and_the_fix(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_config(None, overrides)
+
+
+def test_unknown_key_in_yaml_and_bad_files(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("modle: x\n")
+    with pytest.raises(ConfigError, match="did you mean 'model'"):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.yaml")
+    recipe.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="key: value"):
+        load_config(recipe)
+
+
+def test_resolved_config_is_saved(tmp_path):
+    cfg = load_config(None, ["learning_rate=1e-4"])
+    path = save_resolved(cfg, tmp_path)
+    assert yaml.safe_load(path.read_text())["learning_rate"] == 1e-4
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_recipe_loads_and_names_its_command(path):
+    assert path.read_text().startswith("# ") and "finetune.py" in path.read_text().splitlines()[0]
+    load_config(path)
+
+
+def test_yaml_no_stays_a_word(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("eval_strategy: no\nsave_strategy: no\ntorch_compile: false\n")
+    cfg = load_config(recipe, ["gradient_checkpointing=true"])
+    assert cfg.eval_strategy == "no" and cfg.save_strategy == "no" and cfg.torch_compile is False
+    assert load_config(None, ["eval_strategy=no"]).eval_strategy == "no"

@@ -1,0 +1,144 @@
+"""End to end on the CPU: real models, real Trainer, 1 and 2 processes, resume after SIGKILL, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_gpu_train.finetune.run import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "scripts" / "finetune.py")
+pytestmark = pytest.mark.slow
+
+TEXT_SMALL = ["max_train_samples=96", "max_eval_samples=64", "max_length=32", "per_device_train_batch_size=16",
+              "num_train_epochs=1", "logging_steps=2", "telemetry=false"]
+VISION_SMALL = ["task=image-classification", "model=timm/test_resnet", "dataset=builtin:digits", "image_size=32",
+                "max_train_samples=128", "max_eval_samples=64", "per_device_train_batch_size=32", "num_train_epochs=1",
+                "learning_rate=1e-3", "telemetry=false"]
+
+
+def results(out: Path) -> dict:
+    return json.loads((out / "eval_results.json").read_text())
+
+
+def test_text_one_process(tmp_path, capsys):
+    out = tmp_path / "text"
+    assert main([*TEXT_SMALL, f"output_dir={out}"]) == 0
+    metrics = results(out)
+    assert 0 <= metrics["eval_accuracy"] <= 1 and 0 <= metrics["eval_f1"] <= 1
+    assert json.loads((out / "label_map.json").read_text()) == ["negative", "positive"]
+    assert (out / "finetune_config.yaml").is_file() and (out / "checkpoint-6" / "hf_gpu_train_complete.json").is_file()
+    assert '"eval_accuracy"' in capsys.readouterr().out
+
+
+def test_vision_one_process(tmp_path):
+    out = tmp_path / "vision"
+    assert main([*VISION_SMALL, f"output_dir={out}"]) == 0
+    assert set(results(out)) >= {"eval_accuracy", "eval_f1"}
+    assert json.loads((out / "label_map.json").read_text()) == [str(i) for i in range(10)]
+
+
+def launch_two_processes(tmp_path, args):
+    cfg = tmp_path / "cpu2"
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
+                           "--main-process-port", str(29600 + os.getpid() % 300), "--output", str(cfg)],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    return subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{cfg}.yaml", SCRIPT, *args],
+                          capture_output=True, text=True, timeout=420, cwd=ROOT)
+
+
+@pytest.mark.parametrize("task_args", [TEXT_SMALL, VISION_SMALL], ids=["text", "vision"])
+def test_two_ddp_processes_through_the_generated_cpu_config(tmp_path, task_args):
+    out = tmp_path / "ddp"
+    run = launch_two_processes(tmp_path, [*task_args, f"output_dir={out}"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "CPU x2" in run.stdout
+    summary = json.loads((out / "run_summary.json").read_text())
+    # 96 (or 128) samples / (batch x 2 processes): half the steps of one process
+    per_step = 16 * 2 if task_args is TEXT_SMALL else 32 * 2
+    expected = -(-(96 if task_args is TEXT_SMALL else 128) // per_step)
+    assert summary["global_step"] == expected
+    assert "eval_accuracy" in results(out)
+
+
+def test_resume_after_sigkill_finishes_with_the_same_step_count(tmp_path):
+    args = [*TEXT_SMALL, "max_train_samples=192", "num_train_epochs=2", "save_strategy=steps", "save_steps=4", "save_total_limit=3",
+            "eval_strategy=no"]
+    reference = tmp_path / "reference"
+    assert main([*args, f"output_dir={reference}"]) == 0
+    expected = json.loads((reference / "run_summary.json").read_text())["global_step"]
+    assert expected == 24
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, SCRIPT, *args, f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "checkpoint-4" / "hf_gpu_train_complete.json").is_file():
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-epoch"
+    assert not (out / "run_summary.json").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout
+    assert json.loads((out / "run_summary.json").read_text())["global_step"] == expected
+
+
+def snapshot_dir(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model=/no/such/model"], "does not exist"),
+    (["task=summarization"], "task='summarization'"),
+    (["dataset=none", "train_file=/no/such/file.csv"], "does not exist"),
+    (["label_column=sentiment"], "label_column='sentiment'"),
+    (["per_device_train_batch_size=0"], "must be at least 1"),
+    (["task=image-classification", "model=timm/not_a_model_xyz", "dataset=builtin:digits"], "not a timm model"),
+])
+def test_bad_input_exits_2_with_a_clear_error(tmp_path, capsys, args, message):
+    assert main([*args, f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_runs_checkpoints_with_different_labels_are_left_alone(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoint-10").mkdir(parents=True)
+    (out / "checkpoint-10" / "model.safetensors").write_bytes(b"weights of another run")
+    (out / "label_map.json").write_text(json.dumps(["cat", "dog"]))
+    before = snapshot_dir(out)
+    assert main([*TEXT_SMALL, f"output_dir={out}"]) == 2
+    assert "trained with labels ['cat', 'dog']" in capsys.readouterr().err
+    assert snapshot_dir(out) == before
+
+
+def test_resume_never_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    assert main([*TEXT_SMALL, f"output_dir={out}", "resume=never"]) == 2
+    assert "resume=never" in capsys.readouterr().err
+
+
+def test_unreadable_image_exits_2(tmp_path, capsys):
+    from PIL import Image
+
+    root = tmp_path / "imgs"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (8, 8)).save(root / label / f"{i}.png")
+    (root / "a" / "bad.jpg").write_bytes(b"\x00garbage")
+    assert main(["task=image-classification", "model=timm/test_resnet", f"dataset=imagefolder:{root}", f"output_dir={tmp_path / 'o'}"]) == 2
+    assert "bad.jpg" in capsys.readouterr().err
