@@ -4,7 +4,7 @@
 
 1. ``hf-gpu-train detect`` against ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``: every mismatch.
 2. ``hf-gpu-train doctor`` (live, with the small win on each GPU): every check.
-Later sections (fine-tune samples/s, telemetry, OOM recovery) are added by later issues.
+3. A 100-step fine-tune of the text recipe on each visible GPU (bf16 where supported), samples/s.
 Exit 0 when detection agrees with nvidia-smi and the doctor found no FAIL.
 """
 
@@ -58,8 +58,40 @@ def check_doctor() -> bool:
     return main(["doctor"]) == 0
 
 
+def check_finetune_per_gpu(steps: int = 100) -> bool:
+    """The MiniLM text recipe for ``steps`` steps on each GPU alone (CUDA_VISIBLE_DEVICES by bus id)."""
+    import json
+    import os
+    import tempfile
+
+    from hf_gpu_train.hardware.detect import detect
+
+    section(f"fine-tune, {steps} steps per GPU")
+    ok = True
+    root = Path(__file__).resolve().parents[1]
+    for gpu in detect().gpus:
+        precision = "bf16" if gpu.bf16_supported else "fp16"
+        with tempfile.TemporaryDirectory() as out:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu.uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+            cmd = [sys.executable, str(root / "scripts/finetune.py"), "--config", str(root / "recipes/minilm_text_demo.yaml"),
+                   f"max_steps={steps}", f"precision={precision}", f"output_dir={out}", "eval_strategy=no", "save_strategy=no",
+                   "per_device_train_batch_size=64"]
+            start = time.perf_counter()
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            wall = time.perf_counter() - start
+            if run.returncode != 0:
+                print(f"GPU{gpu.index} {gpu.name}: FAILED\n{run.stderr[-2000:]}")
+                ok = False
+                continue
+            summary = json.loads((Path(out) / "run_summary.json").read_text())
+            print(f"GPU{gpu.index} {gpu.name}: {precision}, {summary['global_step']} steps, "
+                  f"{summary['train_samples_per_second']:.1f} samples/s, accuracy {summary.get('eval_accuracy', float('nan')):.4f}, "
+                  f"wall {wall:.1f}s")
+    return ok
+
+
 def main() -> int:
-    results = {"detection": check_detection(), "doctor": check_doctor()}
+    results = {"detection": check_detection(), "doctor": check_doctor(), "finetune": check_finetune_per_gpu()}
     section("summary")
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")

@@ -1,0 +1,88 @@
+"""Pure bookkeeping between two log steps: step time and data wait from the loop's events, and
+mean/max of the sampler's readings. No torch, no threads: tested on synthetic timestamps."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .sampler import THROTTLE_REASONS, Sample
+
+
+@dataclass
+class LoopTimer:
+    """Step time from on_step_begin to on_step_end; data wait from the end of one step (or of a log,
+    eval or save that followed it) to the next on_step_begin: what the Trainer does there is fetch
+    the next batches."""
+
+    step_times: list[float] = field(default_factory=list)
+    data_waits: list[float] = field(default_factory=list)
+    forward_times: list[float] = field(default_factory=list)
+    _gap_start: float | None = None
+    _step_start: float | None = None
+
+    def step_begin(self, now: float) -> None:
+        if self._gap_start is not None:
+            self.data_waits.append(max(0.0, now - self._gap_start))
+        self._gap_start = None
+        self._step_start = now
+
+    def step_end(self, now: float) -> None:
+        if self._step_start is not None:
+            self.step_times.append(max(0.0, now - self._step_start))
+        self._step_start = None
+        self._gap_start = now
+
+    def pause_end(self, now: float) -> None:
+        """A log, evaluation or save just finished: it is not data wait, restart the gap here."""
+        if self._gap_start is not None:
+            self._gap_start = now
+
+    def take(self) -> dict[str, float]:
+        """Summary since the last take; resets the window."""
+        steps, waits = self.step_times, self.data_waits
+        busy, wait = sum(steps), sum(waits)
+        out: dict[str, float] = {}
+        if steps:
+            out["train/step_time_s"] = busy / len(steps)
+            out["train/step_time_s_max"] = max(steps)
+            out["train/steps"] = float(len(steps))
+        if steps or waits:
+            out["train/data_wait_pct"] = 100.0 * wait / (busy + wait) if busy + wait > 0 else 0.0
+            out["train/data_wait_s"] = wait
+        if self.forward_times:
+            out["train/forward_time_s"] = sum(self.forward_times) / len(self.forward_times)
+        self.step_times, self.data_waits, self.forward_times = [], [], []
+        return out
+
+
+NUMERIC_GPU_KEYS = ("util_pct", "mem_util_pct", "mem_used_gib", "power_w", "power_limit_w", "temp_c", "sm_clock_mhz",
+                    "sm_clock_max_mhz", "pcie_gen", "pcie_width")
+MAX_TOO = ("util_pct", "mem_used_gib", "power_w", "temp_c", "sm_clock_mhz")
+
+
+def summarize_samples(samples: list[Sample]) -> tuple[dict[str, float], dict[int, set[str]]]:
+    """({key: value} with means and ``_max`` for the peaks, {gpu: throttle reasons seen})."""
+    values: dict[str, list[float]] = defaultdict(list)
+    reasons: dict[int, set[str]] = defaultdict(set)
+    throttled: dict[int, list[bool]] = defaultdict(list)
+    for s in samples:
+        for index, g in s.gpus.items():
+            for key in NUMERIC_GPU_KEYS:
+                if key in g:
+                    values[f"gpu{index}/{key}"].append(float(g[key]))
+            if "throttle_reasons" in g:
+                hit = set(g["throttle_reasons"]) & THROTTLE_REASONS
+                reasons[index] |= hit
+                throttled[index].append(bool(hit))
+        for key, value in s.host.items():
+            values[f"host/{key}"].append(float(value))
+    out: dict[str, float] = {}
+    for key, series in values.items():
+        out[key] = sum(series) / len(series)
+        name = key.split("/", 1)[1]
+        if name in MAX_TOO or key.startswith("host/"):
+            out[f"{key}_max"] = max(series)
+    for index, flags in throttled.items():
+        out[f"gpu{index}/throttled_pct"] = 100.0 * sum(flags) / len(flags)
+    return out, dict(reasons)
