@@ -5,6 +5,7 @@
 1. ``hf-gpu-train detect`` against ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``: every mismatch.
 2. ``hf-gpu-train doctor`` (live, with the small win on each GPU): every check.
 3. A 100-step fine-tune of the text recipe on each visible GPU (bf16 where supported), samples/s.
+4. Telemetry on the real GPU: the verdict, MFU, and the overhead ratio (with / without callbacks).
 Exit 0 when detection agrees with nvidia-smi and the doctor found no FAIL.
 """
 
@@ -90,8 +91,27 @@ def check_finetune_per_gpu(steps: int = 100) -> bool:
     return ok
 
 
+def check_telemetry() -> bool:
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from telemetry_overhead import measure
+
+    section("telemetry on the GPU")
+    plain, telemetry, callback = measure(rounds=3, steps=60, logging_steps=10)
+    ratio = statistics.median(telemetry) / statistics.median(plain)
+    print(f"steps/s without {statistics.median(plain):.2f}, with {statistics.median(telemetry):.2f}: overhead ratio {ratio:.3f}")
+    if callback is not None and callback.last_verdict is not None:
+        last = callback.records[-2]["metrics"] if len(callback.records) > 1 else callback.records[-1]["metrics"]
+        print(f"verdict: {callback.last_verdict.line()}")
+        print("MFU: " + (f"{last['train/mfu_pct']:.1f}%" if "train/mfu_pct" in last else "n/a")
+              + ", " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(last.items()) if k.startswith(("gpu", "torch/"))))
+    return ratio >= 0.97
+
+
 def main() -> int:
-    results = {"detection": check_detection(), "doctor": check_doctor(), "finetune": check_finetune_per_gpu()}
+    results = {"detection": check_detection(), "doctor": check_doctor(), "finetune": check_finetune_per_gpu(),
+               "telemetry": check_telemetry()}
     section("summary")
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hardware.backend import NvmlBackend, NvmlFailure
+from ..hardware.backend import UNKNOWN_VALUE_KINDS, NvmlBackend, NvmlFailure
 from ..hardware.profile import clock_event_reason_names
 
 log = logging.getLogger("hf_gpu_train.telemetry")
@@ -89,7 +89,10 @@ class DeviceSampler:
         try:
             return fn(*args)
         except NvmlFailure as failure:
-            self._give_up(name, f"{name}: {failure}")
+            if failure.kind in UNKNOWN_VALUE_KINDS:  # this GPU does not report it: drop quietly
+                self._broken.add(name)
+            else:
+                self._give_up(name, f"{name} failed ({failure.kind}): {failure}")
         except Exception as error:  # a sampler must never take training down
             self._give_up(name, f"{name}: {type(error).__name__}: {error}")
         return None

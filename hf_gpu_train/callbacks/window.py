@@ -12,19 +12,27 @@ from .sampler import THROTTLE_REASONS, Sample
 @dataclass
 class LoopTimer:
     """Step time from on_step_begin to on_step_end; data wait from the end of one step (or of a log,
-    eval or save that followed it) to the next on_step_begin: what the Trainer does there is fetch
-    the next batches."""
+    eval or save that followed it) until this rank's next batch is ready (``batch_ready``), or until
+    the next on_step_begin when loading happens in worker processes."""
 
     step_times: list[float] = field(default_factory=list)
     data_waits: list[float] = field(default_factory=list)
     forward_times: list[float] = field(default_factory=list)
     _gap_start: float | None = None
     _step_start: float | None = None
+    _batch_ready: float | None = None
+
+    def batch_ready(self, now: float) -> None:
+        """This rank's batch is collated (main-process loading). What follows until the step begins is
+        not loading: transformers 5 all-reduces the item count there, i.e. waits for the slowest rank."""
+        self._batch_ready = now
 
     def step_begin(self, now: float) -> None:
         if self._gap_start is not None:
-            self.data_waits.append(max(0.0, now - self._gap_start))
+            ready = self._batch_ready if self._batch_ready is not None and self._batch_ready >= self._gap_start else now
+            self.data_waits.append(max(0.0, min(ready, now) - self._gap_start))
         self._gap_start = None
+        self._batch_ready = None
         self._step_start = now
 
     def step_end(self, now: float) -> None:

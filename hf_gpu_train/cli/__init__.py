@@ -11,7 +11,7 @@ import sys
 
 from ..errors import UsageError
 
-SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory")
+SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,9 +76,14 @@ def prepare(cfg: FinetuneConfig, runtime):
 
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
+    from ..callbacks import CpuByAccidentGuard
     from .checkpoints import CompleteCheckpointMarker
 
-    return [CompleteCheckpointMarker(label_names)]
+    return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or _cpu_on_purpose())]
+
+
+def _cpu_on_purpose() -> bool:
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 
 def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dict:
@@ -108,6 +113,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dic
               f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
               f"x {runtime.world_size} = {effective}; workers {runtime.dataloader_workers}"
               + (f"; resuming from {resume}" if resume else ""), flush=True)
+    if cfg.telemetry:
+        from ..callbacks import attach_telemetry
+
+        attach_telemetry(trainer)
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - start

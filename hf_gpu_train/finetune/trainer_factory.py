@@ -64,6 +64,8 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> Trai
     )
     if task == "text-classification":
         kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
+        if cfg.telemetry:
+            kwargs["include_num_input_tokens_seen"] = "non_padding"  # tokens/s and MFU count real tokens
     kwargs.update(cfg.extra)
     return TrainingArguments(**kwargs)
 

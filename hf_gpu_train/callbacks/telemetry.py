@@ -1,0 +1,354 @@
+"""TelemetryCallback: GPU, host and loop metrics through the Trainer's own logging, a verdict at
+every log step, a per-rank summary with stragglers, and the run report at the end.
+
+One line in anyone's Trainer::
+
+    from hf_gpu_train.callbacks import attach_telemetry
+    attach_telemetry(trainer)          # before trainer.train()
+
+The hooks are thin: they take timestamps and call the pure functions in ``window.py`` and
+``verdicts.py``; the ``logs`` dict given to callbacks is never mutated (metrics go out through the
+public ``Trainer.log``, so TensorBoard and every ``report_to`` sink get them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..hardware.backend import NvmlBackend, NvmlFailure
+from ..hardware.peaks import peak_flops
+from .flops import counted_flops_per_sample, mfu, transformer_flops_per_token
+from .gpu_lookup import model_device, nvml_handles_for, torch_bus_id
+from .memory_probe import cuda_memory
+from .sampler import DeviceSampler
+from .verdicts import Verdict, WindowStats, judge, speed_trend, stragglers
+from .window import LoopTimer, summarize_samples
+
+log = logging.getLogger("hf_gpu_train.telemetry")
+UNEVEN_MEMORY_FRACTION = 0.2
+
+
+class TelemetryCallback(TrainerCallback):
+    def __init__(
+        self,
+        trainer=None,
+        interval_s: float = 1.0,
+        backend: NvmlBackend | None = None,
+        gpu_indices: list[int] | None = None,
+        memory_probe: Callable[[torch.device], dict[str, float] | None] | None = None,
+        write_report: bool = True,
+        suggested_micro_batch: int | None = None,
+    ):
+        self.trainer = trainer
+        self.interval_s = interval_s
+        self.backend = backend
+        self.gpu_indices = gpu_indices
+        self.memory_probe = memory_probe or cuda_memory
+        self.write_report = write_report
+        self.suggested_micro_batch = suggested_micro_batch
+        self.sampler: DeviceSampler | None = None
+        self.timer = LoopTimer()
+        self.records: list[dict] = []
+        self.history: list[WindowStats] = []
+        self.gpu_names: dict[int, str] = {}
+        self.device = torch.device("cpu")
+        self.flops_per_token: float | None = None
+        self.flops_per_sample: float | None = None
+        self._layers_hidden = (0, 0)
+        self.peak: float | None = None
+        self.last_verdict: Verdict | None = None
+        self.ranks: list[dict] = []
+        self._hooks: list[Any] = []
+        self._original_collate: tuple | None = None
+        self._forward_start: float | None = None
+        self._last_emit: float | None = None
+        self._last_tokens = 0
+        self._last_retries = 0.0
+        self._emitting = False
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _open_backend(self) -> NvmlBackend | None:
+        backend = self.backend
+        if backend is None:
+            from ..hardware.nvml import PynvmlBackend
+
+            backend = PynvmlBackend()
+        try:
+            backend.init()
+            return backend
+        except NvmlFailure as failure:
+            log.info("telemetry: NVML unavailable (%s): host and loop metrics only", failure)
+            return None
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        self._closed = False
+        self.device = model_device(model)
+        backend = self._open_backend()
+        handles: dict[int, Any] = {}
+        if backend is not None:
+            if self.gpu_indices is not None:
+                handles = {i: backend.handle(i) for i in self.gpu_indices}
+            elif self.device.type == "cuda":
+                handles = nvml_handles_for(backend, [torch_bus_id(self.device)])
+            for index, handle in handles.items():
+                try:
+                    self.gpu_names[index] = backend.name(handle)
+                except NvmlFailure:
+                    self.gpu_names[index] = f"GPU {index}"
+        self.sampler = DeviceSampler(backend, handles, self.interval_s).start()
+        self._install_forward_timer(model)
+        self._estimate_flops(args, model, train_dataloader)
+        self._install_batch_timer(train_dataloader)
+        self._last_emit = time.perf_counter()
+        self._last_tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        return control
+
+    def close(self) -> None:
+        """Stop the thread and remove hooks; safe to call twice (train end, or after an exception)."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._original_collate is not None:
+            loader, collate = self._original_collate
+            loader.collate_fn = collate
+            self._original_collate = None
+        self._closed = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.sampler is not None and not self._closed:
+            self._emit(args, state, final=True)
+        self.close()
+        if self.write_report and state.is_world_process_zero:
+            from ..report.writer import write_run_report
+
+            write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names)
+        return control
+
+    def samples(self) -> list:
+        return list(self.sampler.samples) if self.sampler else []
+
+    # -- loop events -------------------------------------------------------------------------
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.timer.step_begin(time.perf_counter())
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.timer.step_end(time.perf_counter())
+        if control.should_log and not self._emitting:
+            self._emit(args, state)
+            # Trainer.log -> CallbackHandler.on_log clears should_log; the Trainer still has its own loss to log
+            control.should_log = True
+            self.timer.pause_end(time.perf_counter())
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.timer.pause_end(time.perf_counter())
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.timer.pause_end(time.perf_counter())
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.timer.pause_end(time.perf_counter())
+        return control
+
+    # -- measurements ------------------------------------------------------------------------
+    def _install_forward_timer(self, model) -> None:
+        """Forward time is this rank's own time (no collective in it): with data wait, it names stragglers."""
+        if model is None:
+            return
+
+        def before(module, inputs):
+            self._forward_start = time.perf_counter()
+
+        def after(module, inputs, output):
+            if self._forward_start is not None and module.training:
+                self.timer.forward_times.append(time.perf_counter() - self._forward_start)
+            self._forward_start = None
+
+        self._hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+
+    def _install_batch_timer(self, train_dataloader) -> None:
+        """Timestamp the end of collation, so data wait is this rank's loading and not the item-count
+        all-reduce that follows it in the Trainer (which waits for the slowest rank). Only loading in the
+        main process can be timed this way; with worker processes the whole gap counts."""
+        # accelerate's DataLoaderShard wraps the torch DataLoader that really collates
+        train_dataloader = getattr(train_dataloader, "base_dataloader", train_dataloader)
+        collate = getattr(train_dataloader, "collate_fn", None)
+        if collate is None or getattr(train_dataloader, "num_workers", 0) or getattr(collate, "_hf_gpu_train_timed", False):
+            return
+        timer = self.timer
+
+        def timed_collate(batch):
+            out = collate(batch)
+            timer.batch_ready(time.perf_counter())
+            return out
+
+        timed_collate._hf_gpu_train_timed = True
+        self._original_collate = (train_dataloader, collate)
+        train_dataloader.collate_fn = timed_collate
+
+    def _estimate_flops(self, args, model, train_dataloader) -> None:
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        name = next(iter(self.gpu_names.values()), None)
+        # MFU only for a real GPU of known peak: None on the CPU and for unknown GPUs
+        self.peak = peak_flops(name, precision, tf32=bool(args.tf32)) if self.device.type == "cuda" else None
+        if model is None:
+            return
+        dense = transformer_flops_per_token(model, 0)  # the attention term is added per window from the mean length
+        if dense is not None:
+            self.flops_per_token = dense
+            self._layers_hidden = (model.config.num_hidden_layers, model.config.hidden_size)
+            return
+        dataset = getattr(train_dataloader, "dataset", None)
+        collate = getattr(train_dataloader, "collate_fn", None)
+        if dataset is None or collate is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+            return
+        with torch.random.fork_rng(devices=[]):  # a sample drawn here must not shift the run's randomness
+            example = collate([dataset[0]])
+        self.flops_per_sample = counted_flops_per_sample(model, example)
+
+    def _emit(self, args, state, final: bool = False) -> None:
+        now = time.perf_counter()
+        elapsed = max(1e-9, now - (self._last_emit or now))
+        self._last_emit = now
+        samples = self.sampler.drain() if self.sampler else []
+        metrics, reasons = summarize_samples(samples)
+        loop = self.timer.take()
+        metrics.update(loop)
+        memory = self.memory_probe(self.device) or {}
+        metrics.update(memory)
+        world = max(1, args.world_size)
+        steps = loop.get("train/steps", 0.0)
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+        samples_per_s = steps * per_step / elapsed if steps else None
+        if samples_per_s is not None:
+            metrics["train/samples_per_s"] = samples_per_s
+        tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        tokens_per_s = (tokens - self._last_tokens) / elapsed if tokens > self._last_tokens else None
+        self._last_tokens = tokens
+        if tokens_per_s:
+            metrics["train/tokens_per_s"] = tokens_per_s
+        flops_per_s = None
+        if self.flops_per_token is not None and tokens_per_s:
+            layers, hidden = self._layers_hidden
+            mean_seq = tokens_per_s / samples_per_s if samples_per_s else 0.0
+            per_token = self.flops_per_token + 12.0 * layers * hidden * mean_seq
+            flops_per_s = tokens_per_s * per_token
+        elif self.flops_per_sample is not None and samples_per_s:
+            flops_per_s = samples_per_s * self.flops_per_sample
+        if flops_per_s:
+            metrics["train/model_tflops_per_s"] = flops_per_s / 1e12
+            value = mfu(flops_per_s / world, self.peak)
+            if value is not None:
+                metrics["train/mfu_pct"] = 100.0 * value
+        stats = self._window_stats(metrics, reasons, args, samples_per_s)
+        self.history.append(stats)
+        verdict = judge(stats)
+        trend = speed_trend(self.history)
+        if trend:
+            verdict = Verdict(verdict.kind, verdict.evidence, verdict.next_step, verdict.notes + (trend,))
+        self.last_verdict = verdict
+        ranks = self._gather_ranks(state, metrics)
+        record = {"step": state.global_step, "time": time.time(), "final": final, "metrics": metrics,
+                  "throttle_reasons": {str(k): sorted(v) for k, v in reasons.items()}, "verdict": verdict.to_dict()}
+        if ranks:
+            record["ranks"] = ranks
+        self.records.append(record)
+        if state.is_world_process_zero:
+            log.info("telemetry step %d: %s", state.global_step, verdict.line())
+        if self.trainer is not None and not final:
+            self._emitting = True
+            try:
+                self.trainer.log({k: round(v, 4) for k, v in metrics.items()})
+            finally:
+                self._emitting = False
+
+    def _window_stats(self, metrics, reasons, args, samples_per_s) -> WindowStats:
+        gpu = next(iter(sorted(reasons) or sorted({int(k[3:].split("/")[0]) for k in metrics if k.startswith("gpu")})), None)
+
+        def g(key):
+            return metrics.get(f"gpu{gpu}/{key}") if gpu is not None else None
+
+        retries = metrics.get("torch/alloc_retries")
+        delta = int(retries - self._last_retries) if retries is not None else 0
+        if retries is not None:
+            self._last_retries = retries
+        return WindowStats(
+            on_gpu=gpu is not None,
+            gpu_util_pct=g("util_pct"),
+            data_wait_pct=metrics.get("train/data_wait_pct"),
+            throttled_pct=g("throttled_pct"),
+            sm_clock_mhz=g("sm_clock_mhz"),
+            sm_clock_max_mhz=g("sm_clock_max_mhz"),
+            throttle_reasons=frozenset(reasons.get(gpu, ())) if gpu is not None else frozenset(),
+            temp_c=g("temp_c"),
+            power_w=g("power_w"),
+            power_limit_w=g("power_limit_w"),
+            alloc_retries_delta=delta,
+            reserved_gib=metrics.get("torch/mem_reserved_gib"),
+            allocated_gib=metrics.get("torch/mem_allocated_gib"),
+            samples_per_s=samples_per_s,
+            dataloader_workers=args.dataloader_num_workers,
+            micro_batch=args.per_device_train_batch_size,
+            suggested_micro_batch=self.suggested_micro_batch,
+            host_cpu_pct=metrics.get("host/cpu_pct"),
+        )
+
+    def _gather_ranks(self, state, metrics) -> list[dict]:
+        """At log steps only: every rank's compact summary to all ranks; rank 0 judges them."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return []
+        world = torch.distributed.get_world_size()
+        if world < 2:
+            return []
+        import socket
+
+        own_time = (metrics.get("train/data_wait_s", 0.0) / max(1.0, metrics.get("train/steps", 1.0))
+                    + metrics.get("train/forward_time_s", 0.0))
+        mine = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "gpus": sorted(self.gpu_names),
+                "own_step_time_s": own_time, "step_time_s": metrics.get("train/step_time_s"),
+                "data_wait_pct": metrics.get("train/data_wait_pct"),
+                "mem_used_gib": next((v for k, v in metrics.items() if k.endswith("/mem_used_gib")), None),
+                "torch_mem_allocated_gib": metrics.get("torch/mem_allocated_gib")}
+        gathered: list[dict] = [None] * world  # type: ignore[list-item]
+        torch.distributed.all_gather_object(gathered, mine)
+        slow = stragglers({r["rank"]: r["own_step_time_s"] for r in gathered if r["own_step_time_s"]})
+        memory = [r["mem_used_gib"] or r["torch_mem_allocated_gib"] for r in gathered]
+        memory = [m for m in memory if m is not None]
+        uneven = bool(memory) and max(memory) > 0 and (max(memory) - min(memory)) / max(memory) >= UNEVEN_MEMORY_FRACTION
+        for r in gathered:
+            r["straggler"] = r["rank"] in slow
+        if state.is_world_process_zero:
+            if slow:
+                log.warning("telemetry: straggler rank(s) %s: at least 15%% slower than the median (own time: data wait + forward)", slow)
+            if uneven:
+                log.warning("telemetry: uneven memory across ranks: %s GiB", [round(m, 2) for m in memory])
+        self.ranks = gathered
+        return gathered + ([{"uneven_memory": True}] if uneven else [])
+
+
+def attach_telemetry(trainer, **kwargs) -> TelemetryCallback:
+    """Add telemetry to a Trainer in one line; the thread also stops if ``trainer.train`` raises."""
+    callback = TelemetryCallback(trainer=trainer, **kwargs)
+    trainer.add_callback(callback)
+    train = trainer.train
+
+    def train_and_close(*args, **kw):
+        try:
+            return train(*args, **kw)
+        finally:
+            callback.close()
+
+    trainer.train = train_and_close
+    return callback

@@ -1,0 +1,99 @@
+"""Write and re-read the run report. Files in ``output_dir``:
+
+- ``telemetry.jsonl``: one line per sampler reading ({"kind": "sample", ...}) and per log window
+  ({"kind": "window", "step", "metrics", "verdict", "ranks"});
+- ``telemetry_summary.json``: means and maxima over the run, the final verdict, stragglers;
+- ``report.md`` with the PNG plots from ``plots.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from ..callbacks.verdicts import Verdict
+
+JSONL = "telemetry.jsonl"
+SUMMARY = "telemetry_summary.json"
+REPORT = "report.md"
+
+
+def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu_names: dict) -> dict:
+    series: dict[str, list[float]] = defaultdict(list)
+    for w in windows:
+        for key, value in w.get("metrics", {}).items():
+            if isinstance(value, (int, float)):
+                series[key].append(float(value))
+    stats = {key: {"mean": sum(v) / len(v), "max": max(v)} for key, v in series.items() if v}
+    throttle = sorted({r for w in windows for names in w.get("throttle_reasons", {}).values() for r in names})
+    stragglers = sorted({r["rank"] for w in windows for r in w.get("ranks", []) if r.get("straggler")})
+    verdict_counts: dict[str, int] = defaultdict(int)
+    for w in windows:
+        verdict_counts[w["verdict"]["kind"]] += 1
+    return {"gpus": {str(k): v for k, v in gpu_names.items()}, "samples": len(samples), "windows": len(windows),
+            "metrics": stats, "throttle_reasons_seen": throttle, "straggler_ranks": stragglers,
+            "verdict_counts": dict(verdict_counts), "final_verdict": verdict}
+
+
+def write_run_report(output_dir, samples, records, verdict: Verdict | None, gpu_names: dict) -> Path:
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sample_dicts = [s.to_dict() for s in samples]
+    with open(out / JSONL, "w") as f:
+        for s in sample_dicts:
+            f.write(json.dumps({"kind": "sample", **s}) + "\n")
+        for r in records:
+            f.write(json.dumps({"kind": "window", **r}) + "\n")
+    summary = _summary(sample_dicts, records, verdict.to_dict() if verdict else None, gpu_names)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2))
+    render_report(out)
+    return out
+
+
+def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
+    out = Path(output_dir)
+    samples, windows = [], []
+    for line in (out / JSONL).read_text().splitlines():
+        item = json.loads(line)
+        (samples if item.get("kind") == "sample" else windows).append(item)
+    return samples, windows, json.loads((out / SUMMARY).read_text())
+
+
+def render_report(output_dir) -> list[Path]:
+    """(Re)draw the plots and report.md from the files already in output_dir."""
+    from .plots import draw_all
+
+    out = Path(output_dir)
+    samples, windows, summary = load_run(out)
+    plots = draw_all(out, samples, windows)
+    lines = ["# Run report", "", render_terminal_summary(summary), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    (out / REPORT).write_text("\n".join(lines) + "\n")
+    return plots
+
+
+def render_terminal_summary(summary: dict) -> str:
+    m = summary.get("metrics", {})
+
+    def mean(key, unit="", digits=1):
+        return f"{m[key]['mean']:.{digits}f}{unit}" if key in m else "-"
+
+    lines = [f"GPUs: {', '.join(f'GPU{k} {v}' for k, v in summary.get('gpus', {}).items()) or 'none (CPU run)'}",
+             f"windows: {summary.get('windows', 0)}, sampler readings: {summary.get('samples', 0)}",
+             f"samples/s {mean('train/samples_per_s')}, tokens/s {mean('train/tokens_per_s', digits=0)}, "
+             f"step {mean('train/step_time_s', ' s', 3)}, data wait {mean('train/data_wait_pct', '%')}, MFU {mean('train/mfu_pct', '%')}"]
+    for key in sorted(k for k in m if k.startswith("gpu") and k.endswith(("util_pct", "power_w", "temp_c", "mem_used_gib"))):
+        lines.append(f"{key}: mean {m[key]['mean']:.1f}, max {m[key]['max']:.1f}")
+    if summary.get("throttle_reasons_seen"):
+        lines.append(f"throttling seen: {', '.join(summary['throttle_reasons_seen'])}")
+    if summary.get("straggler_ranks"):
+        lines.append(f"straggler ranks: {summary['straggler_ranks']}")
+    counts = summary.get("verdict_counts", {})
+    if counts:
+        lines.append("verdicts over the run: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    v = summary.get("final_verdict")
+    if v:
+        lines.append(f"verdict: {v['kind']}: {v['evidence']}. Next: {v['next_step']}")
+        lines += [f"note: {n}" for n in v.get("notes", [])]
+    return "\n".join(lines)

@@ -1,0 +1,26 @@
+"""Launched with 2 gloo processes by test_telemetry_ranks.py: rank 1 reads its data slowly."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformers import Trainer  # noqa: E402
+
+from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
+from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E402
+
+
+class SlowOnRank1(TokenDataset):
+    def __getitem__(self, i):
+        if os.environ.get("RANK") == "1":
+            time.sleep(0.03)
+        return super().__getitem__(i)
+
+
+out = sys.argv[1]
+trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2), train_dataset=SlowOnRank1(n=128))
+attach_telemetry(trainer, interval_s=0.05)
+trainer.train()

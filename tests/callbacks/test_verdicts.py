@@ -1,0 +1,81 @@
+from hf_gpu_train.callbacks.sampler import Sample
+from hf_gpu_train.callbacks.verdicts import WindowStats, judge, speed_trend, stragglers
+from hf_gpu_train.callbacks.window import LoopTimer, summarize_samples
+
+HEALTHY = dict(on_gpu=True, gpu_util_pct=97, data_wait_pct=2, throttled_pct=0, sm_clock_mhz=1980, sm_clock_max_mhz=1980,
+               reserved_gib=40, allocated_gib=38, samples_per_s=100, dataloader_workers=4, micro_batch=32)
+
+
+def test_healthy():
+    v = judge(WindowStats(**HEALTHY))
+    assert v.kind == "healthy" and "97%" in v.evidence
+
+
+def test_data_bound_names_the_worker_count():
+    v = judge(WindowStats(**{**HEALTHY, "gpu_util_pct": 35, "data_wait_pct": 55, "dataloader_workers": 2}))
+    assert v.kind == "data-bound" and "55%" in v.evidence and "from 2 to 4" in v.next_step and "pin_memory" in v.next_step
+
+
+def test_throttled_thermal_and_power():
+    hot = judge(WindowStats(**{**HEALTHY, "throttled_pct": 80, "sm_clock_mhz": 1300, "throttle_reasons": frozenset({"HwThermalSlowdown"}),
+                               "temp_c": 92}))
+    assert hot.kind == "throttled" and "HwThermalSlowdown" in hot.evidence and "cooling" in hot.next_step
+    capped = judge(WindowStats(**{**HEALTHY, "throttled_pct": 60, "sm_clock_mhz": 1500, "throttle_reasons": frozenset({"SwPowerCap"})}))
+    assert capped.kind == "throttled" and "power limit" in capped.next_step
+    # reasons at full clock are not throttling
+    assert judge(WindowStats(**{**HEALTHY, "throttled_pct": 60, "throttle_reasons": frozenset({"SwPowerCap"})})).kind == "healthy"
+
+
+def test_memory_pressure_from_retries_or_fragmentation():
+    retries = judge(WindowStats(**{**HEALTHY, "alloc_retries_delta": 3}))
+    assert retries.kind == "memory-pressure" and "expandable_segments:True" in retries.next_step
+    gap = judge(WindowStats(**{**HEALTHY, "reserved_gib": 40, "allocated_gib": 20}))
+    assert gap.kind == "memory-pressure" and "20.0 GiB cached but unused" in gap.evidence
+
+
+def test_under_utilized_uses_the_planner_suggestion():
+    v = judge(WindowStats(**{**HEALTHY, "gpu_util_pct": 40, "data_wait_pct": 3, "suggested_micro_batch": 128}))
+    assert v.kind == "under-utilized" and "from 32 to 128" in v.next_step
+
+
+def test_cpu_run_is_healthy_unless_starved():
+    assert judge(WindowStats(on_gpu=False, data_wait_pct=5)).kind == "healthy"
+    assert judge(WindowStats(on_gpu=False, data_wait_pct=40, dataloader_workers=0)).kind == "data-bound"
+
+
+def test_speed_falling_is_called_out_with_the_cause():
+    series = [WindowStats(**{**HEALTHY, "samples_per_s": s}) for s in (100, 102, 101)]
+    assert speed_trend(series) is None
+    series.append(WindowStats(**{**HEALTHY, "samples_per_s": 70, "throttle_reasons": frozenset({"HwThermalSlowdown"}), "data_wait_pct": 30}))
+    note = speed_trend(series)
+    assert "fell 31%" in note and "HwThermalSlowdown" in note and "data wait rose" in note
+
+
+def test_stragglers_are_15_percent_slower_than_the_median():
+    assert stragglers({0: 1.0, 1: 1.02, 2: 0.98, 3: 1.3}) == [3]
+    assert stragglers({0: 1.0, 1: 1.1}) == []
+    assert stragglers({0: 1.0}) == []
+
+
+def test_loop_timer_measures_the_gap_and_excludes_logging():
+    t = LoopTimer()
+    t.step_begin(0.0)
+    t.step_end(1.0)
+    t.step_begin(1.5)  # 0.5 s fetching
+    t.step_end(2.5)
+    t.pause_end(4.0)  # logging/eval took until 4.0: not data wait
+    t.step_begin(4.1)
+    t.step_end(5.1)
+    out = t.take()
+    assert out["train/step_time_s"] == 1.0 and out["train/steps"] == 3
+    assert abs(out["train/data_wait_s"] - 0.6) < 1e-9
+    assert abs(out["train/data_wait_pct"] - 100 * 0.6 / 3.6) < 1e-9
+    assert t.take() == {}
+
+
+def test_summarize_samples_means_maxima_and_throttling():
+    samples = [Sample(t=i, gpus={0: {"util_pct": u, "throttle_reasons": r}}, host={"cpu_pct": 10.0})
+               for i, (u, r) in enumerate([(50, ["GpuIdle"]), (100, ["SwPowerCap"]), (90, [])])]
+    metrics, reasons = summarize_samples(samples)
+    assert metrics["gpu0/util_pct"] == 80 and metrics["gpu0/util_pct_max"] == 100
+    assert abs(metrics["gpu0/throttled_pct"] - 100 / 3) < 1e-9 and reasons == {0: {"SwPowerCap"}}

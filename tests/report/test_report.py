@@ -1,0 +1,32 @@
+import json
+
+from hf_gpu_train.callbacks.sampler import Sample
+from hf_gpu_train.callbacks.verdicts import Verdict
+from hf_gpu_train.cli import main
+from hf_gpu_train.report.writer import write_run_report
+
+
+def test_report_command_redraws_and_prints_the_verdict(tmp_path, capsys):
+    samples = [Sample(t=float(i), gpus={0: {"util_pct": 90 + i, "power_w": 300.0, "temp_c": 70 + i, "mem_used_gib": 20.0,
+                                            "sm_clock_mhz": 1400 - 50 * i, "sm_clock_max_mhz": 1410,
+                                            "throttle_reasons": ["HwThermalSlowdown"] if i > 2 else []}},
+                      host={"cpu_pct": 20.0}) for i in range(5)]
+    records = [{"step": 10 * i, "time": float(i), "final": False, "throttle_reasons": {"0": ["HwThermalSlowdown"]} if i else {},
+                "metrics": {"train/samples_per_s": 100.0 - i, "train/data_wait_pct": 2.0, "torch/mem_allocated_gib": 10.0,
+                            "torch/mem_reserved_gib": 12.0, "gpu0/util_pct": 92.0},
+                "verdict": {"kind": "throttled", "evidence": "e", "next_step": "n", "notes": []}} for i in range(3)]
+    write_run_report(tmp_path, samples, records, Verdict("throttled", "clocks held back", "improve cooling"), {0: "NVIDIA H100"})
+    for name in ("telemetry_utilization.png", "telemetry_temperature.png", "telemetry_clocks.png", "telemetry_torch_memory.png",
+                 "telemetry_throughput.png", "report.md"):
+        (tmp_path / name).unlink()
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: throttled: clocks held back. Next: improve cooling" in out and "HwThermalSlowdown" in out
+    assert (tmp_path / "telemetry_clocks.png").is_file() and "telemetry_clocks.png" in (tmp_path / "report.md").read_text()
+    summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
+    assert summary["metrics"]["train/samples_per_s"]["max"] == 100.0
+
+
+def test_report_of_a_run_without_telemetry_is_a_usage_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "telemetry=true" in capsys.readouterr().err
