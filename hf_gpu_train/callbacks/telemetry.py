@@ -228,6 +228,9 @@ class TelemetryCallback(TrainerCallback):
         metrics.update(loop)
         memory = self.memory_probe(self.device) or {}
         metrics.update(memory)
+        micro = self._oom_micro_batch()
+        if micro is not None:
+            metrics["train/micro_batch"] = float(micro)
         world = max(1, args.world_size)
         steps = loop.get("train/steps", 0.0)
         per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -273,6 +276,14 @@ class TelemetryCallback(TrainerCallback):
                 self.trainer.log({k: round(v, 4) for k, v in metrics.items()})
             finally:
                 self._emitting = False
+
+    def _oom_micro_batch(self) -> int | None:
+        """The in-place OOM recovery's current micro-batch, when it is on and has shrunk it."""
+        handler = getattr(self.trainer, "callback_handler", None)
+        for callback in getattr(handler, "callbacks", []):
+            if type(callback).__name__ == "OOMRecoveryState":
+                return callback.micro_batch
+        return None
 
     def _window_stats(self, metrics, reasons, args, samples_per_s) -> WindowStats:
         gpu = next(iter(sorted(reasons) or sorted({int(k[3:].split("/")[0]) for k in metrics if k.startswith("gpu")})), None)

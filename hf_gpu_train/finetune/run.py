@@ -113,6 +113,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dic
               f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
               f"x {runtime.world_size} = {effective}; workers {runtime.dataloader_workers}"
               + (f"; resuming from {resume}" if resume else ""), flush=True)
+    if cfg.oom_recovery:
+        from ..training import enable_oom_recovery
+
+        enable_oom_recovery(trainer)
     if cfg.telemetry:
         from ..callbacks import attach_telemetry
 

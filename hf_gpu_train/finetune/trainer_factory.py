@@ -72,7 +72,7 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> Trai
 
 def build_trainer(cfg, runtime, model, train, validation, collator, processing_class=None, callbacks=(), trainer_class=Trainer):
     args = training_arguments(cfg, runtime, cfg.task)
-    return trainer_class(
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=train,
@@ -83,3 +83,9 @@ def build_trainer(cfg, runtime, model, train, validation, collator, processing_c
         preprocess_logits_for_metrics=logits_to_class_ids,
         callbacks=list(callbacks),
     )
+    # Both tasks' losses are means over the batch. transformers 5 treats a model that *accepts*
+    # num_items_in_batch (sequence classification does) as already normalised for gradient accumulation
+    # and skips the division: gradients would grow with the accumulation steps
+    # (tests/training/test_oom.py::test_transformers_5_gradient_accumulation_needs_the_mean_loss_flag).
+    trainer.loss_is_scaled_for_ga = False
+    return trainer

@@ -1,0 +1,109 @@
+"""A fault injector that raises a real ``torch.OutOfMemoryError`` when a micro-batch is too large.
+
+Usable on the CPU, so recovery is tested without a GPU::
+
+    injector = OOMFaultInjector(max_batch=4)                     # any batch above 4 samples "does not fit"
+    injector = OOMFaultInjector(max_batch=4, rank=1, phase="backward")   # only on rank 1, during backward
+    injector.install(model)
+
+``phase="forward"`` raises from a forward pre-hook of the model; ``phase="backward"`` raises from a
+gradient hook on the model's output, i.e. in the middle of ``loss.backward()``. ``times`` limits how
+many OOMs it raises (None: every time the batch is too large).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .microbatch import batch_size
+
+
+class OOMFaultInjector:
+    def __init__(self, max_batch: int, rank: int | None = None, phase: str = "forward", times: int | None = None,
+                 eval_too: bool = False):
+        if phase not in ("forward", "backward"):
+            raise ValueError("phase must be 'forward' or 'backward'")
+        self.max_batch = max_batch
+        self.rank = rank
+        self.phase = phase
+        self.times = times
+        self.eval_too = eval_too
+        self.raised = 0
+        self._handles = []
+
+    def _armed(self, module: torch.nn.Module) -> bool:
+        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+            return False
+        if self.times is not None and self.raised >= self.times:
+            return False
+        return module.training or self.eval_too
+
+    def _error(self, size: int) -> torch.OutOfMemoryError:
+        self.raised += 1
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by OOMFaultInjector: batch {size} > {self.max_batch}, "
+            f"phase {self.phase})")
+
+    def install(self, model: torch.nn.Module) -> OOMFaultInjector:
+        def pre_forward(module, args, kwargs):
+            size = _size(args, kwargs)
+            if size is None or size <= self.max_batch or not self._armed(module):
+                return None
+            if self.phase == "forward":
+                raise self._error(size)
+            return None
+
+        def post_forward(module, args, kwargs, output):
+            size = _size(args, kwargs)
+            if self.phase != "backward" or size is None or size <= self.max_batch or not self._armed(module):
+                return None
+            tensor = _first_tensor(output)
+            if tensor is not None and tensor.requires_grad:
+                injector = self
+
+                def fail(grad):
+                    raise injector._error(size)
+
+                tensor.register_hook(fail)
+            return None
+
+        self._handles = [model.register_forward_pre_hook(pre_forward, with_kwargs=True),
+                         model.register_forward_hook(post_forward, with_kwargs=True)]
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _size(args, kwargs) -> int | None:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+        if isinstance(value, dict):
+            try:
+                return batch_size(value)
+            except ValueError:
+                continue
+    return None
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) or hasattr(output, "values"):
+        for key in ("logits", "loss"):
+            value = output.get(key) if hasattr(output, "get") else None
+            if isinstance(value, torch.Tensor):
+                return value
+        for value in output.values():
+            if isinstance(value, torch.Tensor):
+                return value
+    if isinstance(output, (tuple, list)):
+        for value in output:
+            if isinstance(value, torch.Tensor):
+                return value
+    return None

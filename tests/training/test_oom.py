@@ -1,0 +1,165 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from hf_gpu_train.training import OOMFaultInjector, OutOfMemoryAtMicroBatchOne, enable_oom_recovery
+from hf_gpu_train.training.microbatch import is_oom_error, split_batch
+
+from ..callbacks.tiny import TokenDataset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def exact_bert():
+    """No dropout: a split batch then draws no other random masks than the whole one."""
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0))
+
+
+def oom_args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=8, max_steps=6, learning_rate=1e-3, report_to="none", use_cpu=True,
+                save_strategy="no", disable_tqdm=True, logging_steps=2, seed=0, data_seed=0, lr_scheduler_type="linear", warmup_steps=2)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def train(tmp_path, name, injector=None, recover=True, mean_loss=False, **kw):
+    model = exact_bert()
+    if injector:
+        injector.install(model)
+    trainer = Trainer(model=model, args=oom_args(tmp_path / name, **kw), train_dataset=TokenDataset(n=96), eval_dataset=TokenDataset(n=16))
+    if mean_loss:
+        # transformers 5 takes BertForSequenceClassification's loss for sum/num_items-normalised (the model accepts
+        # the argument) and skips the division by gradient_accumulation_steps: gradients come out doubled at GA=2.
+        trainer.loss_is_scaled_for_ga = False
+    recovery = enable_oom_recovery(trainer) if recover else None
+    trainer.train()
+    return trainer, model, recovery
+
+
+def assert_same_weights(a, b, atol=2e-6):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.allclose(x, y, atol=atol, rtol=1e-5), f"{name} differs by {(x - y).abs().max()}"
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_recovered_run_equals_no_oom_and_small_micro_batch_runs(tmp_path, phase):
+    _, clean, _ = train(tmp_path, "clean")
+    injector = OOMFaultInjector(max_batch=4, phase=phase)
+    trainer, recovered, recovery = train(tmp_path, "recovered", injector=injector)
+    _, small, _ = train(tmp_path, "small", mean_loss=True, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert injector.raised == 1 and recovery.micro_batch == 4
+    assert trainer.state.global_step == 6  # no step redone, none skipped
+    assert recovery.events[0]["from"] == 8 and recovery.events[0]["to"] == 4 and recovery.events[0]["step"] == 0
+    assert_same_weights(recovered, clean)
+    assert_same_weights(recovered, small)
+
+
+def test_transformers_5_gradient_accumulation_needs_the_mean_loss_flag(tmp_path):
+    """The upstream behaviour our finetune factory corrects (loss_is_scaled_for_ga=False)."""
+    _, clean, _ = train(tmp_path, "clean", recover=False)
+    _, unflagged, _ = train(tmp_path, "ga", recover=False, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    _, flagged, _ = train(tmp_path, "ga2", recover=False, mean_loss=True, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert_same_weights(flagged, clean)
+    with pytest.raises(AssertionError):
+        assert_same_weights(unflagged, clean)
+
+
+def test_shrinks_repeatedly_until_it_fits(tmp_path):
+    injector = OOMFaultInjector(max_batch=1)
+    _, _, recovery = train(tmp_path, "deep", injector=injector, max_steps=2)
+    assert recovery.micro_batch == 1 and [e["to"] for e in recovery.events] == [4, 2, 1]
+
+
+def test_non_oom_errors_pass_through_untouched(tmp_path):
+    model = exact_bert()
+
+    def boom(module, args, kwargs):
+        raise ValueError("a real bug, not memory")
+
+    model.register_forward_pre_hook(boom, with_kwargs=True)
+    trainer = Trainer(model=model, args=oom_args(tmp_path), train_dataset=TokenDataset(n=32))
+    recovery = enable_oom_recovery(trainer)
+    with pytest.raises(ValueError, match="a real bug, not memory"):
+        trainer.train()
+    assert recovery.events == []
+
+
+def test_micro_batch_one_still_oom_lists_the_remedies(tmp_path):
+    model = exact_bert()
+    OOMFaultInjector(max_batch=0).install(model)
+    trainer = Trainer(model=model, args=oom_args(tmp_path), train_dataset=TokenDataset(n=32))
+    enable_oom_recovery(trainer)
+    with pytest.raises(OutOfMemoryAtMicroBatchOne) as info:
+        trainer.train()
+    text = str(info.value)
+    order = [text.index(s) for s in ("precision=bf16", "gradient_checkpointing=true", "max_length", "Adafactor", "--strategy fsdp")]
+    assert order == sorted(order)
+    assert "Memory planner:" in text and "GiB per GPU at micro-batch 1" in text
+
+
+def test_eval_oom_shrinks_the_eval_batch_only(tmp_path):
+    injector = OOMFaultInjector(max_batch=4, eval_too=True)
+    trainer, _, recovery = train(tmp_path, "eval", injector=injector, per_device_train_batch_size=4, per_device_eval_batch_size=16,
+                                 eval_strategy="steps", eval_steps=3)
+    assert recovery.state.eval_micro_batch == 4 and recovery.micro_batch is None
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 2
+    reference = Trainer(model=trainer.model, args=oom_args(tmp_path / "ref", per_device_eval_batch_size=16), eval_dataset=TokenDataset(n=16))
+    injector.remove()
+    assert abs(reference.evaluate()["eval_loss"] - trainer.evaluate()["eval_loss"]) < 1e-5
+
+
+def test_resume_starts_with_the_recorded_micro_batch(tmp_path):
+    out = tmp_path / "resume"
+    model = exact_bert()
+    OOMFaultInjector(max_batch=4).install(model)
+    trainer = Trainer(model=model, args=oom_args(out, save_strategy="steps", save_steps=3), train_dataset=TokenDataset(n=96))
+    enable_oom_recovery(trainer)
+    trainer.train()
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["OOMRecoveryState"]["attributes"]["micro_batch"] == 4
+    fresh_model = exact_bert()
+    counting = OOMFaultInjector(max_batch=4).install(fresh_model)
+    resumed = Trainer(model=fresh_model, args=oom_args(out, save_strategy="steps", save_steps=3), train_dataset=TokenDataset(n=96))
+    recovery = enable_oom_recovery(resumed)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert recovery.micro_batch == 4 and counting.raised == 0  # started small: no OOM again
+
+
+def test_helpers():
+    assert is_oom_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_oom_error(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."))
+    assert not is_oom_error(RuntimeError("shape mismatch"))
+    chunks = split_batch({"input_ids": torch.zeros(5, 3), "labels": torch.arange(5), "flag": True}, 2)
+    assert [c["labels"].tolist() for c in chunks] == [[0, 1], [2, 3], [4]] and chunks[2]["flag"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_two_gloo_processes_oom_on_rank_1_only(tmp_path, phase):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "cpu2"
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
+                           "--main-process-port", str(port), "--output", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{cfg}.yaml",
+                          str(Path(__file__).with_name("oom_probe.py")), str(tmp_path), phase],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0["micro_batch"] == r1["micro_batch"] == 2  # rank 0 never failed, yet agreed
+    assert r0["global_step"] == r1["global_step"] == 6
+    for key in r0["params"]:
+        assert torch.equal(r0["params"][key], r1["params"][key]), key
