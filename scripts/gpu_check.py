@@ -6,6 +6,8 @@
 2. ``hf-gpu-train doctor`` (live, with the small win on each GPU): every check.
 3. A 100-step fine-tune of the text recipe on each visible GPU (bf16 where supported), samples/s.
 4. Telemetry on the real GPU: the verdict, MFU, and the overhead ratio (with / without callbacks).
+5. A real OOM (a batch 4x what the memory planner says fits) recovered in place: the micro-batch chosen
+   and the time the recovery took.
 Exit 0 when detection agrees with nvidia-smi and the doctor found no FAIL.
 """
 
@@ -109,9 +111,67 @@ def check_telemetry() -> bool:
     return ratio >= 0.97
 
 
+def check_real_oom() -> bool:
+    import torch
+    from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_gpu_train.finetune.builtin import minilm_path
+    from hf_gpu_train.launch.memory import TrainingShape, largest_micro_batch
+    from hf_gpu_train.launch.model_spec import from_hf_config
+    from hf_gpu_train.training import enable_oom_recovery
+
+    section("real OOM recovered in place")
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return True
+    seq = 512
+    spec = from_hf_config(minilm_path())
+    total = torch.cuda.get_device_properties(0).total_memory
+    fits = largest_micro_batch(spec, TrainingShape(seq_len=seq, precision="bf16"), "single", total)
+    batch = 1 << (4 * fits).bit_length()
+    print(f"planner: micro-batch {fits} fits in {total / 2**30:.0f} GiB at seq {seq}; asking for {batch}")
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return batch * 3
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(1000, 20000, (seq,), generator=g), "attention_mask": torch.ones(seq, dtype=torch.long),
+                    "labels": torch.tensor(i % 2)}
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t)
+
+    import tempfile
+
+    times = StepTimes()
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=3, bf16=True, report_to="none",
+                                 save_strategy="no", disable_tqdm=True, logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=Data(), callbacks=[times])
+        recovery = enable_oom_recovery(trainer)
+        trainer.train()
+    for e in recovery.events:
+        print(f"OOM at step {e['step']}: batch {e['batch']}, micro-batch {e['from']} -> {e['to']} ({e['cause'][:90]})")
+    print(f"micro-batch chosen: {recovery.micro_batch}; step times {[round(t, 2) for t in times.times]} s; "
+          f"recovery cost (step 1 - step 2): {times.times[0] - times.times[1]:.2f} s; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    return bool(recovery.events) and trainer.state.global_step == 3
+
+
 def main() -> int:
     results = {"detection": check_detection(), "doctor": check_doctor(), "finetune": check_finetune_per_gpu(),
-               "telemetry": check_telemetry()}
+               "telemetry": check_telemetry(), "oom": check_real_oom()}
     section("summary")
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")

@@ -8,7 +8,8 @@ Usable on the CPU, so recovery is tested without a GPU::
 
 ``phase="forward"`` raises from a forward pre-hook of the model; ``phase="backward"`` raises from a
 gradient hook on the model's output, i.e. in the middle of ``loss.backward()``. ``times`` limits how
-many OOMs it raises (None: every time the batch is too large).
+many OOMs it raises (None: every time the batch is too large); ``start_after`` lets that many training
+forwards pass first (an OOM in the middle of a run, e.g. on a long batch).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .microbatch import batch_size
 
 class OOMFaultInjector:
     def __init__(self, max_batch: int, rank: int | None = None, phase: str = "forward", times: int | None = None,
-                 eval_too: bool = False):
+                 eval_too: bool = False, start_after: int = 0):
         if phase not in ("forward", "backward"):
             raise ValueError("phase must be 'forward' or 'backward'")
         self.max_batch = max_batch
@@ -31,12 +32,16 @@ class OOMFaultInjector:
         self.times = times
         self.eval_too = eval_too
         self.raised = 0
+        self.start_after = start_after  # training forwards that pass before the injector arms (an OOM mid-run)
+        self._forwards = 0
         self._handles = []
 
     def _armed(self, module: torch.nn.Module) -> bool:
         if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
             return False
         if self.times is not None and self.raised >= self.times:
+            return False
+        if self._forwards < self.start_after:
             return False
         return module.training or self.eval_too
 
@@ -49,6 +54,8 @@ class OOMFaultInjector:
     def install(self, model: torch.nn.Module) -> OOMFaultInjector:
         def pre_forward(module, args, kwargs):
             size = _size(args, kwargs)
+            if module.training:
+                self._forwards += 1
             if size is None or size <= self.max_batch or not self._armed(module):
                 return None
             if self.phase == "forward":
