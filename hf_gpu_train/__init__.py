@@ -1,7 +1,7 @@
 """hf_gpu_train: fine-tuning with Hugging Face Trainer and Accelerate on NVIDIA GPUs that works the first time.
 
-Hardware detection and the doctor (``hf_gpu_train.hardware``, ``hf_gpu_train.doctor``) never import
-torch at import time.
+Hardware detection and the doctor never import torch at import time; the Trainer pieces
+(``attach_telemetry``, ``enable_oom_recovery``, ``load_config``) are imported on first use.
 """
 
 __version__ = "0.1.0"
@@ -10,4 +10,23 @@ from .hardware.detect import detect  # noqa: E402
 from .hardware.profile import GpuInfo, GpuPair, HardwareProfile, HostInfo  # noqa: E402
 from .hardware.snapshot import load_machine  # noqa: E402
 
-__all__ = ["__version__", "detect", "load_machine", "HardwareProfile", "GpuInfo", "GpuPair", "HostInfo"]
+_LAZY = {
+    "attach_telemetry": ("hf_gpu_train.callbacks", "attach_telemetry"),
+    "TelemetryCallback": ("hf_gpu_train.callbacks", "TelemetryCallback"),
+    "enable_oom_recovery": ("hf_gpu_train.training", "enable_oom_recovery"),
+    "OOMFaultInjector": ("hf_gpu_train.training", "OOMFaultInjector"),
+    "make_plan": ("hf_gpu_train.launch.plan", "make_plan"),
+    "FinetuneConfig": ("hf_gpu_train.finetune.config", "FinetuneConfig"),
+    "load_config": ("hf_gpu_train.finetune.config", "load_config"),
+}
+
+__all__ = ["__version__", "detect", "load_machine", "HardwareProfile", "GpuInfo", "GpuPair", "HostInfo", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'hf_gpu_train' has no attribute {name!r}")

@@ -22,6 +22,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path, paths: list[Path]) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    paths.append(path)
+
+
 def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
     plt = _plt()
     paths = []
@@ -42,14 +49,11 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
             maxima = [s["gpus"][g]["sm_clock_max_mhz"] for s in samples for g in gpus if "sm_clock_max_mhz" in s["gpus"].get(g, {})]
             if maxima:
                 ax.axhline(max(maxima), color="gray", linestyle="--", label="max SM clock")
+                ax.set_ylim(top=max(maxima) * 1.05)
         ax.set_title(title)
         ax.set_xlabel("seconds")
         ax.legend(loc="best", fontsize=7)
-        fig.tight_layout()
-        path = out / f"telemetry_{name}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        _save(plt, fig, out / f"telemetry_{name}.png", paths)
     torch_pts = [(w["time"] - t0, w["metrics"]) for w in windows if "torch/mem_allocated_gib" in w["metrics"]]
     if torch_pts:
         fig, ax = plt.subplots(figsize=(8, 3))
@@ -58,11 +62,7 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
         ax.set_title("torch memory (GiB)")
         ax.set_xlabel("seconds")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "telemetry_torch_memory.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        _save(plt, fig, out / "telemetry_torch_memory.png", paths)
     through = [(w["time"] - t0, w["metrics"]) for w in windows if "train/samples_per_s" in w["metrics"]]
     if through:
         fig, ax = plt.subplots(figsize=(8, 3))
@@ -73,9 +73,5 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
         ax2.set_ylabel("data wait (%)")
         ax.set_title("throughput and data wait")
         ax.set_xlabel("seconds")
-        fig.tight_layout()
-        path = out / "telemetry_throughput.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        _save(plt, fig, out / "telemetry_throughput.png", paths)
     return paths

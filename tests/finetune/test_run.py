@@ -1,7 +1,6 @@
 """End to end on the CPU: real models, real Trainer, 1 and 2 processes, resume after SIGKILL, bad input."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from hf_gpu_train.finetune.run import main
+
+from ..launching import cpu_config, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "finetune.py")
@@ -44,20 +45,10 @@ def test_vision_one_process(tmp_path):
     assert json.loads((out / "label_map.json").read_text()) == [str(i) for i in range(10)]
 
 
-def launch_two_processes(tmp_path, args):
-    cfg = tmp_path / "cpu2"
-    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                           "--main-process-port", str(29600 + os.getpid() % 300), "--output", str(cfg)],
-                          capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    return subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{cfg}.yaml", SCRIPT, *args],
-                          capture_output=True, text=True, timeout=420, cwd=ROOT)
-
-
 @pytest.mark.parametrize("task_args", [TEXT_SMALL, VISION_SMALL], ids=["text", "vision"])
 def test_two_ddp_processes_through_the_generated_cpu_config(tmp_path, task_args):
     out = tmp_path / "ddp"
-    run = launch_two_processes(tmp_path, [*task_args, f"output_dir={out}"])
+    run = launch(cpu_config(tmp_path), SCRIPT, *task_args, f"output_dir={out}", timeout=420)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "CPU x2" in run.stdout
     summary = json.loads((out / "run_summary.json").read_text())

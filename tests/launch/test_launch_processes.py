@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -10,19 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from ..launching import free_port, hf_gpu_train
+
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("ddp_probe.py")
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def hf_gpu_train(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_gpu_train", *args], capture_output=True, text=True, timeout=240, **kw)
 
 
 def read_ranks(out: Path) -> list[dict]:

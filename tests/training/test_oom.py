@@ -1,8 +1,4 @@
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +9,7 @@ from hf_gpu_train.training import OOMFaultInjector, OutOfMemoryAtMicroBatchOne, 
 from hf_gpu_train.training.microbatch import is_oom_error, split_batch
 
 from ..callbacks.tiny import TokenDataset
-
-ROOT = Path(__file__).resolve().parents[2]
+from ..launching import cpu_config, launch
 
 
 def exact_bert():
@@ -147,16 +142,7 @@ def test_helpers():
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_two_gloo_processes_oom_on_rank_1_only(tmp_path, phase):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = tmp_path / "cpu2"
-    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                           "--main-process-port", str(port), "--output", str(cfg)], capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{cfg}.yaml",
-                          str(Path(__file__).with_name("oom_probe.py")), str(tmp_path), phase],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = launch(cpu_config(tmp_path), Path(__file__).with_name("oom_probe.py"), str(tmp_path), phase, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert r0["micro_batch"] == r1["micro_batch"] == 2  # rank 0 never failed, yet agreed

@@ -1,0 +1,36 @@
+"""Helpers for tests that start real gloo processes through a generated CPU launch config."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_gpu_train(*args: str, timeout: int = 240, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_gpu_train", *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def cpu_config(tmp_path: Path, processes: int = 2, name: str = "cpu", *extra: str) -> Path:
+    """``hf-gpu-train config --machine cpu-only`` on a free port; returns the YAML path."""
+    out = tmp_path / name
+    made = hf_gpu_train("config", "--machine", "cpu-only", "--num-processes", str(processes), "--main-process-port",
+                        str(free_port()), "--output", str(out), *extra)
+    assert made.returncode == 0, made.stderr
+    return Path(f"{out}.yaml")
+
+
+def launch(config: Path, script: str | Path, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``hf-gpu-train launch`` from the repository root, with the repository importable."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return hf_gpu_train("launch", "--config-file", str(config), str(script), *args, timeout=timeout, cwd=ROOT, env=full_env)
