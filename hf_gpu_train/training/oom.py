@@ -106,6 +106,7 @@ class InPlaceOOMRecovery:
         self.clean_steps = 0
         self.events: list[dict] = []
         self._sum_normalised_answer: bool | None = None
+        self._last_batch = 0
         self.state = OOMRecoveryState()
         self.state.recovery = self
 
@@ -164,6 +165,7 @@ class InPlaceOOMRecovery:
         if not self._supported():
             return self._training_step(model, inputs, num_items_in_batch)
         size = batch_size(inputs)
+        self._last_batch = size
         fresh, self.fresh = self.fresh, False
         accelerator = self.trainer.accelerator
         distributed = accelerator.num_processes > 1
@@ -268,9 +270,10 @@ class InPlaceOOMRecovery:
             return
         self.clean_steps += 1
         if self.grow_after_steps and self.clean_steps >= self.grow_after_steps:
-            self.state.micro_batch *= 2  # try growing back; a new OOM halves it again
+            grown = self.state.micro_batch * 2  # try growing back; a new OOM halves it again
+            self.state.micro_batch = None if grown >= self._last_batch else grown  # None: the whole batch at once
             self.clean_steps = 0
-            log.info("OOM recovery: %d clean steps, trying micro-batch %d", self.grow_after_steps, self.state.micro_batch)
+            log.info("OOM recovery: %d clean steps, trying micro-batch %s", self.grow_after_steps, self.state.micro_batch or "full")
 
     # -- evaluation ------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -149,3 +149,29 @@ def test_two_gloo_processes_oom_on_rank_1_only(tmp_path, phase):
     assert r0["global_step"] == r1["global_step"] == 6
     for key in r0["params"]:
         assert torch.equal(r0["params"][key], r1["params"][key]), key
+
+
+def test_growing_back_after_clean_steps_is_opt_in(tmp_path):
+    injector = OOMFaultInjector(max_batch=4, times=1)  # one OOM, then the memory is there again
+    _, _, recovery = train(tmp_path, "grow", injector=injector, max_steps=6)
+    assert recovery.micro_batch == 4  # off by default: stays small
+    model = exact_bert()
+    OOMFaultInjector(max_batch=4, times=1).install(model)
+    trainer = Trainer(model=model, args=oom_args(tmp_path / "grow2"), train_dataset=TokenDataset(n=96))
+    growing = enable_oom_recovery(trainer, grow_after_steps=2)
+    trainer.train()
+    assert growing.micro_batch is None and len(growing.events) == 1  # back to the whole batch
+
+
+def test_allocator_retries_climbing_warn_before_the_crash(monkeypatch, caplog):
+    from hf_gpu_train.training.oom import OOMRecoveryState
+
+    retries = iter([0, 2, 5, 9, 14])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: {"num_alloc_retries": next(retries)})
+    state = OOMRecoveryState()
+    with caplog.at_level("WARNING", logger="hf_gpu_train.oom"):
+        for _ in range(5):
+            state._check_thrash()
+    warnings = [r for r in caplog.records if "memory thrash" in r.getMessage()]
+    assert len(warnings) == 1 and "expandable_segments:True" in warnings[0].getMessage()
