@@ -286,7 +286,7 @@ class TelemetryCallback(TrainerCallback):
         return None
 
     def _window_stats(self, metrics, reasons, args, samples_per_s) -> WindowStats:
-        gpu = next(iter(sorted(reasons) or sorted({int(k[3:].split("/")[0]) for k in metrics if k.startswith("gpu")})), None)
+        gpu = min(self.gpu_names) if self.gpu_names else None  # the GPU this process samples
 
         def g(key):
             return metrics.get(f"gpu{gpu}/{key}") if gpu is not None else None

@@ -21,6 +21,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from ..errors import UsageError
     from ..launch.decisions import select_gpus
     from ..launch.memory import STRATEGIES, TrainingShape, estimate, largest_micro_batch, plan_memory
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         fixed = estimate(spec, shape, strategy)
         rows.append([strategy if count > 1 else "single", f"{(fixed.total - fixed.activations) / 2**30:.2f}",
                      f"{fixed.activations / 2**30:.3f}", largest_micro_batch(spec, shape, strategy, memory),
-                     largest_micro_batch(spec, shape.__class__(**{**shape.__dict__, 'gradient_checkpointing': True}), strategy, memory)])
+                     largest_micro_batch(spec, replace(shape, gradient_checkpointing=True), strategy, memory)])
     print(table(rows))
     order = ("single",) if count == 1 else ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
     plan = plan_memory(spec, memory, count, shape, args.global_batch, strategies=order)

@@ -60,7 +60,7 @@ def resolve_runtime(cfg: FinetuneConfig, profile: HardwareProfile | None = None)
     if requested == "auto" and launched in ("bf16", "fp16"):
         requested = launched  # the launch config decided; still checked against the hardware below
     try:
-        mixed, reason = decide_precision(gpus, requested if requested != "auto" else "auto")
+        mixed, reason = decide_precision(gpus, requested)
     except PlanError as error:
         raise ConfigError(str(error)) from None
     precision = {"no": "fp32"}.get(mixed, mixed)

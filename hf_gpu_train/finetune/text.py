@@ -35,8 +35,6 @@ def load_text_model(cfg: FinetuneConfig, label_names: list[str]):
 
 
 def tokenize(cfg: FinetuneConfig, data: ClassificationData, tokenizer):
-    columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
-
     def encode(batch):
         texts = [str(t) for t in batch[cfg.text_column]]
         pairs = [str(t) for t in batch[cfg.text_pair_column]] if cfg.text_pair_column else None
@@ -46,7 +44,6 @@ def tokenize(cfg: FinetuneConfig, data: ClassificationData, tokenizer):
         drop = [c for c in ds.column_names if c != "labels"]
         return ds.map(encode, batched=True, remove_columns=drop, desc=f"tokenizing {split}")
 
-    del columns
     return apply(data.train, "train"), apply(data.validation, "validation")
 
 
