@@ -77,6 +77,9 @@ def test_sbatch_script_with_faked_slurm_forms_one_process_group(tmp_path):
            "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port()), "PROBE_OUT": str(tmp_path),
            "ACCELERATE": f"{sys.executable} -m accelerate.commands.accelerate_cli"}
     run = subprocess.run(["bash", f"{cfg}.sbatch"], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # torchelastic's exit barrier can lose its TCPStore when the agent hosting it leaves first (pytorch #69520,
+    # open); it happens after training, when the workers have finished. Anything else is a failure.
+    teardown_race = "Error waiting on exit barrier" in run.stderr and len(list(tmp_path.glob("rank*.json"))) == 2
+    assert run.returncode == 0 or teardown_race, run.stderr[-3000:]
     ranks = read_ranks(tmp_path)
     assert [r["world_size"] for r in ranks] == [2, 2] and ranks[0]["params"] == ranks[1]["params"]
