@@ -101,6 +101,8 @@ MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODEL
 MAIN_PORT=${{HF_GPU_TRAIN_MAIN_PORT:-{acc.get('main_process_port', 29500)}}}
 ACCELERATE=${{ACCELERATE:-accelerate}}
 # One task per node; each starts {per_node} process(es). SLURM_NODEID is the machine rank.
+# At the very end torchelastic may report "Error waiting on exit barrier" when the agent hosting the
+# rendezvous store leaves first (pytorch #69520): the workers have finished by then; check the metrics.
 srun --kill-on-bad-exit=1 bash -c "$ACCELERATE launch --config_file {config_path} \\
     --num_machines {nodes} --num_processes {acc['num_processes']} \\
     --machine_rank \\$SLURM_NODEID --main_process_ip $MAIN_NODE --main_process_port $MAIN_PORT \\
