@@ -111,7 +111,7 @@ def check_telemetry() -> bool:
     return ratio >= 0.97
 
 
-def check_real_oom() -> bool:
+def check_real_oom(precision: str = "bf16") -> bool:
     import torch
     from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
@@ -120,7 +120,7 @@ def check_real_oom() -> bool:
     from hf_gpu_train.launch.model_spec import from_hf_config
     from hf_gpu_train.training import enable_oom_recovery
 
-    section("real OOM recovered in place")
+    section(f"real OOM recovered in place ({precision})")
     if not torch.cuda.is_available():
         print("no CUDA device: skipped")
         return True
@@ -157,8 +157,8 @@ def check_real_oom() -> bool:
     times = StepTimes()
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=3, bf16=True, report_to="none",
-                                 save_strategy="no", disable_tqdm=True, logging_steps=1)
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=3, bf16=precision == "bf16",
+                                 fp16=precision == "fp16", report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1)
         trainer = Trainer(model=model, args=args, train_dataset=Data(), callbacks=[times])
         recovery = enable_oom_recovery(trainer)
         trainer.train()
@@ -166,12 +166,18 @@ def check_real_oom() -> bool:
         print(f"OOM at step {e['step']}: batch {e['batch']}, micro-batch {e['from']} -> {e['to']} ({e['cause'][:90]})")
     print(f"micro-batch chosen: {recovery.micro_batch}; step times {[round(t, 2) for t in times.times]} s; "
           f"recovery cost (step 1 - step 2): {times.times[0] - times.times[1]:.2f} s; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    return bool(recovery.events) and trainer.state.global_step == 3
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is not None:  # fp16: the GradScaler must come through the OOM with a finite scale and finite losses
+        print(f"GradScaler scale after recovery: {scaler.get_scale():.0f}; losses {losses}")
+    import math
+
+    return bool(recovery.events) and trainer.state.global_step == 3 and all(math.isfinite(x) for x in losses)
 
 
 def main() -> int:
     results = {"detection": check_detection(), "doctor": check_doctor(), "finetune": check_finetune_per_gpu(),
-               "telemetry": check_telemetry(), "oom": check_real_oom()}
+               "telemetry": check_telemetry(), "oom": check_real_oom("bf16"), "oom_fp16": check_real_oom("fp16")}
     section("summary")
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")
