@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 
 def table(rows: Sequence[Sequence[object]], header: bool = True) -> str:
@@ -20,7 +20,3 @@ def table(rows: Sequence[Sequence[object]], header: bool = True) -> str:
 
 def gib(num_bytes: int | float | None, digits: int = 1) -> str:
     return "?" if num_bytes is None else f"{num_bytes / 2**30:.{digits}f} GiB"
-
-
-def bullet(lines: Iterable[str]) -> str:
-    return "\n".join(f"  - {line}" for line in lines)

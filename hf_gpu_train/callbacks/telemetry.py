@@ -63,7 +63,6 @@ class TelemetryCallback(TrainerCallback):
         self._layers_hidden = (0, 0)
         self.peak: float | None = None
         self.last_verdict: Verdict | None = None
-        self.ranks: list[dict] = []
         self._hooks: list[Any] = []
         self._original_collate: tuple | None = None
         self._forward_start: float | None = None
@@ -345,7 +344,6 @@ class TelemetryCallback(TrainerCallback):
                 log.warning("telemetry: straggler rank(s) %s: at least 15%% slower than the median (own time: data wait + forward)", slow)
             if uneven:
                 log.warning("telemetry: uneven memory across ranks: %s GiB", [round(m, 2) for m in memory])
-        self.ranks = gathered
         return gathered + ([{"uneven_memory": True}] if uneven else [])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..hardware.profile import HardwareProfile, SoftwareInfo
-from .check import FAIL, SKIP, Check, skipped
+from .check import FAIL, Check, skipped
 from .gpu_checks import check_driver, gpu_checks
 from .host_checks import check_disk, check_shm
 from .live_checks import TorchProbe, p2p_copy_checks, small_win_checks
@@ -53,4 +53,4 @@ def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
-__all__ = ["run_checks", "exit_code", "SKIP"]
+__all__ = ["run_checks", "exit_code"]

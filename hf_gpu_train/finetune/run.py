@@ -77,13 +77,10 @@ def prepare(cfg: FinetuneConfig, runtime):
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
+    from ..launch.decisions import accelerate_uses_cpu
     from .checkpoints import CompleteCheckpointMarker
 
-    return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or _cpu_on_purpose())]
-
-
-def _cpu_on_purpose() -> bool:
-    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ))]
 
 
 def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..doctor.stack_checks import torch_install_command
 from ..hardware.detect import detect
 from ..hardware.profile import GpuInfo, HardwareProfile
-from ..launch.decisions import PlanError, decide_precision
+from ..launch.decisions import PlanError, accelerate_uses_cpu, decide_precision
 from .config import ConfigError, FinetuneConfig
 
 
@@ -43,7 +43,7 @@ def resolve_runtime(cfg: FinetuneConfig, profile: HardwareProfile | None = None)
     profile = profile or detect()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    forced_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or cfg.allow_cpu
+    forced_cpu = accelerate_uses_cpu(os.environ) or cfg.allow_cpu
     if profile.gpus and torch.version.cuda is None and not forced_cpu:
         raise ConfigError(f"NVIDIA GPU(s) visible ({profile.gpus[0].name}) but torch {torch.__version__} is a CPU-only build: "
                           f"{torch_install_command(profile.cuda_driver_version)}  (or allow_cpu=true to train on the CPU)")

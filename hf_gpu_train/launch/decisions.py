@@ -15,6 +15,11 @@ DEFAULT_BUSY_THRESHOLD_BYTES = 1 * 2**30
 FP8_BACKENDS = ("transformer_engine", "torchao", "msamp")
 
 
+def accelerate_uses_cpu(env) -> bool:
+    """Whether ``ACCELERATE_USE_CPU`` in this environment mapping asks accelerate for CPU processes."""
+    return str(env.get("ACCELERATE_USE_CPU", "")).lower() in ("1", "true", "yes")
+
+
 class PlanError(UsageError):
     """The hardware cannot honour what was asked: the message names the GPU and the alternative."""
 

@@ -7,7 +7,7 @@ import shutil
 from dataclasses import dataclass, fields
 
 from ..hardware.profile import HardwareProfile
-from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES
+from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, accelerate_uses_cpu
 
 ERROR, WARNING = "error", "warning"
 
@@ -38,7 +38,7 @@ def lint(config: dict, profile: HardwareProfile, env: dict[str, str] | None = No
     num_processes = int(config.get("num_processes", 1) or 1)
     num_machines = int(config.get("num_machines", 1) or 1)
     per_machine = num_processes // num_machines if num_machines else num_processes
-    use_cpu = bool(config.get("use_cpu")) or env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    use_cpu = bool(config.get("use_cpu")) or accelerate_uses_cpu(env)
     gpus = {g.index: g for g in profile.gpus}
     ids_raw = config.get("gpu_ids")
     ids: list[int] = []

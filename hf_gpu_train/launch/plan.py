@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..hardware.profile import GpuInfo, HardwareProfile
 from .decisions import (
@@ -60,7 +60,6 @@ class LaunchPlan:
     settings: tuple[Setting, ...]
     gpus: tuple[GpuInfo, ...]
     memory: MemoryPlan | None = None
-    warnings: tuple[str, ...] = field(default=())
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -129,7 +128,6 @@ def _memory_plan(profile, options, gpus, precision, world_size) -> tuple[MemoryP
 def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> LaunchPlan:
     _validate(options)
     settings: list[Setting] = []
-    warnings: list[str] = []
     gpus, gpu_reasons = select_gpus(profile, options.gpus, options.include_busy, options.busy_threshold_bytes)
     if options.other_nodes:
         check_homogeneous(profile, gpus, options.other_nodes, options.gpus, options.include_busy, options.busy_threshold_bytes)
@@ -192,7 +190,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     for key, value, reason in env:
         settings.append(Setting(key, value, reason))
     return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
-                      settings=tuple(settings), gpus=gpus, memory=memory, warnings=tuple(warnings))
+                      settings=tuple(settings), gpus=gpus, memory=memory)
 
 
 def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:
