@@ -21,8 +21,11 @@ from ..hardware.profile import clock_event_reason_names
 log = logging.getLogger("hf_gpu_train.telemetry")
 GIB = 2**30
 
-# Reasons that mean the clocks are held back by heat or power (not idle, not a setting).
-THROTTLE_REASONS = frozenset({"SwPowerCap", "HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"})
+# Reasons that mean the clocks are held back by heat or by a hardware signal: throttling.
+THROTTLE_REASONS = frozenset({"HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"})
+# The board keeping itself within its power limit. Under full load that is how a GPU is meant to run (boost
+# clocks trade against power), so it is reported as "at power limit", not as throttling.
+POWER_CAP_REASON = "SwPowerCap"
 
 
 @dataclass
@@ -121,6 +124,7 @@ class DeviceSampler:
                     "util_pct": None if util is None else util[0],
                     "mem_util_pct": None if util is None else util[1],
                     "mem_used_gib": None if mem is None else mem[1] / GIB,
+                    "mem_total_gib": None if mem is None else mem[0] / GIB,
                     "power_w": None if power is None else power / 1000.0,
                     "power_limit_w": None if limit is None else limit / 1000.0,
                     "temp_c": temp,

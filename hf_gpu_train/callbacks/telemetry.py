@@ -259,7 +259,7 @@ class TelemetryCallback(TrainerCallback):
         verdict = judge(stats)
         trend = speed_trend(self.history)
         if trend:
-            verdict = Verdict(verdict.kind, verdict.evidence, verdict.next_step, verdict.notes + (trend,))
+            verdict = verdict.with_note(trend)
         self.last_verdict = verdict
         ranks = self._gather_ranks(state, metrics)
         record = {"step": state.global_step, "time": time.time(), "final": final, "metrics": metrics,
@@ -299,6 +299,7 @@ class TelemetryCallback(TrainerCallback):
             gpu_util_pct=g("util_pct"),
             data_wait_pct=metrics.get("train/data_wait_pct"),
             throttled_pct=g("throttled_pct"),
+            power_capped_pct=g("power_capped_pct"),
             sm_clock_mhz=g("sm_clock_mhz"),
             sm_clock_max_mhz=g("sm_clock_max_mhz"),
             throttle_reasons=frozenset(reasons.get(gpu, ())) if gpu is not None else frozenset(),

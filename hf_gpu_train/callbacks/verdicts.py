@@ -3,6 +3,11 @@
 Pure functions of a window's numbers (``WindowStats``), tested on synthetic series. Order: a
 throttled GPU explains everything downstream of it, then a starved one, then memory pressure,
 then a batch too small to fill it; otherwise healthy.
+
+A GPU at its power limit (SwPowerCap) under full load is running as designed: boost clocks trade
+against the board's power budget. That is a qualifier on the verdict ("healthy, at power limit"),
+never "throttled". Throttling is heat (SwThermal/HwThermal), a hardware slowdown (HwSlowdown) or
+the power brake (HwPowerBrake), with the SM clock below its maximum.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ LOW_UTIL_PCT = 70.0
 RESERVED_GAP_FRACTION = 0.3
 RESERVED_GAP_MIN_GIB = 1.0
 SLOWDOWN = 0.15
+POWER_CAPPED_PCT = 20.0
 THERMAL = {"SwThermalSlowdown", "HwThermalSlowdown"}
-POWER = {"SwPowerCap", "HwPowerBrakeSlowdown", "HwSlowdown"}
+AT_POWER_LIMIT = "at power limit"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class WindowStats:
     gpu_util_pct: float | None = None
     data_wait_pct: float | None = None
     throttled_pct: float | None = None
+    power_capped_pct: float | None = None
     sm_clock_mhz: float | None = None
     sm_clock_max_mhz: float | None = None
     throttle_reasons: frozenset[str] = frozenset()
@@ -48,13 +55,26 @@ class Verdict:
     evidence: str
     next_step: str
     notes: tuple[str, ...] = field(default=())
+    qualifiers: tuple[str, ...] = field(default=())  # short, normal facts: "at power limit"
+
+    def label(self) -> str:
+        """The verdict in a few words, for the one console line: "healthy, at power limit"."""
+        return ", ".join((self.kind, *self.qualifiers))
 
     def line(self) -> str:
-        text = f"{self.kind}: {self.evidence}. Next: {self.next_step}"
+        text = f"{self.label()}: {self.evidence}. Next: {self.next_step}"
         return text + "".join(f" Note: {n}" for n in self.notes)
 
+    def with_note(self, note: str) -> Verdict:
+        return Verdict(self.kind, self.evidence, self.next_step, self.notes + (note,), self.qualifiers)
+
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "evidence": self.evidence, "next_step": self.next_step, "notes": list(self.notes)}
+        return {"kind": self.kind, "evidence": self.evidence, "next_step": self.next_step, "notes": list(self.notes),
+                "qualifiers": list(self.qualifiers)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        return cls(d["kind"], d["evidence"], d["next_step"], tuple(d.get("notes", ())), tuple(d.get("qualifiers", ())))
 
 
 def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
@@ -62,6 +82,21 @@ def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
 
 
 def judge(w: WindowStats) -> Verdict:
+    verdict = _judge(w)
+    if w.on_gpu and (w.power_capped_pct or 0) >= POWER_CAPPED_PCT:
+        return Verdict(verdict.kind, verdict.evidence, verdict.next_step, verdict.notes + (_power_limit_note(w),),
+                       verdict.qualifiers + (AT_POWER_LIMIT,))
+    return verdict
+
+
+def _power_limit_note(w: WindowStats) -> str:
+    return (f"{AT_POWER_LIMIT} in {_fmt(w.power_capped_pct, '%')} of readings (SwPowerCap; {_fmt(w.power_w, ' W')} of "
+            f"{_fmt(w.power_limit_w, ' W')}, SM clock {_fmt(w.sm_clock_mhz)}/{_fmt(w.sm_clock_max_mhz)} MHz): normal under "
+            "full load, the GPU trades boost clock for its power budget. If `nvidia-smi -q -d POWER` shows a limit below "
+            "the default, raising it back helps")
+
+
+def _judge(w: WindowStats) -> Verdict:
     clock_ratio = (w.sm_clock_mhz / w.sm_clock_max_mhz) if w.sm_clock_mhz and w.sm_clock_max_mhz else None
     if w.on_gpu and (w.throttled_pct or 0) >= THROTTLED_PCT and clock_ratio is not None and clock_ratio < CLOCK_RATIO:
         reasons = sorted(w.throttle_reasons)
@@ -70,8 +105,8 @@ def judge(w: WindowStats) -> Verdict:
                     f"SM clock {_fmt(w.sm_clock_mhz)}/{_fmt(w.sm_clock_max_mhz)} MHz, {_fmt(w.temp_c, ' C')}, "
                     f"power {_fmt(w.power_w, ' W')} of {_fmt(w.power_limit_w, ' W')}")
         step = ("improve cooling (fans, airflow, datacenter inlet temperature; `nvidia-smi -q -d TEMPERATURE`)" if thermal else
-                "check the power limit (`nvidia-smi -q -d POWER`; raise it with `sudo nvidia-smi -pl WATTS` if it was lowered) "
-                "and the power cables (HwSlowdown / power brake)")
+                "a hardware slowdown or power brake is a signal from the board or the system: check the power cables and "
+                "the power supply, and `nvidia-smi -q -d PERFORMANCE` for which one")
         return Verdict("throttled", evidence, step)
     wait = w.data_wait_pct or 0.0
     util = w.gpu_util_pct

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .sampler import THROTTLE_REASONS, Sample
+from .sampler import POWER_CAP_REASON, THROTTLE_REASONS, Sample
 
 
 @dataclass
@@ -64,16 +64,20 @@ class LoopTimer:
         return out
 
 
-NUMERIC_GPU_KEYS = ("util_pct", "mem_util_pct", "mem_used_gib", "power_w", "power_limit_w", "temp_c", "sm_clock_mhz",
+NUMERIC_GPU_KEYS = ("util_pct", "mem_util_pct", "mem_used_gib", "mem_total_gib", "power_w", "power_limit_w", "temp_c", "sm_clock_mhz",
                     "sm_clock_max_mhz", "pcie_gen", "pcie_width")
 MAX_TOO = ("util_pct", "mem_used_gib", "power_w", "temp_c", "sm_clock_mhz")
 
 
 def summarize_samples(samples: list[Sample]) -> tuple[dict[str, float], dict[int, set[str]]]:
-    """({key: value} with means and ``_max`` for the peaks, {gpu: throttle reasons seen})."""
+    """({key: value} with means and ``_max`` for the peaks, {gpu: throttle reasons seen}).
+
+    ``gpuN/throttled_pct``: share of readings with a throttle reason (heat, hardware slowdown, power brake);
+    ``gpuN/power_capped_pct``: share at the board's power limit (SwPowerCap), which is not throttling."""
     values: dict[str, list[float]] = defaultdict(list)
     reasons: dict[int, set[str]] = defaultdict(set)
     throttled: dict[int, list[bool]] = defaultdict(list)
+    capped: dict[int, list[bool]] = defaultdict(list)
     for s in samples:
         for index, g in s.gpus.items():
             for key in NUMERIC_GPU_KEYS:
@@ -83,6 +87,7 @@ def summarize_samples(samples: list[Sample]) -> tuple[dict[str, float], dict[int
                 hit = set(g["throttle_reasons"]) & THROTTLE_REASONS
                 reasons[index] |= hit
                 throttled[index].append(bool(hit))
+                capped[index].append(POWER_CAP_REASON in g["throttle_reasons"])
         for key, value in s.host.items():
             values[f"host/{key}"].append(float(value))
     out: dict[str, float] = {}
@@ -93,4 +98,6 @@ def summarize_samples(samples: list[Sample]) -> tuple[dict[str, float], dict[int
             out[f"{key}_max"] = max(series)
     for index, flags in throttled.items():
         out[f"gpu{index}/throttled_pct"] = 100.0 * sum(flags) / len(flags)
+    for index, flags in capped.items():
+        out[f"gpu{index}/power_capped_pct"] = 100.0 * sum(flags) / len(flags)
     return out, dict(reasons)

@@ -1,8 +1,11 @@
-"""PNG plots of a run: one line per GPU, throttled readings marked."""
+"""PNG plots of a run: one line per GPU, throttled readings marked red, readings at the power limit orange
+(the power cap under load is normal, so it is not drawn as throttling)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from ..callbacks.sampler import POWER_CAP_REASON, THROTTLE_REASONS
 
 PANELS = [
     ("utilization", "GPU utilization (%)", "util_pct"),
@@ -41,8 +44,13 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
         for g in gpus:
             pts = [(s["t"] - t0, s["gpus"][g][key]) for s in samples if key in s["gpus"].get(g, {})]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"GPU{g}")
-            hot = [(s["t"] - t0, s["gpus"][g][key]) for s in samples if key in s["gpus"].get(g, {})
-                   and set(s["gpus"][g].get("throttle_reasons", [])) - {"GpuIdle", "ApplicationsClocksSetting"}]
+            readings = [(s["t"] - t0, s["gpus"][g][key], set(s["gpus"][g].get("throttle_reasons", [])))
+                        for s in samples if key in s["gpus"].get(g, {})]
+            hot = [(t, v) for t, v, reasons in readings if reasons & THROTTLE_REASONS]
+            capped = [(t, v) for t, v, reasons in readings if POWER_CAP_REASON in reasons and not reasons & THROTTLE_REASONS]
+            if capped:
+                ax.scatter([p[0] for p in capped], [p[1] for p in capped], color="orange", s=10, label=f"GPU{g} at power limit",
+                           zorder=3)
             if hot:
                 ax.scatter([p[0] for p in hot], [p[1] for p in hot], color="red", s=12, label=f"GPU{g} throttled", zorder=3)
         if key == "sm_clock_mhz":

@@ -87,6 +87,8 @@ def render_terminal_summary(summary: dict) -> str:
         lines.append(f"{key}: mean {m[key]['mean']:.1f}, max {m[key]['max']:.1f}")
     if summary.get("throttle_reasons_seen"):
         lines.append(f"throttling seen: {', '.join(summary['throttle_reasons_seen'])}")
+    for key in sorted(k for k in m if k.endswith("/power_capped_pct") and m[k]["max"] > 0):
+        lines.append(f"{key.split('/')[0]} at power limit (SwPowerCap, not throttling) in {m[key]['mean']:.0f}% of readings on average")
     if summary.get("straggler_ranks"):
         lines.append(f"straggler ranks: {summary['straggler_ranks']}")
     counts = summary.get("verdict_counts", {})
@@ -94,6 +96,7 @@ def render_terminal_summary(summary: dict) -> str:
         lines.append("verdicts over the run: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
     v = summary.get("final_verdict")
     if v:
-        lines.append(f"verdict: {v['kind']}: {v['evidence']}. Next: {v['next_step']}")
+        label = ", ".join([v["kind"], *v.get("qualifiers", [])])
+        lines.append(f"verdict: {label}: {v['evidence']}. Next: {v['next_step']}")
         lines += [f"note: {n}" for n in v.get("notes", [])]
     return "\n".join(lines)

@@ -16,14 +16,31 @@ def test_data_bound_names_the_worker_count():
     assert v.kind == "data-bound" and "55%" in v.evidence and "from 2 to 4" in v.next_step and "pin_memory" in v.next_step
 
 
-def test_throttled_thermal_and_power():
+def test_throttled_thermal_and_hardware_slowdown():
     hot = judge(WindowStats(**{**HEALTHY, "throttled_pct": 80, "sm_clock_mhz": 1300, "throttle_reasons": frozenset({"HwThermalSlowdown"}),
                                "temp_c": 92}))
     assert hot.kind == "throttled" and "HwThermalSlowdown" in hot.evidence and "cooling" in hot.next_step
-    capped = judge(WindowStats(**{**HEALTHY, "throttled_pct": 60, "sm_clock_mhz": 1500, "throttle_reasons": frozenset({"SwPowerCap"})}))
-    assert capped.kind == "throttled" and "power limit" in capped.next_step
+    for reason in ("HwSlowdown", "HwPowerBrakeSlowdown"):
+        braked = judge(WindowStats(**{**HEALTHY, "throttled_pct": 60, "sm_clock_mhz": 1100, "throttle_reasons": frozenset({reason})}))
+        assert braked.kind == "throttled" and reason in braked.evidence and "power cables" in braked.next_step
     # reasons at full clock are not throttling
-    assert judge(WindowStats(**{**HEALTHY, "throttled_pct": 60, "throttle_reasons": frozenset({"SwPowerCap"})})).kind == "healthy"
+    assert judge(WindowStats(**{**HEALTHY, "throttled_pct": 60, "throttle_reasons": frozenset({"HwSlowdown"})})).kind == "healthy"
+
+
+def test_at_the_power_limit_under_full_load_is_not_throttling():
+    capped = judge(WindowStats(**{**HEALTHY, "power_capped_pct": 90, "sm_clock_mhz": 1500, "power_w": 698, "power_limit_w": 700}))
+    assert capped.kind == "healthy" and capped.qualifiers == ("at power limit",)
+    assert capped.label() == "healthy, at power limit"
+    assert any("at power limit" in n and "90%" in n and "698 W of 700 W" in n for n in capped.notes)
+    # a power-capped GPU that is also starved keeps the verdict that matters, with the note
+    starved = judge(WindowStats(**{**HEALTHY, "power_capped_pct": 90, "sm_clock_mhz": 1500, "data_wait_pct": 45}))
+    assert starved.kind == "data-bound" and starved.qualifiers == ("at power limit",)
+    # thermal throttling beside the power cap is still throttling
+    both = judge(WindowStats(**{**HEALTHY, "power_capped_pct": 90, "throttled_pct": 50, "sm_clock_mhz": 1200,
+                                "throttle_reasons": frozenset({"SwThermalSlowdown"})}))
+    assert both.kind == "throttled" and both.qualifiers == ("at power limit",)
+    # a few capped readings are not worth a note
+    assert judge(WindowStats(**{**HEALTHY, "power_capped_pct": 5})).qualifiers == ()
 
 
 def test_memory_pressure_from_retries_or_fragmentation():
@@ -75,7 +92,8 @@ def test_loop_timer_measures_the_gap_and_excludes_logging():
 
 def test_summarize_samples_means_maxima_and_throttling():
     samples = [Sample(t=i, gpus={0: {"util_pct": u, "throttle_reasons": r}}, host={"cpu_pct": 10.0})
-               for i, (u, r) in enumerate([(50, ["GpuIdle"]), (100, ["SwPowerCap"]), (90, [])])]
+               for i, (u, r) in enumerate([(50, ["GpuIdle"]), (100, ["SwPowerCap"]), (90, ["SwPowerCap", "HwSlowdown"]), (95, [])])]
     metrics, reasons = summarize_samples(samples)
-    assert metrics["gpu0/util_pct"] == 80 and metrics["gpu0/util_pct_max"] == 100
-    assert abs(metrics["gpu0/throttled_pct"] - 100 / 3) < 1e-9 and reasons == {0: {"SwPowerCap"}}
+    assert metrics["gpu0/util_pct"] == 83.75 and metrics["gpu0/util_pct_max"] == 100
+    assert metrics["gpu0/throttled_pct"] == 25 and reasons == {0: {"HwSlowdown"}}
+    assert metrics["gpu0/power_capped_pct"] == 50

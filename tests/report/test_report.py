@@ -30,3 +30,16 @@ def test_report_command_redraws_and_prints_the_verdict(tmp_path, capsys):
 def test_report_of_a_run_without_telemetry_is_a_usage_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "telemetry=true" in capsys.readouterr().err
+
+
+def test_power_limit_is_reported_as_such_not_as_throttling(tmp_path):
+    from hf_gpu_train.report.writer import load_run, render_terminal_summary
+
+    samples = [Sample(t=float(i), gpus={0: {"util_pct": 99, "power_w": 698.0, "throttle_reasons": ["SwPowerCap"]}}) for i in range(3)]
+    records = [{"step": 10, "time": 1.0, "final": False, "throttle_reasons": {}, "metrics": {"gpu0/power_capped_pct": 80.0},
+                "verdict": {"kind": "healthy", "evidence": "e", "next_step": "n", "notes": [], "qualifiers": ["at power limit"]}}]
+    write_run_report(tmp_path, samples, records, Verdict("healthy", "GPU busy", "nothing to change", qualifiers=("at power limit",)),
+                     {0: "NVIDIA H200"})
+    text = render_terminal_summary(load_run(tmp_path)[2])
+    assert "gpu0 at power limit (SwPowerCap, not throttling) in 80% of readings" in text
+    assert "verdict: healthy, at power limit: GPU busy" in text and "throttling seen" not in text
