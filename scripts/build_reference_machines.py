@@ -1,7 +1,8 @@
 """Write the reference machines shipped in ``hf_gpu_train/hardware/machines/``.
 
 Run: ``python scripts/build_reference_machines.py``. ``tests/hardware/test_reference_machines.py``
-fails when the committed JSON drifts from this file, so edit here, not the JSON.
+fails when the committed JSON drifts from this file, so edit here, not the JSON. The same run writes the
+test-only machines (odd boxes that should not ship) into ``tests/hardware/machines/``.
 
 Sources for the values (memory as NVML reports it in MiB, compute capability, board power, max SM
 clock, links): NVIDIA datasheets (T4, A100, H100, H200, RTX 3090, RTX 4090) and the
@@ -9,6 +10,14 @@ clock, links): NVIDIA datasheets (T4, A100, H100, H200, RTX 3090, RTX 4090) and 
 NVSwitch), A100 PCIe NVLink-bridge guide (NV12 per bridged pair), GeForce RTX 3090 NVLink bridge
 (NV4 per bridged pair). GeForce boards report P2P "chipset not supported" over PCIe
 (nccl-tests #117, NVIDIA/nccl #1127).
+
+DGX-1 (8x V100, hybrid cube mesh): the NV1/NV2 matrix and CPU affinities of NVIDIA's published
+``nvidia-smi topo -m`` of a DGX-1 (each GPU has 6 NVLinks; GPUs 0-3 and 4-7 form fully linked quads on
+one socket each, joined by 0-4, 1-5, 2-6, 3-7); the PCIe switches (GPUs 0-1, 2-3, 4-5, 6-7 behind one
+PLX switch each, PIX) from the NIC columns of that output and the topology dump in NVIDIA/nccl #671
+(GPU0 06:00.0 and GPU1 07:00.0 under PLX 03:00.0). MIG: profile names and memory as `nvidia-smi`
+shows them on an A100-SXM4-80GB (two 3g.40gb instances, GPU instance ids 1 and 2, 40192 MiB each;
+NVIDIA MIG user guide, "Supported MIG Profiles").
 """
 
 from __future__ import annotations
@@ -20,7 +29,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.hardware import snapshot  # noqa: E402
-from hf_gpu_train.hardware.profile import GpuInfo, GpuPair, GpuProcess, HardwareProfile, HostInfo, cpulist  # noqa: E402
+from hf_gpu_train.hardware.profile import (  # noqa: E402
+    GpuInfo,
+    GpuPair,
+    GpuProcess,
+    HardwareProfile,
+    HostInfo,
+    MigInstance,
+    cpulist,
+)
+
+TEST_MACHINES_DIR = Path(__file__).resolve().parents[1] / "tests" / "hardware" / "machines"
 
 MIB = 2**20
 GIB = 2**30
@@ -28,6 +47,7 @@ GIB = 2**30
 # name, memory MiB, capability, board power W, max SM clock MHz, idle SM clock MHz, PCIe gen
 GPU_MODELS = {
     "t4": ("Tesla T4", 15360, (7, 5), 70.0, 1590, 300, 3),
+    "v100-sxm2-32": ("Tesla V100-SXM2-32GB", 32768, (7, 0), 300.0, 1530, 135, 3),
     "h200": ("NVIDIA H200", 143771, (9, 0), 700.0, 1980, 345, 5),
     "h100-sxm": ("NVIDIA H100 80GB HBM3", 81559, (9, 0), 700.0, 1980, 345, 5),
     "a100-sxm-80": ("NVIDIA A100-SXM4-80GB", 81920, (8, 0), 400.0, 1410, 210, 4),
@@ -40,6 +60,7 @@ GPU_MODELS = {
 
 def gpu(index: int, model: str, bus: int, numa: int | None = 0, cpus: range = range(0), **extra) -> GpuInfo:
     name, mib, cc, watts, max_mhz, idle_mhz, gen = GPU_MODELS[model]
+    mig = extra.pop("mig_enabled", False)
     return GpuInfo(
         index=index,
         name=name,
@@ -49,7 +70,8 @@ def gpu(index: int, model: str, bus: int, numa: int | None = 0, cpus: range = ra
         memory_used_bytes=extra.pop("memory_used_bytes", 4 * MIB if model in ("h100-sxm", "h200") else 1 * MIB),
         compute_capability=cc,
         power_limit_w=watts,
-        mig_enabled=extra.pop("mig_enabled", False),
+        mig_enabled=mig,
+        mig_pending_enabled=extra.pop("mig_pending_enabled", mig),
         display_active=extra.pop("display_active", False),
         numa_node=numa,
         cpu_affinity=cpulist(cpus) or None,
@@ -171,8 +193,10 @@ def machines() -> list[HardwareProfile]:
                        mixed, all_pairs(mixed, lambda a, b: "PHB", p2p=lambda a, b: "GPU not supported"),
                        driver="550.107.02", cuda="12.4"))
 
-    mig = [gpu(0, "a100-sxm-40", 0x07, cpus=range(0, 32), mig_enabled=True, memory_used_bytes=64 * MIB)]
-    out.append(profile("1x-a100-mig", "1x A100 SXM4 40GB in MIG mode (CUDA sees MIG instances, not the GPU)",
+    mig = [gpu(0, "a100-sxm-80", 0x07, cpus=range(0, 64), mig_enabled=True, memory_used_bytes=38 * MIB,
+               mig_instances=mig_3g40gb_pair("a100-sxm-80-00"))]
+    out.append(profile("1x-a100-mig", "1x A100 SXM4 80GB in MIG mode, split into two 3g.40gb instances "
+                       "(CUDA sees the instances, not the GPU)",
                        host("1x-a100-mig", "AMD EPYC 7J13 64-Core Processor", 32, 64, 1, 256, 128, 1),
                        mig, driver="535.183.01", cuda="12.2"))
 
@@ -184,12 +208,93 @@ def machines() -> list[HardwareProfile]:
                        host("2x-a100-one-busy", "AMD EPYC 7J13 64-Core Processor", 32, 64, 1, 256, 128, 2),
                        busy, all_pairs(busy, lambda a, b: "PXB", nvlinks=lambda a, b: 12),
                        driver="535.183.01", cuda="12.2"))
+    out.append(dgx1())
+    out.append(pcie_switch_box())
+    return out
+
+
+def mig_3g40gb_pair(tag: str) -> tuple[MigInstance, ...]:
+    """Two 3g.40gb instances of an A100-SXM4-80GB, as `nvidia-smi` lists them (40192 MiB, 19 MiB used)."""
+    return tuple(MigInstance(index=i, uuid=f"MIG-{tag}-gi{gi}-0000-000000000000", name="NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+                             memory_total_bytes=40192 * MIB, memory_used_bytes=19 * MIB, gpu_instance_id=gi,
+                             compute_instance_id=0)
+                 for i, gi in enumerate((1, 2)))
+
+
+# The DGX-1 hybrid cube mesh (nvidia-smi topo -m): NVLinks per pair; every other pair has none.
+DGX1_NVLINKS = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, (1, 5): 2, (2, 3): 2,
+                (2, 6): 1, (3, 7): 1, (4, 5): 1, (4, 6): 1, (4, 7): 2, (5, 6): 2, (5, 7): 1, (6, 7): 2}
+
+
+def dgx1() -> HardwareProfile:
+    cpus = [[*range(0, 20), *range(40, 60)], [*range(20, 40), *range(60, 80)]]
+    v100 = [gpu(i, "v100-sxm2-32", bus, numa=i // 4, cpus=cpus[i // 4])
+            for i, bus in enumerate([0x06, 0x07, 0x0A, 0x0B, 0x85, 0x86, 0x89, 0x8A])]
+
+    def pcie(a, b):
+        if a.numa_node != b.numa_node:
+            return "SYS"
+        return "PIX" if a.index // 2 == b.index // 2 else "PHB"  # one PLX switch per GPU pair
+
+    def links(a, b):
+        return DGX1_NVLINKS.get((a.index, b.index), 0)
+
+    def p2p(a, b):  # PCIe P2P does not cross the sockets' QPI link; NVLinked pairs talk over NVLink
+        return "OK" if links(a, b) or a.numa_node == b.numa_node else "IOH topology not supported"
+
+    return profile("8x-v100-dgx1", "DGX-1: 8x V100 SXM2 32GB, NVLink hybrid cube mesh (NV1/NV2, 6 links per GPU), "
+                   "two quads on two sockets, one PLX switch per GPU pair",
+                   host("8x-v100-dgx1", "Intel(R) Xeon(R) CPU E5-2698 v4 @ 2.20GHz", 40, 80, 2, 512, 256, 8,
+                        ib=[f"mlx5_{i}" for i in range(4)]),
+                   v100, all_pairs(v100, pcie, nvlinks=links, p2p=p2p), driver="535.183.01", cuda="12.2")
+
+
+def pcie_switch_box() -> HardwareProfile:
+    """Dual-socket 8-GPU server with cascaded PCIe switches: per socket one top switch, two leaf switches
+    with two GPUs each. PIX within a leaf switch, PXB between leaves under one top switch, SYS across
+    the sockets (where PCIe P2P stops)."""
+    cpus = [range(0, 28), range(28, 56)]
+    a100 = [gpu(i, "a100-pcie-80", bus, numa=i // 4, cpus=[*cpus[i // 4], *(c + 56 for c in cpus[i // 4])])
+            for i, bus in enumerate([0x1B, 0x1C, 0x1F, 0x20, 0x9B, 0x9C, 0x9F, 0xA0])]
+
+    def pcie(a, b):
+        if a.numa_node != b.numa_node:
+            return "SYS"
+        return "PIX" if a.index // 2 == b.index // 2 else "PXB"
+
+    def p2p(a, b):
+        return "OK" if a.numa_node == b.numa_node else "IOH topology not supported"
+
+    return profile("8x-a100-pcie-switches", "8x A100 80GB PCIe, no NVLink: two GPUs per PCIe switch (PIX), two switches "
+                   "under one top switch per socket (PXB), P2P stops at the socket boundary (SYS)",
+                   host("8x-a100-pcie-switches", "Intel(R) Xeon(R) Gold 6348 CPU @ 2.60GHz", 56, 112, 2, 1024, 512, 8),
+                   a100, all_pairs(a100, pcie, p2p=p2p), driver="550.127.05", cuda="12.4")
+
+
+def test_machines() -> list[HardwareProfile]:
+    """Odd boxes for decision tests: real situations, but not machines anyone should plan for."""
+    out = []
+    pending = [gpu(0, "a100-sxm-40", 0x07, cpus=range(0, 64), nvswitch_links=12),
+               gpu(1, "a100-sxm-40", 0x0F, cpus=range(0, 64), nvswitch_links=12, mig_pending_enabled=True)]
+    out.append(profile("2x-a100-mig-pending", "2x A100 SXM4 40GB (NV12); `nvidia-smi -i 1 -mig 1` was run on GPU 1 "
+                       "but the GPU not reset: MIG is off now and turns on at the next reset",
+                       host("2x-a100-mig-pending", "AMD EPYC 7J13 64-Core Processor", 32, 64, 1, 256, 128, 2),
+                       pending, all_pairs(pending, lambda a, b: "PXB", nvlinks=lambda a, b: 12),
+                       driver="535.183.01", cuda="12.2"))
+    vm = [gpu(i, "h100-sxm", bus, numa=None, cpus=range(0, 96), nvswitch_links=18)
+          for i, bus in enumerate([0x05, 0x06, 0x07, 0x08])]
+    out.append(profile("4x-h100-vm-nvlink-no-p2p", "VM with 4x H100 SXM passed through: NVLinks active (NV18) but NVML "
+                       "reports P2P not supported (no fabric manager / P2P blocked by the hypervisor); flat virtual PCIe",
+                       host("4x-h100-vm-nvlink-no-p2p", "Intel(R) Xeon(R) Platinum 8480+", 48, 96, 1, 900, 450, 4),
+                       vm, all_pairs(vm, lambda a, b: "PHB", nvlinks=lambda a, b: 18, p2p=lambda a, b: "not supported"),
+                       driver="550.127.05", cuda="12.4"))
     return out
 
 
 def main() -> None:
-    for machine in machines():
-        path = snapshot.save(machine, snapshot.MACHINES_DIR / f"{machine.name}.json")
+    targets = [(m, snapshot.MACHINES_DIR) for m in machines()] + [(m, TEST_MACHINES_DIR) for m in test_machines()]
+    for machine, directory in targets:
+        path = snapshot.save(machine, directory / f"{machine.name}.json")
         print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
 
 

@@ -99,6 +99,9 @@ def _detect_gpu(backend: NvmlBackend, index: int, handle: Any, errors: list[str]
     utilization = q(backend.utilization_pct, handle)
     pcie = q(backend.pcie_link, handle)
     remotes = q(backend.nvlink_remotes, handle) or []
+    mig_now, mig_pending = q(backend.mig_mode, handle) or (None, None)
+    # Only a GPU in MIG mode has MIG devices; None (not ()) when the driver cannot list them.
+    mig_devices = q(backend.mig_devices, handle) if mig_now else None
     gpu = GpuInfo(
         index=index,
         name=q(backend.name, handle) or f"GPU {index}",
@@ -108,7 +111,9 @@ def _detect_gpu(backend: NvmlBackend, index: int, handle: Any, errors: list[str]
         memory_used_bytes=memory[1],
         compute_capability=q(backend.compute_capability, handle),
         power_limit_w=None if power_mw is None else power_mw / 1000.0,
-        mig_enabled=q(backend.mig_enabled, handle),
+        mig_enabled=mig_now,
+        mig_pending_enabled=mig_pending,
+        mig_instances=None if mig_devices is None else tuple(mig_devices),
         display_active=q(backend.display_active, handle),
         numa_node=q(backend.numa_node, handle),
         cpu_affinity=q(backend.cpu_affinity, handle),

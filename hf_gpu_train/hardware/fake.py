@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .backend import NOT_SUPPORTED, NvmlFailure
-from .profile import CLOCK_EVENT_REASON_BITS, P2P_STATUS_NAMES, TOPOLOGY_LEVELS, HardwareProfile
+from .profile import CLOCK_EVENT_REASON_BITS, P2P_STATUS_NAMES, TOPOLOGY_LEVELS, HardwareProfile, MigInstance
 
 _LEVEL_BY_NAME = {name: level for level, name in TOPOLOGY_LEVELS.items()}
 _P2P_BY_NAME = {name: code for code, name in P2P_STATUS_NAMES.items()}
@@ -134,9 +134,19 @@ class FakeNvmlBackend:
         self._check("power_usage_mw")
         return self._value("power_usage_mw", h, None)
 
-    def mig_enabled(self, h: int) -> bool:
-        self._check("mig_enabled")
-        return self._value("mig_enabled", h, self._gpu(h).mig_enabled)
+    def mig_mode(self, h: int) -> tuple[bool, bool]:
+        """(now, after the next reset); a snapshot without the pending mode answers "no change"."""
+        self._check("mig_mode")
+        gpu = self._gpu(h)
+        pending = gpu.mig_enabled if gpu.mig_pending_enabled is None else gpu.mig_pending_enabled
+        return self._value("mig_mode", h, None if gpu.mig_enabled is None else (gpu.mig_enabled, pending))
+
+    def mig_devices(self, h: int) -> list[MigInstance]:
+        self._check("mig_devices")
+        instances = self._gpu(h).mig_instances
+        if instances is None:
+            raise NvmlFailure(NOT_SUPPORTED, "mig_devices: not recorded in snapshot")
+        return list(instances)
 
     def display_active(self, h: int) -> bool:
         self._check("display_active")

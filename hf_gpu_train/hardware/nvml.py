@@ -24,7 +24,7 @@ from .backend import (
     NvmlFailure,
     normalize_bus_id,
 )
-from .profile import cpulist
+from .profile import MigInstance, cpulist
 
 # NVML return codes (nvml.h nvmlReturn_t) mapped to our failure kinds.
 _KIND_BY_CODE = {
@@ -37,9 +37,20 @@ _KIND_BY_CODE = {
     18: DRIVER_MISMATCH,
 }
 
+# nvmlReturn_t codes that mean "no device in this slot" when walking MIG device or NVLink slots.
+_EMPTY_SLOT_CODES = (2, 6)  # INVALID_ARGUMENT, NOT_FOUND
+# nvmlAffinityScope_t: NVML_AFFINITY_SCOPE_NODE asks for NUMA nodes (not sockets).
+_AFFINITY_SCOPE_NODE = 0
+_NODE_SET_WORDS = 4  # 64-bit words in the NUMA node mask: up to 256 nodes
+
 # P2P capability indices. Written as literals: pynvml defines NVML_P2P_CAPS_INDEX_READ as ``0,``
 # (a tuple, by a stray comma in nvidia-ml-py 13.x), which NVML would reject.
 _P2P_CAPS = {"read": 0, "write": 1, "nvlink": 2, "atomics": 3, "prop": 4}
+
+
+def _failure(error: Exception) -> NvmlFailure:
+    """The ``NvmlFailure`` for one pynvml.NVMLError (its ``value`` is the nvmlReturn_t code)."""
+    return NvmlFailure(_KIND_BY_CODE.get(getattr(error, "value", None), OTHER), str(error))
 
 
 def _translating(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,8 +61,7 @@ def _translating(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, *args)
         except self._pynvml.NVMLError as error:
-            code = getattr(error, "value", None)
-            raise NvmlFailure(_KIND_BY_CODE.get(code, OTHER), str(error)) from None
+            raise _failure(error) from None
 
     return wrapper
 
@@ -129,9 +139,38 @@ class PynvmlBackend:
         return int(self._pynvml.nvmlDeviceGetPowerUsage(handle))
 
     @_translating
-    def mig_enabled(self, handle: Any) -> bool:
-        current, _pending = self._pynvml.nvmlDeviceGetMigMode(handle)
-        return current == self._pynvml.NVML_DEVICE_MIG_ENABLE
+    def mig_mode(self, handle: Any) -> tuple[bool, bool]:
+        """(MIG on now, MIG on after the next GPU reset): they differ after `nvidia-smi -mig` until the reset."""
+        current, pending = self._pynvml.nvmlDeviceGetMigMode(handle)
+        enable = self._pynvml.NVML_DEVICE_MIG_ENABLE
+        return current == enable, pending == enable
+
+    @_translating
+    def mig_devices(self, handle: Any) -> list[MigInstance]:
+        """The MIG devices of a GPU in MIG mode: empty slots (NotFound / InvalidArgument) are skipped."""
+        nv = self._pynvml
+        instances = []
+        for slot in range(int(nv.nvmlDeviceGetMaxMigDeviceCount(handle))):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except nv.NVMLError as error:
+                if getattr(error, "value", None) in _EMPTY_SLOT_CODES:
+                    continue
+                raise
+            memory = nv.nvmlDeviceGetMemoryInfo(mig)
+            instances.append(MigInstance(
+                index=slot, uuid=_text(nv.nvmlDeviceGetUUID(mig)), name=_text(nv.nvmlDeviceGetName(mig)),
+                memory_total_bytes=int(memory.total), memory_used_bytes=int(memory.used),
+                gpu_instance_id=self._optional(nv.nvmlDeviceGetGpuInstanceId, mig),
+                compute_instance_id=self._optional(nv.nvmlDeviceGetComputeInstanceId, mig)))
+        return instances
+
+    def _optional(self, query: Callable[..., Any], *args: Any) -> int | None:
+        """A secondary integer field: None when this driver cannot say."""
+        try:
+            return int(query(*args))
+        except self._pynvml.NVMLError:
+            return None
 
     @_translating
     def display_active(self, handle: Any) -> bool:
@@ -139,7 +178,20 @@ class PynvmlBackend:
 
     @_translating
     def numa_node(self, handle: Any) -> int:
-        return int(self._pynvml.nvmlDeviceGetNumaNodeId(handle))
+        """The CPU NUMA node closest to the GPU (``nvidia-smi topo -m``'s "NUMA Affinity").
+
+        From ``nvmlDeviceGetMemoryAffinity`` with node scope. Not ``nvmlDeviceGetNumaNodeId``: that is
+        the GPU's own NUMA id on platforms where GPU memory is a NUMA node (Grace Hopper), "N/A" on
+        x86 ("GPU NUMA ID" in topo -m). Older drivers lack the query (FunctionNotFound -> unknown), and a
+        GPU close to several nodes has no single one (NotSupported -> unknown): decisions then use the
+        CPU affinity mask instead.
+        """
+        nv = self._pynvml
+        words = nv.nvmlDeviceGetMemoryAffinity(handle, _NODE_SET_WORDS, _AFFINITY_SCOPE_NODE)
+        nodes = [w * 64 + bit for w, mask in enumerate(words) for bit in range(64) if (int(mask) >> bit) & 1]
+        if len(nodes) != 1:
+            raise NvmlFailure(NOT_SUPPORTED, f"GPU memory affinity spans NUMA nodes {nodes or 'none'}")
+        return nodes[0]
 
     @_translating
     def cpu_affinity(self, handle: Any) -> str:
@@ -168,7 +220,7 @@ class PynvmlBackend:
             except nv.NVMLError as error:
                 if getattr(error, "value", None) in (3, 2):  # NotSupported / InvalidArgument: no more links
                     break
-                raise NvmlFailure(_KIND_BY_CODE.get(getattr(error, "value", None), OTHER), str(error)) from None
+                raise _failure(error) from None
             try:
                 is_switch = nv.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link) == nv.NVML_NVLINK_DEVICE_TYPE_SWITCH
             except nv.NVMLError:  # older drivers: no device type query, links then go GPU to GPU

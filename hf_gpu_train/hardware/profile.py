@@ -89,6 +89,34 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
+class MigInstance:
+    """One MIG device of a GPU in MIG mode: what CUDA sees instead of the whole GPU.
+
+    A training process runs on one instance (``CUDA_VISIBLE_DEVICES=<uuid>``) and can use only the
+    instance's memory, a fraction of the GPU's; NCCL cannot join instances into one group.
+    ``index`` is the MIG device index within its GPU (``nvmlDeviceGetMigDeviceHandleByIndex``).
+    """
+
+    index: int
+    uuid: str  # "MIG-..." (drivers >= R470), what CUDA_VISIBLE_DEVICES takes
+    name: str  # e.g. "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
+    memory_total_bytes: int
+    memory_used_bytes: int | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+    @property
+    def profile(self) -> str:
+        """The MIG profile from the device name ("3g.40gb"), or the whole name when it has none."""
+        _, sep, rest = self.name.rpartition("MIG ")
+        return rest.strip() if sep else self.name
+
+    @property
+    def memory_free_bytes(self) -> int:
+        return self.memory_total_bytes - (self.memory_used_bytes or 0)
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One physical GPU as NVML sees it. ``index`` is the NVML index, which is NOT the CUDA index
     unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: match devices by ``pci_bus_id`` or ``uuid``."""
@@ -101,7 +129,13 @@ class GpuInfo:
     memory_used_bytes: int | None = None
     compute_capability: tuple[int, int] | None = None
     power_limit_w: float | None = None
-    mig_enabled: bool | None = None
+    mig_enabled: bool | None = None  # MIG mode now
+    # MIG mode after the next GPU reset (``nvmlDeviceGetMigMode``'s pending value): differs from
+    # ``mig_enabled`` after `nvidia-smi -mig` until the GPU is reset or the machine rebooted.
+    mig_pending_enabled: bool | None = None
+    # The MIG devices of a GPU in MIG mode; () when MIG is on but no instance exists (CUDA then sees
+    # no device here); None when not in MIG mode or not recorded (snapshots before version 2).
+    mig_instances: tuple[MigInstance, ...] | None = None
     display_active: bool | None = None
     numa_node: int | None = None
     cpu_affinity: str | None = None  # Linux cpulist notation, e.g. "0-55,112-167"
@@ -127,6 +161,21 @@ class GpuInfo:
     def fp16_supported(self) -> bool:
         """fp16 tensor cores arrived with Volta (7.0); older cards run fp16 but slowly."""
         return self.compute_capability is not None and self.compute_capability >= (7, 0)
+
+    @property
+    def mig_change_pending(self) -> bool:
+        """MIG mode was changed but the GPU not reset yet: the mode flips at the next reset or reboot."""
+        return (self.mig_enabled is not None and self.mig_pending_enabled is not None
+                and self.mig_enabled != self.mig_pending_enabled)
+
+    @property
+    def cpus(self) -> tuple[int, ...]:
+        """CPU ids close to this GPU (NVML's CPU affinity), () when unknown."""
+        return parse_cpulist(self.cpu_affinity)
+
+    @property
+    def memory_free_bytes(self) -> int:
+        return self.memory_total_bytes - (self.memory_used_bytes or 0)
 
     @property
     def memory_total_gib(self) -> float:
@@ -160,6 +209,18 @@ class GpuPair:
     @property
     def p2p_ok(self) -> bool:
         return self.p2p_read == "OK" and self.p2p_write == "OK"
+
+    @property
+    def p2p_problem(self) -> str | None:
+        """NVML's reason when P2P does not work on this pair (read or write), None when it does."""
+        if self.p2p_ok:
+            return None
+        return (self.p2p_read if self.p2p_read != "OK" else self.p2p_write) or "unknown"
+
+    @property
+    def path(self) -> str | None:
+        """The fastest path between the two GPUs in NCCL's words: NVL over NVLink, else the PCIe level."""
+        return "NVL" if self.nvlinks else self.topology
 
     @property
     def label(self) -> str:

@@ -20,7 +20,10 @@ from ..errors import UsageError
 from .profile import HardwareProfile
 
 FORMAT = "hf_gpu_train.machine"
-VERSION = 1
+# Version 2 added the pending MIG mode and the MIG instances of each GPU. Older versions still load:
+# their missing fields take the dataclass defaults (None, "not recorded").
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MACHINES_DIR = Path(__file__).parent / "machines"
 
 
@@ -44,9 +47,10 @@ def from_dict(data: dict[str, Any], source: str = "snapshot") -> HardwareProfile
         raise SnapshotError(f"{source} is not an hf_gpu_train machine snapshot (no \"format\": \"{FORMAT}\"); "
                             "make one with `hf-gpu-train detect --save FILE`")
     version = data.get("version")
-    if version != VERSION:
-        raise SnapshotError(f"{source} has snapshot version {version!r}; this hf_gpu_train reads version {VERSION}: "
-                            "upgrade hf_gpu_train or re-run `hf-gpu-train detect --save` with this version")
+    if version not in READABLE_VERSIONS:
+        raise SnapshotError(f"{source} has snapshot version {version!r}; this hf_gpu_train reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade hf_gpu_train or re-run "
+                            "`hf-gpu-train detect --save` with this version")
     try:
         return _decode(HardwareProfile, data["profile"])
     except (KeyError, TypeError, ValueError) as error:

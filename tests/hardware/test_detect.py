@@ -10,16 +10,35 @@ from hf_gpu_train.hardware.fake import FakeNvmlBackend
 from hf_gpu_train.hardware.snapshot import load_machine
 
 from ..conftest import REFERENCE_MACHINES
+from .odd_machines import odd_machine, odd_machine_names
 
 NVML_ONLY_FIELDS = dict(name=None, description=None, notes=(), software=None)
 
 
-@pytest.mark.parametrize("name", [n for n in REFERENCE_MACHINES if n != "cpu-only"])
+@pytest.mark.parametrize("name", [n for n in REFERENCE_MACHINES if n != "cpu-only"] + odd_machine_names())
 def test_snapshot_through_fake_backend_detects_the_same_profile(name):
-    original = load_machine(name)
+    original = odd_machine(name) if name in odd_machine_names() else load_machine(name)
     detected = detect(FakeNvmlBackend(original), host=original.host)
     assert detected.notes == ()
     assert detected == replace(original, **NVML_ONLY_FIELDS)
+
+
+def test_mig_pending_mode_is_recorded_not_dropped():
+    box = odd_machine("2x-a100-mig-pending")
+    gpus = detect(FakeNvmlBackend(box), host=box.host).gpus
+    assert (gpus[1].mig_enabled, gpus[1].mig_pending_enabled, gpus[1].mig_change_pending) == (False, True, True)
+    assert (gpus[0].mig_enabled, gpus[0].mig_pending_enabled, gpus[0].mig_change_pending) == (False, False, False)
+    assert gpus[1].mig_instances is None  # not in MIG mode now: no MIG devices to list
+
+
+def test_mig_instances_are_recorded_with_their_memory_and_uuid(machine):
+    box = machine("1x-a100-mig")
+    gpu = detect(FakeNvmlBackend(box), host=box.host).gpus[0]
+    assert gpu.mig_enabled and gpu.memory_total_bytes == 81920 * 2**20
+    assert [(m.profile, m.memory_total_bytes, m.uuid[:4], m.gpu_instance_id) for m in gpu.mig_instances] == [
+        ("3g.40gb", 40192 * 2**20, "MIG-", 1), ("3g.40gb", 40192 * 2**20, "MIG-", 2)]
+    unlisted = detect(FakeNvmlBackend(box, failures={"mig_devices": "not_supported"}), host=box.host).gpus[0]
+    assert unlisted.mig_enabled and unlisted.mig_instances is None  # unknown, not "no instance"
 
 
 @pytest.mark.parametrize(
@@ -40,7 +59,7 @@ def test_nvml_init_failures_give_a_cpu_profile_with_the_reason(machine, kind, ca
     assert profile.host == box.host
 
 
-@pytest.mark.parametrize("field, method", [("power_limit_w", "power_limit_mw"), ("mig_enabled", "mig_enabled"),
+@pytest.mark.parametrize("field, method", [("power_limit_w", "power_limit_mw"), ("mig_enabled", "mig_mode"), ("mig_pending_enabled", "mig_mode"),
                                            ("numa_node", "numa_node"), ("display_active", "display_active"),
                                            ("compute_capability", "compute_capability")])
 @pytest.mark.parametrize("kind", ["not_supported", "function_not_found"])

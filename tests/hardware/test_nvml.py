@@ -72,3 +72,60 @@ def test_init_without_a_driver_is_a_library_not_found_failure_or_works():
     else:  # a GPU machine: NVML works
         assert backend.device_count() >= 0
         backend.shutdown()
+
+
+def test_mig_mode_reports_the_pending_mode(backend, monkeypatch):
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigMode", lambda h: [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE])
+    assert backend.mig_mode(None) == (False, True)
+
+
+def test_mig_devices_skip_empty_slots_and_read_each_instance(backend, monkeypatch):
+    class Memory:
+        total, used = 40192 * 2**20, 19 * 2**20
+
+    def by_index(h, slot):
+        if slot not in (0, 2):
+            raise pynvml.NVMLError(6)  # NOT_FOUND: no MIG device in this slot
+        return f"mig{slot}"
+
+    def gi_id(mig):
+        if mig == "mig2":
+            raise pynvml.NVMLError(3)
+        return 1
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMaxMigDeviceCount", lambda h: 7)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigDeviceHandleByIndex", by_index)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda mig: f"MIG-{mig}".encode())
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda mig: b"NVIDIA A100-SXM4-80GB MIG 3g.40gb")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda mig: Memory())
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuInstanceId", gi_id)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeInstanceId", lambda mig: 0)
+    instances = backend.mig_devices(None)
+    assert [(m.index, m.uuid, m.profile, m.memory_total_bytes, m.gpu_instance_id, m.compute_instance_id) for m in instances] == [
+        (0, "MIG-mig0", "3g.40gb", 40192 * 2**20, 1, 0), (2, "MIG-mig2", "3g.40gb", 40192 * 2**20, None, 0)]
+
+    def broken(h, slot):
+        raise pynvml.NVMLError(999)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigDeviceHandleByIndex", broken)
+    with pytest.raises(NvmlFailure):
+        backend.mig_devices(None)
+
+
+def test_numa_node_is_the_cpu_node_from_memory_affinity_not_the_gpu_numa_id(backend, monkeypatch):
+    # nvmlDeviceGetNumaNodeId is the GPU's own NUMA id (Grace Hopper), "N/A" on x86: never asked.
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNumaNodeId", lambda h: pytest.fail("asked the GPU NUMA id"))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryAffinity", lambda h, words, scope: [0b10, 0, 0, 0])
+    assert backend.numa_node(None) == 1
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryAffinity", lambda h, words, scope: [0b11, 0, 0, 0])
+    with pytest.raises(NvmlFailure) as info:
+        backend.numa_node(None)
+    assert info.value.kind == "not_supported"
+
+    def old_driver(h, words, scope):
+        raise pynvml.NVMLError(13)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryAffinity", old_driver)
+    with pytest.raises(NvmlFailure) as info:
+        backend.numa_node(None)
+    assert info.value.kind == "function_not_found"

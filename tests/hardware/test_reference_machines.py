@@ -8,8 +8,11 @@ import pytest
 from hf_gpu_train.hardware.snapshot import MACHINES_DIR, load_machine, to_json
 from hf_gpu_train.hardware.topology import p2p_summary, topology_matrix
 
+from .odd_machines import TEST_MACHINES_DIR, odd_machine
+
 REQUIRED = ["cpu-only", "1x-t4", "1x-h200", "8x-h100-sxm", "8x-a100-sxm-80gb", "4x-a100-pcie-nvlink-pairs",
-            "2x-rtx4090", "4x-rtx3090-nvlink-pairs", "mixed-a100-rtx3090", "1x-a100-mig", "2x-a100-one-busy"]
+            "2x-rtx4090", "4x-rtx3090-nvlink-pairs", "mixed-a100-rtx3090", "1x-a100-mig", "2x-a100-one-busy",
+            "8x-v100-dgx1", "8x-a100-pcie-switches"]
 
 
 def _generator():
@@ -26,6 +29,9 @@ def test_committed_machines_match_the_generator():
     assert set(generated) == set(committed)
     drifted = [name for name in generated if generated[name] != committed[name]]
     assert not drifted, f"run `python scripts/build_reference_machines.py`; drifted: {drifted}"
+    test_only = {m.name: to_json(m) for m in _generator().test_machines()}
+    assert test_only == {p.stem: p.read_text() for p in TEST_MACHINES_DIR.glob("*.json")}
+    assert not set(test_only) & set(generated)
 
 
 def test_every_required_machine_ships():
@@ -52,8 +58,37 @@ def test_topology_matrix_in_nvidia_smi_notation():
     assert p2p_summary(load_machine("8x-h100-sxm")) == "P2P: OK on all 28 pairs"
 
 
+def test_dgx1_is_the_published_hybrid_cube_mesh():
+    rows = topology_matrix(load_machine("8x-v100-dgx1"))
+    # NVIDIA's published `nvidia-smi topo -m` of a DGX-1, GPU columns and CPU affinity
+    assert [r[1:9] + [r[9]] for r in rows[1:]] == [
+        ["X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0-19,40-59"],
+        ["NV1", "X", "NV2", "NV1", "SYS", "NV2", "SYS", "SYS", "0-19,40-59"],
+        ["NV1", "NV2", "X", "NV2", "SYS", "SYS", "NV1", "SYS", "0-19,40-59"],
+        ["NV2", "NV1", "NV2", "X", "SYS", "SYS", "SYS", "NV1", "0-19,40-59"],
+        ["NV2", "SYS", "SYS", "SYS", "X", "NV1", "NV1", "NV2", "20-39,60-79"],
+        ["SYS", "NV2", "SYS", "SYS", "NV1", "X", "NV2", "NV1", "20-39,60-79"],
+        ["SYS", "SYS", "NV1", "SYS", "NV1", "NV2", "X", "NV2", "20-39,60-79"],
+        ["SYS", "SYS", "SYS", "NV1", "NV2", "NV1", "NV2", "X", "20-39,60-79"],
+    ]
+    dgx1 = load_machine("8x-v100-dgx1")
+    assert {g.index: sum(p.nvlinks for p in dgx1.pairs if g.index in (p.a, p.b)) for g in dgx1.gpus} == {i: 6 for i in range(8)}
+    assert [dgx1.pair(0, 1).topology, dgx1.pair(0, 2).topology, dgx1.pair(0, 4).topology] == ["PIX", "PHB", "SYS"]
+
+
+def test_pcie_switch_box_levels():
+    box = load_machine("8x-a100-pcie-switches")
+    assert [box.pair(0, 1).topology, box.pair(0, 2).topology, box.pair(0, 4).topology] == ["PIX", "PXB", "SYS"]
+    assert {p.nvlinks for p in box.pairs} == {0}
+    assert [p.p2p_ok for p in (box.pair(0, 3), box.pair(3, 4))] == [True, False]
+
+
 def test_special_machines_say_what_is_special():
-    assert load_machine("1x-a100-mig").gpus[0].mig_enabled
+    mig = load_machine("1x-a100-mig").gpus[0]
+    assert mig.mig_enabled and [m.profile for m in mig.mig_instances] == ["3g.40gb", "3g.40gb"]
+    assert odd_machine("2x-a100-mig-pending").gpus[1].mig_change_pending
+    vm = odd_machine("4x-h100-vm-nvlink-no-p2p")
+    assert {(p.nvlinks, p.p2p_ok) for p in vm.pairs} == {(18, False)}
     busy = load_machine("2x-a100-one-busy").gpus[1]
     assert busy.processes[0].pid == 4242 and busy.memory_used_bytes == 30 * 2**30
     mixed = load_machine("mixed-a100-rtx3090")

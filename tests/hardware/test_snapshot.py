@@ -37,6 +37,23 @@ def test_errors_name_the_file_and_the_fix(tmp_path):
         from_dict(data)
 
 
+def test_version_1_snapshots_still_load_with_mig_facts_unknown():
+    data = to_dict(load_machine("2x-a100-one-busy"))
+    data["version"] = 1
+    for gpu in data["profile"]["gpus"]:  # version 1 had neither field
+        del gpu["mig_pending_enabled"], gpu["mig_instances"]
+    old = from_dict(data)
+    assert [(g.mig_enabled, g.mig_pending_enabled, g.mig_instances) for g in old.gpus] == [(False, None, None)] * 2
+    assert not any(g.mig_change_pending for g in old.gpus)
+    assert to_dict(old)["version"] == snapshot.VERSION == 2
+
+
+def test_mig_instances_round_trip(tmp_path):
+    original = load_machine("1x-a100-mig")
+    assert load(save(original, tmp_path / "m.json")).gpus[0].mig_instances == original.gpus[0].mig_instances
+    assert len(original.gpus[0].mig_instances) == 2
+
+
 def test_unknown_machine_name_suggests_the_nearest():
     with pytest.raises(UsageError, match="'8x-h100-sxm'"):
         load_machine("8x-h100")
