@@ -3,14 +3,21 @@
 Sources: ``builtin:text`` / ``builtin:digits``; ``train_file`` / ``validation_file`` (csv, json,
 jsonl, parquet); ``imagefolder:DIR`` (one sub-directory per class); anything else is passed to
 ``datasets.load_dataset`` (a hub id in a user's world, a local dataset directory here).
+
+Two phases, so that a mistake costs seconds, not a pass over the data: ``open_classification_data`` loads
+and checks what is cheap to check (files, splits, columns, labels, whether a validation carve is possible);
+``process_classification_data`` does the passes over every row (label encoding, the carve, sampling,
+opening every image). The entry point loads the model between the two.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .builtin import BUILTIN_DATASETS
+from .carve import CarvePlan, carve, plan_carve
 from .config import ConfigError, FinetuneConfig
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -23,6 +30,18 @@ class ClassificationData:
     validation: object
     label_names: list[str]
     source: str
+    notes: list[str] = field(default_factory=list)  # what the user should be told before training (printed by the entry point)
+
+
+@dataclass
+class OpenedData:
+    """The data after the cheap checks: loaded but not processed; columns and labels checked, the carve planned."""
+
+    train: object  # datasets.Dataset, raw label column
+    validation: object | None  # None: carved by ``carve_plan``
+    label_names: list[str]
+    source: str
+    carve_plan: CarvePlan | None
 
 
 def _builder_for(path: str) -> str:
@@ -102,20 +121,29 @@ def _check_columns(ds, cfg: FinetuneConfig, split: str) -> None:
         raise ConfigError(f"the {split} split is empty")
 
 
-def _label_names(train, column: str) -> list[str]:
+def _label_key(value) -> str:
+    return str(int(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _label_counts(train, column: str) -> dict[str, int]:
+    """Class name -> rows in the train split, in label order. The classes are what training sees; validation must
+    stay within them. A ClassLabel column keeps all its names, also those without rows."""
     from datasets import ClassLabel
 
     feature = train.features[column]
+    counts = Counter(train[column])
     if isinstance(feature, ClassLabel):
-        return list(feature.names)
-    values = set(train.unique(column))  # the classes are what training sees; validation must stay within them
-    if None in values:
+        return {name: counts.get(i, 0) for i, name in enumerate(feature.names)}
+    if None in counts:
         raise ConfigError(f"label_column={column!r} has empty values in the train split: fill or drop those rows")
+    values = list(counts)
     if any(isinstance(v, float) and not float(v).is_integer() for v in values):
         raise ConfigError(f"label_column={column!r} holds non-integer numbers {sorted(values)[:5]}: classification needs classes")
     ints = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-    ordered = sorted(values, key=(lambda v: int(v)) if ints else str)
-    return [str(int(v)) if ints else str(v) for v in ordered]
+    merged: Counter = Counter()
+    for value, n in counts.items():
+        merged[_label_key(value)] += n
+    return dict(sorted(merged.items(), key=lambda item: int(item[0]) if ints else item[0]))
 
 
 def _encode_labels(ds, column: str, names: list[str], split: str):
@@ -128,7 +156,7 @@ def _encode_labels(ds, column: str, names: list[str], split: str):
     def encode(batch):
         ids = []
         for value in batch[column]:
-            key = str(int(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+            key = _label_key(value)
             if key not in index:
                 raise ConfigError(f"label {value!r} in the {split} split is not among the training labels {names}")
             ids.append(index[key])
@@ -158,29 +186,47 @@ def verify_images(ds, column: str, split: str) -> None:
                               "remove or fix the file") from None
 
 
-def load_classification_data(cfg: FinetuneConfig) -> ClassificationData:
+def open_classification_data(cfg: FinetuneConfig) -> OpenedData:
+    """Load the data and run every check that needs no pass over the rows' contents."""
     raw, source = _load_raw(cfg)
-    train, validation, carve = _split(raw, cfg)
+    train, validation, needs_carve = _split(raw, cfg)
     _check_columns(train, cfg, "train")
     if validation is not None:
         _check_columns(validation, cfg, "validation")
-    names = _label_names(train, cfg.label_column)
+    counts = _label_counts(train, cfg.label_column)
+    names = list(counts)
     if len(names) < 2:
         raise ConfigError(f"label_column={cfg.label_column!r} has a single class {names}: classification needs at least two")
-    train = _encode_labels(train, cfg.label_column, names, "train")
-    if carve:
-        from datasets import ClassLabel
+    plan = plan_carve(counts, cfg.validation_fraction, cfg.label_column) if needs_carve else None
+    return OpenedData(train=train, validation=validation, label_names=names, source=source, carve_plan=plan)
 
-        train = train.cast_column("labels", ClassLabel(names=names)) if not isinstance(train.features["labels"], ClassLabel) else train
-        parts = train.train_test_split(test_size=cfg.validation_fraction, seed=cfg.seed, stratify_by_column="labels")
-        train, validation = parts["train"], parts["test"]
+
+def _sample(ds, limit: int | None, seed: int):
+    """At most ``limit`` rows, drawn at random (seeded): files and image folders are often sorted by class, and their
+    first rows would be a single class."""
+    if not limit or limit >= len(ds):
+        return ds
+    return ds.shuffle(seed=seed).select(range(limit))
+
+
+def process_classification_data(cfg: FinetuneConfig, opened: OpenedData) -> ClassificationData:
+    """The passes over every row: label encoding, the validation carve, sampling, and opening every image."""
+    names = opened.label_names
+    notes = []
+    train = _encode_labels(opened.train, cfg.label_column, names, "train")
+    if opened.carve_plan is not None:
+        train, validation = carve(train, opened.carve_plan, names, cfg.seed)
+        if opened.carve_plan.note:
+            notes.append(opened.carve_plan.note)
     else:
-        validation = _encode_labels(validation, cfg.label_column, names, "validation")
-    if cfg.max_train_samples:
-        train = train.select(range(min(cfg.max_train_samples, len(train))))
-    if cfg.max_eval_samples:
-        validation = validation.select(range(min(cfg.max_eval_samples, len(validation))))
+        validation = _encode_labels(opened.validation, cfg.label_column, names, "validation")
+    train = _sample(train, cfg.max_train_samples, cfg.seed)
+    validation = _sample(validation, cfg.max_eval_samples, cfg.seed)
     if cfg.task == "image-classification":
         verify_images(train, cfg.image_column, "train")
         verify_images(validation, cfg.image_column, "validation")
-    return ClassificationData(train=train, validation=validation, label_names=names, source=source)
+    return ClassificationData(train=train, validation=validation, label_names=names, source=opened.source, notes=notes)
+
+
+def load_classification_data(cfg: FinetuneConfig) -> ClassificationData:
+    return process_classification_data(cfg, open_classification_data(cfg))

@@ -119,3 +119,50 @@ def test_builtin_sets():
     assert any(" not " in r["text"] and r["label"] == "positive" for r in rows)  # negation flips
     digits = load_classification_data(load_config(None, ["task=image-classification", "dataset=builtin:digits"]))
     assert digits.label_names == [str(i) for i in range(10)] and len(digits.train) + len(digits.validation) == 1797
+
+
+def rows_of(counts: dict[str, int]) -> list[dict]:
+    return [{"text": f"{label} example {i}", "label": label} for label, n in counts.items() for i in range(n)]
+
+
+def class_counts(ds, names) -> dict[str, int]:
+    from collections import Counter
+
+    return {names[i]: n for i, n in sorted(Counter(ds["labels"]).items())}
+
+
+def test_four_rows_two_classes_carve_one_of_each_and_say_so(tmp_path):
+    train = write(tmp_path / "t.jsonl", rows_of({"neg": 2, "pos": 2}), "jsonl")
+    data = load_classification_data(load_config(None, [f"train_file={train}"]))
+    assert class_counts(data.train, data.label_names) == {"neg": 1, "pos": 1}
+    assert class_counts(data.validation, data.label_names) == {"neg": 1, "pos": 1}
+    assert any("2 of 4 rows (50%" in note and "validation_fraction=0.2" in note for note in data.notes)
+
+
+def test_a_class_with_one_row_cannot_be_carved_and_the_error_names_the_minimum(tmp_path):
+    train = write(tmp_path / "t.jsonl", rows_of({"neg": 2, "pos": 1}), "jsonl")
+    with pytest.raises(ConfigError, match=r"class 'pos' has 1 row.*at least 2 rows in every class.*validation_file="):
+        load_classification_data(load_config(None, [f"train_file={train}"]))
+
+
+def test_a_rare_class_keeps_a_row_on_both_sides(tmp_path):
+    # datasets' stratified train_test_split left 'rare_b' out of validation here (20 validation rows for 104: 20/0/1)
+    train = write(tmp_path / "t.jsonl", rows_of({"common": 100, "rare_a": 2, "rare_b": 2}), "jsonl")
+    data = load_classification_data(load_config(None, [f"train_file={train}"]))
+    assert class_counts(data.validation, data.label_names) == {"common": 20, "rare_a": 1, "rare_b": 1}
+    assert class_counts(data.train, data.label_names) == {"common": 80, "rare_a": 1, "rare_b": 1}
+
+
+def test_no_note_when_the_carve_is_what_was_asked(tmp_path):
+    train = write(tmp_path / "t.csv", ROWS, "csv")
+    data = load_classification_data(load_config(None, [f"train_file={train}", "dataset=none", "validation_fraction=0.25"]))
+    assert data.notes == []
+
+
+def test_max_train_samples_draws_from_every_class_of_a_sorted_file(tmp_path):
+    train = write(tmp_path / "t.jsonl", rows_of({"neg": 50, "pos": 50}), "jsonl")  # sorted by class, like an imagefolder
+    dev = write(tmp_path / "d.jsonl", rows_of({"neg": 5, "pos": 5}), "jsonl")
+    data = load_classification_data(load_config(None, [f"train_file={train}", f"validation_file={dev}", "max_train_samples=10",
+                                                      "max_eval_samples=4"]))
+    assert len(data.train) == 10 and set(class_counts(data.train, data.label_names)) == {"neg", "pos"}
+    assert len(data.validation) == 4 and set(class_counts(data.validation, data.label_names)) == {"neg", "pos"}
