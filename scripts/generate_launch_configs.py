@@ -30,7 +30,7 @@ def variants(name: str):
     profile = load_machine(name)
     base = f"hf-gpu-train config --machine {name}"
     yield name, PlanOptions(), f"{base} --output launch_configs/{name}"
-    if len(make_plan(profile, PlanOptions()).gpus) > 1 if profile.gpus and not all(g.mig_enabled for g in profile.gpus) else False:
+    if profile.gpus and len(make_plan(profile, PlanOptions()).gpus) > 1:
         yield f"{name}-fsdp", PlanOptions(strategy="fsdp"), f"{base} --strategy fsdp --output launch_configs/{name}-fsdp"
     if len(profile.gpus) >= 8 or name == "cpu-only":
         for rank in (0, 1):
@@ -46,7 +46,7 @@ def generate() -> dict[str, str]:
         for stem, options, command in variants(name):
             try:
                 plan = make_plan(load_machine(name), options)
-            except PlanError as error:  # e.g. the MIG box: every GPU skipped by default
+            except PlanError as error:  # a machine the default plan refuses: the reason is the file
                 files[f"{stem}.txt"] = f"# {command}\n# no config: {error}\n"
                 rows.append((stem, "-", "-", "-", str(error).split(".")[0]))
                 continue

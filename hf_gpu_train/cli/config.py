@@ -29,7 +29,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR/NAME", help="writes DIR/NAME.yaml and DIR/NAME.env")
     p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3"])
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"])
-    p.add_argument("--gpus", default="all", help="all, a count (2), or NVML indices (0,3)")
+    p.add_argument("--gpus", default="all", metavar="all|N",
+                   help="how many GPUs: all usable, or a count N (the best-connected N: NVLink, then one PCIe switch, "
+                   "then one NUMA node). A count, never an index: --gpus 2 means two GPUs, not GPU 2")
+    p.add_argument("--gpu-ids", metavar="0,3|MIG-UUID",
+                   help="exactly these GPUs, by NVML index (PCI bus order, as nvidia-smi numbers them), or one MIG "
+                   "instance by UUID (one process); replaces --gpus")
     p.add_argument("--num-processes", type=int, dest="cpu_processes", help="processes per machine on a machine without GPUs")
     p.add_argument("--num-machines", type=int, default=1)
     p.add_argument("--machine-rank", type=int, default=0)
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     profile, live = resolve_profile(args)
     options = PlanOptions(
-        strategy=args.strategy, precision=args.precision, gpus=args.gpus, num_machines=args.num_machines,
+        strategy=args.strategy, precision=args.precision, gpus=args.gpus, gpu_ids=args.gpu_ids, num_machines=args.num_machines,
         machine_rank=args.machine_rank, main_process_ip=args.main_process_ip, main_process_port=args.main_process_port,
         rdzv_backend=args.rdzv_backend, cpu_processes=args.cpu_processes, include_busy=args.include_busy,
         busy_threshold_bytes=int(args.busy_threshold_gib * 2**30), debug_nccl=args.debug_nccl,
@@ -112,9 +117,11 @@ def run(args: argparse.Namespace) -> int:
     if live and options.machine_rank == 0 and options.num_machines > 1 and port_in_use(options.main_process_port):
         print(f"\nwarning: port {options.main_process_port} is in use on this machine: pick another --main-process-port")
     print("\nWrote " + ", ".join(map(str, written)))
-    print(f"\nLaunch:\n  {launch_command(yaml_path, args.script)}")
-    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script)}")
-    print(f"or with torchrun:\n  {torchrun_command(plan, args.script)}")
+    # A CPU binding accelerate cannot apply (GPUs other than 0..n-1) is a prefix every launch inherits.
+    prefix = f"{plan.cpu_binding.command_prefix} " if plan.cpu_binding and plan.cpu_binding.command_prefix else ""
+    print(f"\nLaunch:\n  {prefix}{launch_command(yaml_path, args.script)}")
+    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script).replace('accelerate launch', prefix + 'accelerate launch', 1)}")
+    print(f"or with torchrun:\n  {torchrun_command(plan, args.script).replace(' torchrun ', f' {prefix}torchrun ', 1)}")
     if options.num_machines > 1:
         print(f"On SLURM: sbatch {written[-1]}  (one task per node, c10d rendezvous)")
     return 0

@@ -6,22 +6,19 @@ Each returns its value with the reason, so the plan can print both. No I/O, no t
 from __future__ import annotations
 
 import importlib.util
-from collections import defaultdict
 
-from ..errors import UsageError
-from ..hardware.profile import GpuInfo, HardwareProfile
+from ..hardware.profile import GpuInfo, GpuPair, HardwareProfile
+from .errors import PlanError
+from .gpu_selection import DEFAULT_BUSY_THRESHOLD_BYTES, select_devices
 
-DEFAULT_BUSY_THRESHOLD_BYTES = 1 * 2**30
+__all__ = ["PlanError", "DEFAULT_BUSY_THRESHOLD_BYTES", "accelerate_uses_cpu", "check_homogeneous", "decide_precision",
+           "nccl_environment", "nccl_path", "p2p_level_cutoff", "select_gpus"]
 FP8_BACKENDS = ("transformer_engine", "torchao", "msamp")
 
 
 def accelerate_uses_cpu(env) -> bool:
     """Whether ``ACCELERATE_USE_CPU`` in this environment mapping asks accelerate for CPU processes."""
     return str(env.get("ACCELERATE_USE_CPU", "")).lower() in ("1", "true", "yes")
-
-
-class PlanError(UsageError):
-    """The hardware cannot honour what was asked: the message names the GPU and the alternative."""
 
 
 # -- precision --------------------------------------------------------------------------------
@@ -64,135 +61,35 @@ def decide_precision(gpus: tuple[GpuInfo, ...], requested: str = "auto", fp8_bac
     return "fp16", f"GPU {g.index} ({g.name}, compute capability {g.capability_str}) has no bf16: fp16 with loss scaling"
 
 
-# -- GPU selection -----------------------------------------------------------------------------
-
-def _parse_gpus(spec: str) -> int | list[int] | None:
-    spec = str(spec).strip()
-    if spec in ("", "all"):
-        return None
-    if "," in spec or spec.startswith("id:"):
-        try:
-            return [int(x) for x in spec.removeprefix("id:").split(",") if x.strip()]
-        except ValueError:
-            raise PlanError(f"--gpus {spec!r}: give all, a count (2) or NVML indices (0,3)") from None
-    try:
-        count = int(spec)
-    except ValueError:
-        raise PlanError(f"--gpus {spec!r}: give all, a count (2) or NVML indices (0,3)") from None
-    if count < 1:
-        raise PlanError(f"--gpus {count}: at least 1")
-    return count
-
-
-def nvlink_islands(profile: HardwareProfile, gpus: list[GpuInfo]) -> list[list[GpuInfo]]:
-    """Groups of GPUs joined by NVLink (connected components), largest first."""
-    index = {g.index: g for g in gpus}
-    seen: set[int] = set()
-    islands = []
-    for g in gpus:
-        if g.index in seen:
-            continue
-        stack, island = [g.index], []
-        seen.add(g.index)
-        while stack:
-            cur = stack.pop()
-            island.append(index[cur])
-            for other in index:
-                pair = profile.pair(cur, other) if other != cur else None
-                if pair and pair.nvlinks and other not in seen:
-                    seen.add(other)
-                    stack.append(other)
-        islands.append(sorted(island, key=lambda x: x.index))
-    return sorted(islands, key=lambda isl: (-len(isl), isl[0].index))
-
+# -- GPU selection (gpu_selection.py decides; these keep the whole-GPU view for callers) -----------
 
 def select_gpus(
     profile: HardwareProfile,
-    gpus: str = "all",
+    gpus: str | int | None = "all",
     include_busy: bool = False,
     busy_threshold_bytes: int = DEFAULT_BUSY_THRESHOLD_BYTES,
+    gpu_ids: str | None = None,
 ) -> tuple[tuple[GpuInfo, ...], list[str]]:
-    """(selected GPUs, reasons). Skips MIG, display and busy GPUs unless named or --include-busy."""
-    wanted = _parse_gpus(gpus)
-    reasons: list[str] = []
-    if not profile.gpus:
-        if wanted not in (None,):
-            raise PlanError(f"--gpus {gpus}: this machine has no GPU")
-        return (), ["no GPU: processes run on the CPU"]
-    if isinstance(wanted, list):
-        known = {g.index for g in profile.gpus}
-        unknown = [i for i in wanted if i not in known]
-        if unknown:
-            raise PlanError(f"--gpus {gpus}: no GPU {unknown} here (NVML indices {sorted(known)})")
-        chosen = tuple(profile.gpu(i) for i in wanted)
-        reasons.append(f"GPUs {','.join(map(str, wanted))} as asked")
-        for g in chosen:
-            if g.mig_enabled:
-                reasons.append(f"GPU {g.index} is in MIG mode: CUDA sees its MIG instances, not the whole GPU")
-            if (g.memory_used_bytes or 0) >= busy_threshold_bytes:
-                reasons.append(f"GPU {g.index} already has {(g.memory_used_bytes or 0) / 2**30:.1f} GiB in use by other processes")
-        if len({g.name for g in chosen}) > 1:
-            reasons.append("mixed GPU models: the slowest GPU paces every DDP step")
-        return chosen, reasons
-
-    usable = []
-    for g in profile.gpus:
-        if g.mig_enabled:
-            reasons.append(f"skip GPU {g.index}: MIG mode on (NCCL cannot span MIG instances; `nvidia-smi -i {g.index} -mig 0`)")
-        elif g.display_active:
-            reasons.append(f"skip GPU {g.index}: drives a display (slower and shares memory with the desktop); name it in --gpus to use it")
-        elif not include_busy and (g.memory_used_bytes or 0) >= busy_threshold_bytes:
-            reasons.append(f"skip GPU {g.index}: {(g.memory_used_bytes or 0) / 2**30:.1f} GiB held by other processes "
-                           f"(threshold {busy_threshold_bytes / 2**30:.1f} GiB; --include-busy to use it)")
-        else:
-            usable.append(g)
-    if not usable:
-        raise PlanError("every GPU was skipped (" + "; ".join(reasons) + "). Name GPUs with --gpus 0,1 or pass --include-busy")
-    groups: dict[tuple[str, int], list[GpuInfo]] = defaultdict(list)
-    for g in usable:
-        groups[(g.name, g.memory_total_bytes)].append(g)
-    if len(groups) > 1:
-        best = max(groups.values(), key=lambda grp: (len(grp), grp[0].memory_total_bytes, grp[0].compute_capability or (0, 0)))
-        others = [f"{grp[0].name} x{len(grp)}" for grp in groups.values() if grp is not best]
-        reasons.append(f"mixed GPU models: using the largest matching group ({best[0].name} x{len(best)}), leaving out "
-                       f"{', '.join(others)}; the slowest GPU would pace every DDP step")
-        usable = best
-    if wanted is None:
-        reasons.append(f"{len(usable)} usable GPU(s): {','.join(str(g.index) for g in usable)}")
-        return tuple(usable), reasons
-    if wanted > len(usable):
-        raise PlanError(f"--gpus {wanted}: only {len(usable)} usable GPU(s) here ({', '.join(str(g.index) for g in usable)})")
-    chosen = _prefer_close(profile, usable, wanted, reasons)
-    return tuple(chosen), reasons
-
-
-def _prefer_close(profile: HardwareProfile, usable: list[GpuInfo], count: int, reasons: list[str]) -> list[GpuInfo]:
-    """Fewer GPUs than usable: one NVLink island if one holds them all, else one NUMA node."""
-    islands = [isl for isl in nvlink_islands(profile, usable) if len(isl) >= count and len(isl) > 1]
-    if islands and count > 1:
-        island = min(islands, key=lambda isl: (len(isl), isl[0].index))  # the tightest island that fits
-        chosen = island[:count]
-        if len(island) < len(usable):
-            reasons.append(f"{count} GPU(s) from one NVLink island ({','.join(str(g.index) for g in island)})")
-        return chosen
-    by_numa: dict[int | None, list[GpuInfo]] = defaultdict(list)
-    for g in usable:
-        by_numa[g.numa_node].append(g)
-    fitting = [grp for node, grp in sorted(by_numa.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)) if len(grp) >= count]
-    if fitting and len(by_numa) > 1:
-        reasons.append(f"{count} GPU(s) from NUMA node {fitting[0][0].numa_node} (no cross-socket traffic)")
-        return fitting[0][:count]
-    return usable[:count]
+    """(selected whole GPUs, reasons). A selection that is only a MIG instance is refused: its memory is the
+    instance's, not the GPU's, so a caller sizing work by ``memory_total_bytes`` would plan too big
+    (``make_plan`` and ``select_devices`` handle MIG)."""
+    selection = select_devices(profile, gpus, gpu_ids, include_busy, busy_threshold_bytes)
+    if selection.mig_instance is not None:
+        m = selection.mig_instance
+        raise PlanError(f"only a MIG instance is usable here ({m.uuid}, {m.profile}, {m.memory_free_bytes / 2**30:.1f} GiB free), "
+                        f"not a whole GPU: plan it with `hf-gpu-train config`, or size the planner with "
+                        f"--gpu-memory-gib {m.memory_free_bytes / 2**30:.1f}")
+    return selection.gpus, list(selection.reasons)
 
 
 def check_homogeneous(profile: HardwareProfile, gpus: tuple[GpuInfo, ...], other_nodes: tuple[HardwareProfile, ...],
-                      gpu_spec: str, include_busy: bool, busy_threshold_bytes: int) -> None:
+                      gpu_spec: str, include_busy: bool, busy_threshold_bytes: int, gpu_ids: str | None = None) -> None:
     """Every node must bring the same GPUs: accelerate starts num_processes // num_machines
     processes on each node (accelerate #3894), so a smaller node over-subscribes, a mixed one is paced by the slowest."""
     mine = sorted(g.name for g in gpus)
     for node in other_nodes:
         try:
-            theirs = sorted(g.name for g in select_gpus(node, gpu_spec, include_busy, busy_threshold_bytes)[0])
+            theirs = sorted(g.name for g in select_gpus(node, gpu_spec, include_busy, busy_threshold_bytes, gpu_ids)[0])
         except PlanError as error:
             raise PlanError(f"node {node.display_name}: {error}") from None
         if theirs != mine:
@@ -201,34 +98,82 @@ def check_homogeneous(profile: HardwareProfile, gpus: tuple[GpuInfo, ...], other
 
             raise PlanError(f"nodes must be homogeneous: {node.display_name} has {summary(theirs)} usable where "
                             f"{profile.display_name} has {summary(mine)}; accelerate starts the same number of processes "
-                            "on every node (num_processes // num_machines). Use --gpus to pick a common subset.")
+                            "on every node (num_processes // num_machines). Use --gpus N or --gpu-ids to pick a common subset.")
 
 
 # -- NCCL --------------------------------------------------------------------------------------
+
+# NCCL_P2P_LEVEL values, nearest first (NCCL env docs): P2P is used for paths up to the level.
+NCCL_P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
+# nvidia-smi's NODE (host bridges of one NUMA node) is NCCL's PHB ("same NUMA node, through the CPU").
+_NCCL_PATH_OF_TOPOLOGY = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS"}
+
+
+def nccl_path(pair: GpuPair) -> str | None:
+    """The pair's path in NCCL_P2P_LEVEL words: NVL over NVLink, else its PCIe level; None when unknown."""
+    return "NVL" if pair.nvlinks else _NCCL_PATH_OF_TOPOLOGY.get(pair.topology or "")
+
+
+def p2p_level_cutoff(pairs: list[GpuPair]) -> str | None:
+    """The NCCL_P2P_LEVEL that keeps P2P on every working pair and off every broken one, if the broken
+    pairs all lie beyond the working ones (e.g. NVL on bridged 3090s, PXB on a box whose P2P stops at the
+    socket); None when no level separates them or nothing works."""
+    paths = [(nccl_path(p), p.p2p_ok) for p in pairs]
+    if any(path is None for path, _ in paths):
+        return None
+    ok = [NCCL_P2P_LEVELS.index(path) for path, works in paths if works]
+    bad = [NCCL_P2P_LEVELS.index(path) for path, works in paths if not works]
+    if not ok or not bad or min(bad) <= max(ok):
+        return None
+    return NCCL_P2P_LEVELS[max(ok)]
+
+
+def pairs_text(pairs: list[GpuPair], limit: int = 6, why: bool = True) -> str:
+    """Pairs grouped by NVML's reason: "0-4, 0-5, 0-6, 0-7, 1-4, 1-5 and 10 more (IOH topology not supported)"."""
+    groups: dict[str | None, list[GpuPair]] = {}
+    for p in pairs:
+        groups.setdefault(p.p2p_problem if why else None, []).append(p)
+    texts = []
+    for problem, group in groups.items():
+        names = ", ".join(f"{p.a}-{p.b}" for p in group[:limit]) + (f" and {len(group) - limit} more" if len(group) > limit else "")
+        texts.append(names + (f" ({problem})" if problem else ""))
+    return "; ".join(texts)
+
 
 def nccl_environment(
     profile: HardwareProfile,
     gpus: tuple[GpuInfo, ...],
     num_machines: int = 1,
     debug: bool = False,
+    device_order: bool = True,
 ) -> list[tuple[str, str, str]]:
-    """(variable, value, reason) for the training processes, from the real topology."""
+    """(variable, value, reason) for the training processes, from the real topology. ``device_order``
+    off for a MIG instance: it is named by UUID, no index order to fix."""
     env: list[tuple[str, str, str]] = []
     if not gpus:
         return env
-    env.append(("CUDA_DEVICE_ORDER", "PCI_BUS_ID", "gpu_ids are NVML indices (PCI order); CUDA's default order is fastest-first"))
+    if device_order:
+        env.append(("CUDA_DEVICE_ORDER", "PCI_BUS_ID", "gpu_ids are NVML indices (PCI order); CUDA's default order is fastest-first"))
     pairs = [profile.pair(a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1:]]
     pairs = [p for p in pairs if p is not None]
     no_p2p = [p for p in pairs if not p.p2p_ok]
     if no_p2p:
-        what = "; ".join(f"{p.a}-{p.b} ({p.p2p_read if p.p2p_read != 'OK' else p.p2p_write})" for p in no_p2p)
-        nvlinked_ok = [p for p in pairs if p.nvlinks and p.p2p_ok]
-        if nvlinked_ok and all(p.nvlinks == 0 for p in no_p2p):
-            env.append(("NCCL_P2P_LEVEL", "NVL", f"P2P not supported on PCIe pairs {what}, but NVLinked pairs "
-                        f"{', '.join(f'{p.a}-{p.b}' for p in nvlinked_ok)} keep P2P over NVLink"))
+        ok = [p for p in pairs if p.p2p_ok]
+        level = p2p_level_cutoff(pairs)
+        if level == "NVL":
+            env.append(("NCCL_P2P_LEVEL", "NVL", f"P2P not supported on PCIe pairs {pairs_text(no_p2p)}, but NVLinked pairs "
+                        f"{pairs_text(ok, why=False)} keep P2P over NVLink"))
+        elif level:
+            env.append(("NCCL_P2P_LEVEL", level, f"P2P not supported on {pairs_text(no_p2p)}, all farther than {level}; "
+                        f"the pairs up to {level} keep P2P ({pairs_text(ok, why=False)})"))
         else:
-            env.append(("NCCL_P2P_DISABLE", "1", f"NVML reports P2P not supported for {what}: collectives hang with P2P on "
-                        "(nccl-tests #117, NVIDIA/nccl #1127)"))
+            reason = (f"NVML reports P2P not supported for {pairs_text(no_p2p)}: collectives hang with P2P on "
+                      "(nccl-tests #117, NVIDIA/nccl #1127)")
+            linked = [p for p in no_p2p if p.nvlinks]
+            if linked:
+                reason += (f"; NVLinks are active on {pairs_text(linked, why=False)} but unused without P2P: "
+                           "`hf-gpu-train doctor` names the likely cause (fabric manager, VM P2P)")
+            env.append(("NCCL_P2P_DISABLE", "1", reason))
     if num_machines > 1:
         if not profile.host.infiniband_devices:
             env.append(("NCCL_IB_DISABLE", "1", "multi-node without InfiniBand devices on this machine: NCCL uses TCP sockets"))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from ..hardware.profile import HardwareProfile
 from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, accelerate_uses_cpu
+from .lint_gpus import cpu_affinity_findings, mig_findings, p2p_findings, pending_mig_findings, split_gpu_ids
 
 ERROR, WARNING = "error", "warning"
 
@@ -40,19 +41,17 @@ def lint(config: dict, profile: HardwareProfile, env: dict[str, str] | None = No
     per_machine = num_processes // num_machines if num_machines else num_processes
     use_cpu = bool(config.get("use_cpu")) or accelerate_uses_cpu(env)
     gpus = {g.index: g for g in profile.gpus}
-    ids_raw = config.get("gpu_ids")
-    ids: list[int] = []
-    if ids_raw not in (None, "all", ""):
-        try:
-            ids = [int(x) for x in str(ids_raw).split(",") if x.strip()]
-        except ValueError:
-            found.append(Finding(ERROR, f"gpu_ids {ids_raw!r} is not a comma-separated list of GPU indices"))
+    ids, mig_uuids, ids_error = split_gpu_ids(config.get("gpu_ids"))
+    if ids_error:
+        found.append(Finding(ERROR, ids_error))
     bad_ids = [i for i in ids if i not in gpus]
     if bad_ids:
         found.append(Finding(ERROR, f"gpu_ids {bad_ids} out of range: {profile.display_name} has GPUs {sorted(gpus) or 'none'}"))
-    selected = [gpus[i] for i in ids if i in gpus] or list(profile.gpus)
+    found += [Finding(level, msg) for level, msg in mig_findings(profile, ids, mig_uuids, num_processes)]
+    mig_parents = [g for g in profile.gpus for m in (g.mig_instances or ()) if m.uuid in mig_uuids]
+    selected = [gpus[i] for i in ids if i in gpus] + mig_parents or list(profile.gpus)
     usable = [g for g in selected if not g.mig_enabled]
-    if not use_cpu and dist != "NO" and per_machine > len(usable):
+    if not use_cpu and dist != "NO" and not mig_uuids and per_machine > len(usable):
         found.append(Finding(ERROR, f"num_processes {num_processes} ({per_machine} per machine) but {profile.display_name} has "
                              f"{len(usable)} usable GPU(s): lower num_processes or regenerate with `hf-gpu-train config`"))
     if num_machines > 1:
@@ -80,13 +79,15 @@ def lint(config: dict, profile: HardwareProfile, env: dict[str, str] | None = No
                 found.append(Finding(ERROR, f"mixed_precision fp8 but GPU {g.index} ({g.name}) has compute capability {g.capability_str} (< 8.9)"))
     if not use_cpu and len(selected) > 1 and num_processes > 1:
         sel = {g.index for g in selected[:per_machine]}
-        no_p2p = [p for p in profile.pairs if p.a in sel and p.b in sel and not p.p2p_ok]
-        if no_p2p and env.get("NCCL_P2P_DISABLE") != "1" and env.get("NCCL_P2P_LEVEL") not in ("NVL", "LOC"):
-            found.append(Finding(WARNING, "P2P not supported between GPUs " + ", ".join(f"{p.a}-{p.b}" for p in no_p2p)
-                                 + " but NCCL_P2P_DISABLE is not set: NCCL collectives may hang"))
+        pairs = [p for p in profile.pairs if p.a in sel and p.b in sel]
+        found += [Finding(level, msg) for level, msg in p2p_findings(pairs, env)]
         if len({g.name for g in selected}) > 1:
             found.append(Finding(WARNING, "mixed GPU models: " + ", ".join(sorted({g.name for g in selected}))
                                  + "; the slowest paces every step"))
+    if not use_cpu:
+        found += [Finding(level, msg) for level, msg in
+                  cpu_affinity_findings(profile, selected, ids, bool(config.get("enable_cpu_affinity")))
+                  + pending_mig_findings(selected)]
     for g in selected:
         if (g.memory_used_bytes or 0) >= DEFAULT_BUSY_THRESHOLD_BYTES and not use_cpu:
             found.append(Finding(WARNING, f"GPU {g.index} is busy: {(g.memory_used_bytes or 0) / 2**30:.1f} GiB held by other processes"))

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hardware.profile import GpuInfo, HardwareProfile
+from ..hardware.profile import GpuInfo, HardwareProfile, MigInstance
+from .cpu_binding import CpuBinding, decide_cpu_binding
 from .decisions import (
     DEFAULT_BUSY_THRESHOLD_BYTES,
     PlanError,
     check_homogeneous,
     decide_precision,
     nccl_environment,
-    select_gpus,
 )
+from .gpu_selection import select_devices
 from .memory import MemoryPlan, TrainingShape, plan_memory
 from .model_spec import ModelSpec
 
@@ -25,7 +26,8 @@ DEFAULT_GLOBAL_BATCH = 32
 class PlanOptions:
     strategy: str = "auto"
     precision: str = "auto"
-    gpus: str = "all"
+    gpus: str = "all"  # a count: "all" or N (the best-connected N)
+    gpu_ids: str | None = None  # NVML indices "0,3" or one MIG UUID; exclusive with a count
     num_machines: int = 1
     machine_rank: int = 0
     main_process_ip: str | None = None
@@ -60,6 +62,8 @@ class LaunchPlan:
     settings: tuple[Setting, ...]
     gpus: tuple[GpuInfo, ...]
     memory: MemoryPlan | None = None
+    mig_instance: MigInstance | None = None  # one process on this MIG instance of gpus[0]
+    cpu_binding: CpuBinding | None = None
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -97,8 +101,9 @@ def _cpu_processes(profile: HardwareProfile, options: PlanOptions) -> tuple[int,
     return count, f"{count} CPU process(es) on {cores} core(s); gloo DDP (raise with --num-processes)"
 
 
-def _memory_plan(profile, options, gpus, precision, world_size) -> tuple[MemoryPlan | None, str]:
-    """(memory plan, strategy) for the GPU case."""
+def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tuple[MemoryPlan | None, str]:
+    """(memory plan, strategy) for the GPU case; ``memory`` is what one process can use (a MIG instance's
+    share when it runs on one, never the whole GPU's)."""
     multi = world_size > 1
     if options.strategy == "single" or (options.strategy == "auto" and not multi):
         candidates = ("single",)
@@ -114,11 +119,10 @@ def _memory_plan(profile, options, gpus, precision, world_size) -> tuple[MemoryP
     shape = TrainingShape(seq_len=options.seq_len, image_size=options.image_size,
                           precision={"no": "fp32", "fp8": "bf16"}.get(precision, precision),
                           optimizer=options.optimizer, num_gpus=world_size)
-    memory = min(g.memory_total_bytes - (g.memory_used_bytes or 0) for g in gpus)
     plan = plan_memory(options.model, memory, world_size, shape, options.global_batch, strategies=candidates)
     if plan is None:
         raise PlanError(
-            f"{options.model.name} ({options.model.params / 1e9:.2f}B parameters) does not fit in {memory / 2**30:.1f} GiB per GPU "
+            f"{options.model.name} ({options.model.params / 1e9:.2f}B parameters) does not fit in {memory / 2**30:.1f} GiB per {per_what} "
             f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing: use more GPUs "
             f"(--num-machines), a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
             + ("" if options.strategy == "auto" else ", or --strategy auto"))
@@ -128,11 +132,17 @@ def _memory_plan(profile, options, gpus, precision, world_size) -> tuple[MemoryP
 def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> LaunchPlan:
     _validate(options)
     settings: list[Setting] = []
-    gpus, gpu_reasons = select_gpus(profile, options.gpus, options.include_busy, options.busy_threshold_bytes)
+    selection = select_devices(profile, options.gpus, options.gpu_ids, options.include_busy, options.busy_threshold_bytes)
+    gpus, mig = selection.gpus, selection.mig_instance
+    if mig is not None and options.num_machines > 1:
+        raise PlanError(f"multi-node over MIG is refused: NCCL cannot join MIG instances ({mig.uuid} on GPU {gpus[0].index}); "
+                        "use whole GPUs (disable MIG) for multi-node training")
     if options.other_nodes:
-        check_homogeneous(profile, gpus, options.other_nodes, options.gpus, options.include_busy, options.busy_threshold_bytes)
+        check_homogeneous(profile, gpus, options.other_nodes, options.gpus, options.include_busy, options.busy_threshold_bytes,
+                          options.gpu_ids)
     precision, precision_reason = decide_precision(gpus, options.precision, options.fp8_backend_installed)
-    env = list(nccl_environment(profile, gpus, options.num_machines, options.debug_nccl))
+    env = list(nccl_environment(profile, gpus, options.num_machines, options.debug_nccl, device_order=mig is None))
+    binding = None
     acc: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
 
     if not gpus:
@@ -157,19 +167,22 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     else:
         per_machine = len(gpus)
         world = per_machine * options.num_machines
-        memory, strategy = _memory_plan(profile, options, gpus, precision, world)
-        gpu_ids = ",".join(str(g.index) for g in gpus)
+        memory, strategy = _memory_plan(options, selection.memory_free_bytes, precision, world,
+                                        "GPU" if mig is None else "MIG instance")
+        gpu_ids = selection.visible_devices
         acc["use_cpu"] = False
-        settings.append(Setting("gpu_ids", gpu_ids, "; ".join(gpu_reasons)))
+        settings.append(Setting("gpu_ids", gpu_ids, selection.reason))
         settings.append(Setting("num_processes", world, f"{per_machine} GPU(s) x {options.num_machines} machine(s): the total over all machines"))
         _strategy_settings(acc, settings, strategy, memory, options, per_machine)
         threads = max(1, (profile.host.physical_cores or per_machine) // per_machine)
         env.append(("OMP_NUM_THREADS", str(threads), f"{profile.host.physical_cores} physical cores / {per_machine} process(es); "
                     "torchrun would set 1"))
-        numa = {g.numa_node for g in gpus}
-        if len(numa) > 1 and None not in numa:
-            acc["enable_cpu_affinity"] = True
-            settings.append(Setting("enable_cpu_affinity", True, f"GPUs span NUMA nodes {sorted(numa)}: pin each process near its GPU"))
+        binding = decide_cpu_binding(profile, gpus)
+        if binding is not None:
+            key, value = binding.setting
+            if key == "enable_cpu_affinity":
+                acc["enable_cpu_affinity"] = True
+            settings.append(Setting(key, value, binding.reason))
 
     acc.update(mixed_precision=precision, num_processes=per_machine * options.num_machines, num_machines=options.num_machines,
                machine_rank=options.machine_rank, main_training_function="main", rdzv_backend=options.rdzv_backend,
@@ -190,7 +203,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     for key, value, reason in env:
         settings.append(Setting(key, value, reason))
     return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
-                      settings=tuple(settings), gpus=gpus, memory=memory)
+                      settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding)
 
 
 def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from hf_gpu_train.launch.decisions import PlanError, decide_precision, nvlink_islands, select_gpus
+from hf_gpu_train.launch.decisions import PlanError, decide_precision, nccl_environment, p2p_level_cutoff, select_gpus
 from hf_gpu_train.launch.plan import PlanOptions, make_plan
 
 
@@ -19,6 +19,9 @@ from hf_gpu_train.launch.plan import PlanOptions, make_plan
     ("4x-rtx3090-nvlink-pairs", "MULTI_GPU", "bf16", "0,1,2,3", {"NCCL_P2P_LEVEL": "NVL"}),
     ("mixed-a100-rtx3090", "NO", "bf16", "0", {}),
     ("2x-a100-one-busy", "NO", "bf16", "0", {}),
+    ("8x-v100-dgx1", "MULTI_GPU", "fp16", "0,1,2,3,4,5,6,7", {"NCCL_P2P_LEVEL": "NVL"}),
+    ("8x-a100-pcie-switches", "MULTI_GPU", "bf16", "0,1,2,3,4,5,6,7", {"NCCL_P2P_LEVEL": "PXB"}),
+    ("1x-a100-mig", "NO", "bf16", "MIG-a100-sxm-80-00-gi1-0000-000000000000", {}),
 ])
 def test_default_plan_per_machine(machine, name, dist, precision, gpu_ids, env):
     plan = make_plan(machine(name))
@@ -46,15 +49,17 @@ def test_precision_errors_name_the_gpu_and_the_alternative(machine):
 
 
 def test_skips_mig_display_and_busy_gpus_unless_asked(machine):
-    with pytest.raises(PlanError, match="MIG mode on"):
-        select_gpus(machine("1x-a100-mig"))
+    two = machine("2x-a100-one-busy")
+    mig_on_1 = replace(two, gpus=(two.gpus[0], replace(two.gpus[1], mig_enabled=True, mig_pending_enabled=True, mig_instances=())))
+    gpus, reasons = select_gpus(mig_on_1, include_busy=True)
+    assert [g.index for g in gpus] == [0] and any(r.startswith("skip GPU 1: MIG mode on") for r in reasons)
     gpus, reasons = select_gpus(machine("2x-a100-one-busy"))
     assert [g.index for g in gpus] == [0] and any("30.0 GiB held by other processes" in r for r in reasons)
     assert [g.index for g in select_gpus(machine("2x-a100-one-busy"), include_busy=True)[0]] == [0, 1]
     assert [g.index for g in select_gpus(machine("2x-a100-one-busy"), busy_threshold_bytes=40 * 2**30)[0]] == [0, 1]
     gpus, reasons = select_gpus(machine("mixed-a100-rtx3090"))
     assert [g.index for g in gpus] == [0] and any("drives a display" in r for r in reasons)
-    gpus, reasons = select_gpus(machine("mixed-a100-rtx3090"), "0,1")
+    gpus, reasons = select_gpus(machine("mixed-a100-rtx3090"), gpu_ids="0,1")
     assert len(gpus) == 2 and any("mixed GPU models" in r for r in reasons)
 
 
@@ -66,9 +71,11 @@ def test_mixed_models_pick_the_largest_homogeneous_group(machine):
     assert any("slowest GPU would pace" in r for r in reasons)
 
 
-def test_fewer_gpus_prefer_an_nvlink_island_then_a_numa_node(machine):
+def test_fewer_gpus_prefer_nvlinked_pairs_then_a_numa_node(machine):
     assert [g.index for g in select_gpus(machine("4x-rtx3090-nvlink-pairs"), "2")[0]] == [0, 1]
-    assert [[g.index for g in isl] for isl in nvlink_islands(machine("4x-a100-pcie-nvlink-pairs"), list(machine("4x-a100-pcie-nvlink-pairs").gpus))] == [[0, 1], [2, 3]]
+    pairs = machine("4x-a100-pcie-nvlink-pairs")
+    busy_0 = replace(pairs, gpus=(replace(pairs.gpus[0], memory_used_bytes=20 * 2**30), *pairs.gpus[1:]))
+    assert [g.index for g in select_gpus(busy_0, "2")[0]] == [2, 3]  # the other NV12 pair, not 1,2
     h100 = machine("8x-h100-sxm")
     pcie_only = replace(h100, pairs=tuple(replace(p, nvlinks=0) for p in h100.pairs))
     chosen, reasons = select_gpus(pcie_only, "4")
@@ -76,8 +83,8 @@ def test_fewer_gpus_prefer_an_nvlink_island_then_a_numa_node(machine):
     with pytest.raises(PlanError, match="only 2 usable"):
         select_gpus(machine("2x-rtx4090"), "3")
     with pytest.raises(PlanError, match=r"no GPU \[5\]"):
-        select_gpus(machine("2x-rtx4090"), "0,5")
-    with pytest.raises(PlanError, match="give all, a count"):
+        select_gpus(machine("2x-rtx4090"), gpu_ids="0,5")
+    with pytest.raises(PlanError, match="give all or a count"):
         select_gpus(machine("2x-rtx4090"), "two")
 
 
@@ -118,3 +125,24 @@ def test_multi_node_needs_homogeneous_nodes(machine):
     assert ok.accelerate["num_processes"] == 16
     with pytest.raises(PlanError, match=r"nodes must be homogeneous: 8x-a100-sxm-80gb has 8x NVIDIA A100-SXM4-80GB"):
         make_plan(machine("8x-h100-sxm"), PlanOptions(num_machines=2, main_process_ip="n0", other_nodes=(machine("8x-a100-sxm-80gb"),)))
+
+
+def test_p2p_level_keeps_p2p_up_to_where_it_stops(machine):
+    box = machine("8x-a100-pcie-switches")
+    env = {k: (v, why) for k, v, why in nccl_environment(box, box.gpus)}
+    assert env["NCCL_P2P_LEVEL"][0] == "PXB" and "NCCL_P2P_DISABLE" not in env  # P2P kept within each socket
+    assert env["NCCL_P2P_LEVEL"][1].startswith("P2P not supported on 0-4, 0-5, 0-6, 0-7, 1-4, 1-5 and 10 more "
+                                               "(IOH topology not supported), all farther than PXB; the pairs up to PXB")
+    assert p2p_level_cutoff(list(machine("2x-rtx4090").pairs)) is None  # nothing works: disable
+    mixed = [replace(box.pair(0, 1), p2p_read="chipset not supported"), box.pair(0, 2)]
+    assert p2p_level_cutoff(mixed) is None  # a broken PIX pair below a working PXB pair: no level separates them
+
+
+def test_nvlink_without_p2p_disables_p2p_and_points_to_the_doctor():
+    from ..hardware.odd_machines import odd_machine
+
+    vm = odd_machine("4x-h100-vm-nvlink-no-p2p")
+    plan = make_plan(vm)
+    assert plan.env_dict["NCCL_P2P_DISABLE"] == "1"
+    reason = dict((k, why) for k, _, why in plan.env)["NCCL_P2P_DISABLE"]
+    assert "NVLinks are active on 0-1, 0-2, 0-3, 1-2, 1-3, 2-3 but unused without P2P" in reason and "doctor" in reason
