@@ -6,9 +6,14 @@ One line in anyone's Trainer::
     from hf_gpu_train.callbacks import attach_telemetry
     attach_telemetry(trainer)          # before trainer.train()
 
-The hooks are thin: they take timestamps and call the pure functions in ``window.py`` and
-``verdicts.py``; the ``logs`` dict given to callbacks is never mutated (metrics go out through the
-public ``Trainer.log``, so TensorBoard and every ``report_to`` sink get them).
+The hooks are thin: they take timestamps and call the pure functions in ``window.py``,
+``throughput.py`` and ``verdicts.py``; the ``logs`` dict given to callbacks is never mutated (metrics go
+out through the public ``Trainer.log``, so TensorBoard and every ``report_to`` sink get them).
+
+What it costs per step: two timestamps, and forward hooks that add the batch's token count into a
+device tensor and time the forward (CUDA events on a GPU). No host sync and no collective happen
+between log steps; at a log step one device sync reads the counters and one collective gathers the
+ranks' summaries (tokens included).
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ from transformers import TrainerCallback
 
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.peaks import peak_flops
-from .flops import counted_flops_per_sample, mfu, transformer_flops_per_token
+from .flops import counted_flops_per_sample, transformer_flops_per_token
+from .forward_timer import ForwardTimer
 from .gpu_lookup import model_device, nvml_handles_for, torch_bus_id
 from .memory_probe import cuda_memory
+from .ranks import gather_ranks
 from .sampler import DeviceSampler
-from .verdicts import Verdict, WindowStats, judge, speed_trend, stragglers
-from .window import LoopTimer, summarize_samples
+from .throughput import ModelFlops, window_throughput
+from .tokens import TokenCounter
+from .verdicts import Verdict, WindowStats, judge, speed_trend
+from .window import LoopTimer, deciding_window, is_full_window, summarize_samples
 
 log = logging.getLogger("hf_gpu_train.telemetry")
-UNEVEN_MEMORY_FRACTION = 0.2
 
 
 class TelemetryCallback(TrainerCallback):
@@ -54,22 +62,20 @@ class TelemetryCallback(TrainerCallback):
         self.suggested_micro_batch = suggested_micro_batch
         self.sampler: DeviceSampler | None = None
         self.timer = LoopTimer()
+        self.tokens = TokenCounter()
+        self.forward_timer: ForwardTimer | None = None
         self.records: list[dict] = []
-        self.history: list[WindowStats] = []
+        self.history: list[WindowStats] = []  # full windows only
         self.gpu_names: dict[int, str] = {}
         self.device = torch.device("cpu")
-        self.flops_per_token: float | None = None
-        self.flops_per_sample: float | None = None
-        self._layers_hidden = (0, 0)
+        self.flops = ModelFlops()
         self.peak: float | None = None
-        self.last_verdict: Verdict | None = None
-        self._hooks: list[Any] = []
+        self.last_verdict: Verdict | None = None  # the latest window's; at train end, the run's (last full window)
+        self.emitting = False  # True while telemetry metrics go through Trainer.log (the console printer checks it)
         self._original_collate: tuple | None = None
-        self._forward_start: float | None = None
-        self._last_emit: float | None = None
-        self._last_tokens = 0
+        self._interval_steps = 1
         self._last_retries = 0.0
-        self._emitting = False
+        self._last_kind: str | None = None
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -102,20 +108,22 @@ class TelemetryCallback(TrainerCallback):
                 except NvmlFailure:
                     self.gpu_names[index] = f"GPU {index}"
         self.sampler = DeviceSampler(backend, handles, self.interval_s).start()
-        self._install_forward_timer(model)
+        if model is not None:
+            self.tokens.install(model)
+            self.forward_timer = ForwardTimer(self.device).install(model)
         self._estimate_flops(args, model, train_dataloader)
         self._install_batch_timer(train_dataloader)
-        self._last_emit = time.perf_counter()
-        self._last_tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        steps_strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy)) == "steps"
+        self._interval_steps = int(state.logging_steps or 1) if steps_strategy else 1
         return control
 
     def close(self) -> None:
         """Stop the thread and remove hooks; safe to call twice (train end, or after an exception)."""
         if self.sampler is not None:
             self.sampler.stop()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.tokens.remove()
+        if self.forward_timer is not None:
+            self.forward_timer.remove()
         if self._original_collate is not None:
             loader, collate = self._original_collate
             loader.collate_fn = collate
@@ -123,9 +131,14 @@ class TelemetryCallback(TrainerCallback):
         self._closed = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.sampler is not None and not self._closed:
+        if self.sampler is not None and not self._closed and self.timer.step_times:  # steps since the last log
             self._emit(args, state, final=True)
         self.close()
+        deciding = deciding_window(self.records, self._interval_steps)
+        if deciding is not None:
+            self.last_verdict = Verdict.from_dict(deciding["verdict"])
+            if state.is_world_process_zero:
+                log.info("telemetry: run verdict (window ending at step %d): %s", deciding["step"], self.last_verdict.line())
         if self.write_report and state.is_world_process_zero:
             from ..report.writer import write_run_report
 
@@ -140,11 +153,23 @@ class TelemetryCallback(TrainerCallback):
         self.timer.step_begin(time.perf_counter())
         return control
 
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.tokens.micro_step_done()
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
         self.timer.step_end(time.perf_counter())
-        if control.should_log and not self._emitting:
+        self.tokens.micro_step_done()
+        if control.should_log and not self.emitting:
             self._emit(args, state)
             # Trainer.log -> CallbackHandler.on_log clears should_log; the Trainer still has its own loss to log
+            control.should_log = True
+            self.timer.pause_end(time.perf_counter())
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_log and not self.emitting and str(getattr(args.logging_strategy, "value", args.logging_strategy)) == "epoch":
+            self._emit(args, state)
             control.should_log = True
             self.timer.pause_end(time.perf_counter())
         return control
@@ -162,21 +187,6 @@ class TelemetryCallback(TrainerCallback):
         return control
 
     # -- measurements ------------------------------------------------------------------------
-    def _install_forward_timer(self, model) -> None:
-        """Forward time is this rank's own time (no collective in it): with data wait, it names stragglers."""
-        if model is None:
-            return
-
-        def before(module, inputs):
-            self._forward_start = time.perf_counter()
-
-        def after(module, inputs, output):
-            if self._forward_start is not None and module.training:
-                self.timer.forward_times.append(time.perf_counter() - self._forward_start)
-            self._forward_start = None
-
-        self._hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
-
     def _install_batch_timer(self, train_dataloader) -> None:
         """Timestamp the end of collation, so data wait is this rank's loading and not the item-count
         all-reduce that follows it in the Trainer (which waits for the slowest rank). Only loading in the
@@ -206,8 +216,8 @@ class TelemetryCallback(TrainerCallback):
             return
         dense = transformer_flops_per_token(model, 0)  # the attention term is added per window from the mean length
         if dense is not None:
-            self.flops_per_token = dense
-            self._layers_hidden = (model.config.num_hidden_layers, model.config.hidden_size)
+            config = model.config
+            self.flops = ModelFlops(per_token=dense, attention_per_token_per_position=12.0 * config.num_hidden_layers * config.hidden_size)
             return
         dataset = getattr(train_dataloader, "dataset", None)
         collate = getattr(train_dataloader, "collate_fn", None)
@@ -215,66 +225,50 @@ class TelemetryCallback(TrainerCallback):
             return
         with torch.random.fork_rng(devices=[]):  # a sample drawn here must not shift the run's randomness
             example = collate([dataset[0]])
-        self.flops_per_sample = counted_flops_per_sample(model, example)
+        self.flops = ModelFlops(per_sample=counted_flops_per_sample(model, example))
 
     def _emit(self, args, state, final: bool = False) -> None:
-        now = time.perf_counter()
-        elapsed = max(1e-9, now - (self._last_emit or now))
-        self._last_emit = now
         samples = self.sampler.drain() if self.sampler else []
         metrics, reasons = summarize_samples(samples)
         loop = self.timer.take()
         metrics.update(loop)
-        memory = self.memory_probe(self.device) or {}
-        metrics.update(memory)
+        steps = loop.get("train/steps", 0.0)
+        if self.forward_timer is not None:
+            forward_s, forwards = self.forward_timer.take()
+            if forwards and steps:
+                metrics["train/forward_time_s"] = forward_s / steps  # per optimizer step, all its micro-steps
+        metrics.update(self.memory_probe(self.device) or {})
         micro = self._oom_micro_batch()
         if micro is not None:
             metrics["train/micro_batch"] = float(micro)
+        ranks, tokens = gather_ranks(metrics, sorted(self.gpu_names), self.tokens.take(), state.is_world_process_zero)
         world = max(1, args.world_size)
-        steps = loop.get("train/steps", 0.0)
         per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-        samples_per_s = steps * per_step / elapsed if steps else None
-        if samples_per_s is not None:
-            metrics["train/samples_per_s"] = samples_per_s
-        tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        tokens_per_s = (tokens - self._last_tokens) / elapsed if tokens > self._last_tokens else None
-        self._last_tokens = tokens
-        if tokens_per_s:
-            metrics["train/tokens_per_s"] = tokens_per_s
-        flops_per_s = None
-        if self.flops_per_token is not None and tokens_per_s:
-            layers, hidden = self._layers_hidden
-            mean_seq = tokens_per_s / samples_per_s if samples_per_s else 0.0
-            per_token = self.flops_per_token + 12.0 * layers * hidden * mean_seq
-            flops_per_s = tokens_per_s * per_token
-        elif self.flops_per_sample is not None and samples_per_s:
-            flops_per_s = samples_per_s * self.flops_per_sample
-        if flops_per_s:
-            metrics["train/model_tflops_per_s"] = flops_per_s / 1e12
-            value = mfu(flops_per_s / world, self.peak)
-            if value is not None:
-                metrics["train/mfu_pct"] = 100.0 * value
-        stats = self._window_stats(metrics, reasons, args, samples_per_s)
-        self.history.append(stats)
+        metrics.update(window_throughput(loop.get("train/train_time_s"), steps, per_step, tokens, self.flops, self.peak, world))
+        stats = self._window_stats(metrics, reasons, args)
+        full = is_full_window(metrics, self._interval_steps)
+        if full:
+            self.history.append(stats)
         verdict = judge(stats)
-        trend = speed_trend(self.history)
+        trend = speed_trend(self.history) if full else None
         if trend:
             verdict = verdict.with_note(trend)
         self.last_verdict = verdict
-        ranks = self._gather_ranks(state, metrics)
-        record = {"step": state.global_step, "time": time.time(), "final": final, "metrics": metrics,
+        record = {"step": state.global_step, "time": time.time(), "final": final, "full": full, "metrics": metrics,
                   "throttle_reasons": {str(k): sorted(v) for k, v in reasons.items()}, "verdict": verdict.to_dict()}
         if ranks:
             record["ranks"] = ranks
         self.records.append(record)
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and full and verdict.kind != self._last_kind:
+            # the console line names the verdict at every log step; its evidence and next step when it changes
             log.info("telemetry step %d: %s", state.global_step, verdict.line())
+            self._last_kind = verdict.kind
         if self.trainer is not None and not final:
-            self._emitting = True
+            self.emitting = True
             try:
                 self.trainer.log({k: round(v, 4) for k, v in metrics.items()})
             finally:
-                self._emitting = False
+                self.emitting = False
 
     def _oom_micro_batch(self) -> int | None:
         """The in-place OOM recovery's current micro-batch, when it is on and has shrunk it."""
@@ -284,7 +278,7 @@ class TelemetryCallback(TrainerCallback):
                 return callback.micro_batch
         return None
 
-    def _window_stats(self, metrics, reasons, args, samples_per_s) -> WindowStats:
+    def _window_stats(self, metrics, reasons, args) -> WindowStats:
         gpu = min(self.gpu_names) if self.gpu_names else None  # the GPU this process samples
 
         def g(key):
@@ -309,43 +303,12 @@ class TelemetryCallback(TrainerCallback):
             alloc_retries_delta=delta,
             reserved_gib=metrics.get("torch/mem_reserved_gib"),
             allocated_gib=metrics.get("torch/mem_allocated_gib"),
-            samples_per_s=samples_per_s,
+            samples_per_s=metrics.get("train/samples_per_s"),
             dataloader_workers=args.dataloader_num_workers,
             micro_batch=args.per_device_train_batch_size,
             suggested_micro_batch=self.suggested_micro_batch,
             host_cpu_pct=metrics.get("host/cpu_pct"),
         )
-
-    def _gather_ranks(self, state, metrics) -> list[dict]:
-        """At log steps only: every rank's compact summary to all ranks; rank 0 judges them."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return []
-        world = torch.distributed.get_world_size()
-        if world < 2:
-            return []
-        import socket
-
-        own_time = (metrics.get("train/data_wait_s", 0.0) / max(1.0, metrics.get("train/steps", 1.0))
-                    + metrics.get("train/forward_time_s", 0.0))
-        mine = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "gpus": sorted(self.gpu_names),
-                "own_step_time_s": own_time, "step_time_s": metrics.get("train/step_time_s"),
-                "data_wait_pct": metrics.get("train/data_wait_pct"),
-                "mem_used_gib": next((v for k, v in metrics.items() if k.endswith("/mem_used_gib")), None),
-                "torch_mem_allocated_gib": metrics.get("torch/mem_allocated_gib")}
-        gathered: list[dict] = [None] * world  # type: ignore[list-item]
-        torch.distributed.all_gather_object(gathered, mine)
-        slow = stragglers({r["rank"]: r["own_step_time_s"] for r in gathered if r["own_step_time_s"]})
-        memory = [r["mem_used_gib"] or r["torch_mem_allocated_gib"] for r in gathered]
-        memory = [m for m in memory if m is not None]
-        uneven = bool(memory) and max(memory) > 0 and (max(memory) - min(memory)) / max(memory) >= UNEVEN_MEMORY_FRACTION
-        for r in gathered:
-            r["straggler"] = r["rank"] in slow
-        if state.is_world_process_zero:
-            if slow:
-                log.warning("telemetry: straggler rank(s) %s: at least 15%% slower than the median (own time: data wait + forward)", slow)
-            if uneven:
-                log.warning("telemetry: uneven memory across ranks: %s GiB", [round(m, 2) for m in memory])
-        return gathered + ([{"uneven_memory": True}] if uneven else [])
 
 
 def attach_telemetry(trainer, **kwargs) -> TelemetryCallback:

@@ -13,11 +13,16 @@ from .sampler import POWER_CAP_REASON, THROTTLE_REASONS, Sample
 class LoopTimer:
     """Step time from on_step_begin to on_step_end; data wait from the end of one step (or of a log,
     eval or save that followed it) until this rank's next batch is ready (``batch_ready``), or until
-    the next on_step_begin when loading happens in worker processes."""
+    the next on_step_begin when loading happens in worker processes.
+
+    Training time is step time plus the whole gap before each step (loading, and the item-count
+    all-reduce after it): the time the loop spends training. Logging, evaluation and checkpointing are
+    not in it (``pause_end`` restarts the gap), so throughput over a window that held an ``evaluate()``
+    or a save is the training speed, not diluted by them."""
 
     step_times: list[float] = field(default_factory=list)
     data_waits: list[float] = field(default_factory=list)
-    forward_times: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
     _gap_start: float | None = None
     _step_start: float | None = None
     _batch_ready: float | None = None
@@ -31,6 +36,7 @@ class LoopTimer:
         if self._gap_start is not None:
             ready = self._batch_ready if self._batch_ready is not None and self._batch_ready >= self._gap_start else now
             self.data_waits.append(max(0.0, min(ready, now) - self._gap_start))
+            self.gaps.append(max(0.0, now - self._gap_start))
         self._gap_start = None
         self._batch_ready = None
         self._step_start = now
@@ -55,13 +61,27 @@ class LoopTimer:
             out["train/step_time_s"] = busy / len(steps)
             out["train/step_time_s_max"] = max(steps)
             out["train/steps"] = float(len(steps))
+            out["train/train_time_s"] = busy + sum(self.gaps)
         if steps or waits:
             out["train/data_wait_pct"] = 100.0 * wait / (busy + wait) if busy + wait > 0 else 0.0
             out["train/data_wait_s"] = wait
-        if self.forward_times:
-            out["train/forward_time_s"] = sum(self.forward_times) / len(self.forward_times)
-        self.step_times, self.data_waits, self.forward_times = [], [], []
+        self.step_times, self.data_waits, self.gaps = [], [], []
         return out
+
+
+def is_full_window(metrics: dict[str, float], interval_steps: int) -> bool:
+    """A window that covers a whole logging interval. The last window at train end may hold a single
+    step (or none): its numbers are noise, so it must not decide the run's verdict or its trend."""
+    return metrics.get("train/steps", 0.0) >= max(1, interval_steps)
+
+
+def deciding_window(records: list[dict], interval_steps: int) -> dict | None:
+    """The record whose verdict is the run's: the last full window, else the last with any step."""
+    for candidates in ([r for r in records if is_full_window(r["metrics"], interval_steps)],
+                       [r for r in records if r["metrics"].get("train/steps")], records):
+        if candidates:
+            return candidates[-1]
+    return None
 
 
 NUMERIC_GPU_KEYS = ("util_pct", "mem_util_pct", "mem_used_gib", "mem_total_gib", "power_w", "power_limit_w", "temp_c", "sm_clock_mhz",

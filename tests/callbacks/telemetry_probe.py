@@ -1,4 +1,5 @@
-"""Launched with 2 gloo processes by test_telemetry_ranks.py: rank 1 reads its data slowly."""
+"""Launched with 2 gloo processes by test_telemetry_ranks.py: rank 1 reads its data slowly. 6 steps of
+2 x 8 samples are one epoch of the 96 samples, so the run's tokens are the data set's."""
 
 import os
 import sys
@@ -21,6 +22,6 @@ class SlowOnRank1(TokenDataset):
 
 
 out = sys.argv[1]
-trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2), train_dataset=SlowOnRank1(n=128))
+trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2), train_dataset=SlowOnRank1(n=96))
 attach_telemetry(trainer, interval_s=0.05)
 trainer.train()

@@ -1,19 +1,25 @@
 import json
 import threading
+import time
 
 import pytest
 from transformers import Trainer
 
 from hf_gpu_train.callbacks import CpuByAccidentGuard, TelemetryCallback, TrainingOnCpuByAccident, attach_telemetry
 from hf_gpu_train.hardware.fake import FakeNvmlBackend
+from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery
 
 from .tiny import TokenDataset, tiny_args, tiny_bert
 
+SW_POWER_CAP = 0x4
+# A GPU that works hard at its power limit: utilization climbs to 95%, SwPowerCap in every reading and the SM
+# clock at 1200 of 1410 MHz (the A100 snapshot's maximum). That is "at power limit", not throttling.
 SERIES = {
     "utilization_pct": [(40, 10), (60, 20), (95, 50)],
     "power_usage_mw": [150_000, 250_000, 350_000],
     "temperature_c": [55, 60, 65],
-    "sm_clock_mhz": [1410],
+    "sm_clock_mhz": [1200],
+    "clock_event_reasons": [SW_POWER_CAP],
     "memory_info_used": [10 * 2**30],
 }
 
@@ -22,14 +28,24 @@ def sampler_threads():
     return [t for t in threading.enumerate() if t.name == "hf_gpu_train-telemetry"]
 
 
-def fake_memory(device):
-    return {"torch/mem_allocated_gib": 2.0, "torch/mem_reserved_gib": 3.0, "torch/mem_peak_gib": 2.5,
-            "torch/reserved_minus_allocated_gib": 1.0, "torch/alloc_retries": 0.0, "torch/ooms": 0.0}
+def fake_memory(device, allocated=2.0, reserved=3.0):
+    return {"torch/mem_allocated_gib": allocated, "torch/mem_reserved_gib": reserved, "torch/mem_peak_gib": 2.5,
+            "torch/reserved_minus_allocated_gib": reserved - allocated, "torch/alloc_retries": 0.0, "torch/ooms": 0.0}
+
+
+def slow_forward(model, seconds=0.02):
+    """Steps that take a known minimum time, so data wait stays a small share on a busy 2-core machine."""
+    model.register_forward_pre_hook(lambda module, args: time.sleep(seconds) if module.training else None)
+    return model
+
+
+def windows(out):
+    return [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines() if '"kind": "window"' in line]
 
 
 def test_real_trainer_with_fake_nvml_logs_units_values_and_report(tmp_path, machine):
     backend = FakeNvmlBackend(machine("2x-a100-one-busy"), series=SERIES)
-    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path), train_dataset=TokenDataset())
+    trainer = Trainer(model=slow_forward(tiny_bert()), args=tiny_args(tmp_path), train_dataset=TokenDataset())
     callback = attach_telemetry(trainer, backend=backend, gpu_indices=[0], interval_s=0.02, memory_probe=fake_memory)
     logs_seen = []
 
@@ -57,7 +73,13 @@ def test_real_trainer_with_fake_nvml_logs_units_values_and_report(tmp_path, mach
     for name in ("telemetry.jsonl", "telemetry_summary.json", "report.md", "telemetry_utilization.png", "telemetry_power.png"):
         assert (tmp_path / name).is_file(), name
     summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
-    assert summary["final_verdict"]["kind"] in ("healthy", "under-utilized", "data-bound", "memory-pressure")
+    # derived from the series: clocks below maximum with SwPowerCap only -> not throttled, but at power limit;
+    # steps slow enough that data wait is small -> not data-bound; reserved 3.0 vs allocated 2.0 GiB -> memory pressure
+    final = summary["final_verdict"]
+    assert (final["kind"], final["qualifiers"]) == ("memory-pressure", ["at power limit"]), final
+    assert "reserved 3.0 GiB vs allocated 2.0 GiB" in final["evidence"]
+    assert entry["gpu0/power_capped_pct"] == 100 and entry["gpu0/throttled_pct"] == 0
+    assert summary["throttle_reasons_seen"] == []
     assert summary["gpus"] == {"0": "NVIDIA A100-SXM4-40GB"}
     assert not sampler_threads() and not callback.sampler.running
 
@@ -103,3 +125,71 @@ def test_cpu_by_accident_guard(tmp_path, machine):
     none = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=1), train_dataset=TokenDataset(),
                    callbacks=[CpuByAccidentGuard(backend=FakeNvmlBackend(machine("cpu-only")))])
     none.train()
+
+
+def token_total(dataset):
+    return int(sum((dataset[i]["attention_mask"]).sum() for i in range(len(dataset))))
+
+
+@pytest.mark.parametrize("case", ["plain", "trainer_counts_too", "accumulation", "oom_split_and_retry"])
+def test_tokens_are_counted_once_without_the_trainer_counter(tmp_path, case):
+    """One epoch over 64 padded samples: the windows' tokens add up to the data's non-padding tokens exactly,
+    with include_num_input_tokens_seen off, on (not counted twice), under gradient accumulation, and when the
+    OOM recovery splits a batch after an OOM in backward and retries it."""
+    data = TokenDataset(n=64)
+    kw = {"trainer_counts_too": dict(include_num_input_tokens_seen="non_padding"),
+          "accumulation": dict(max_steps=4, gradient_accumulation_steps=2)}.get(case, {})
+    model = tiny_bert()
+    trainer = Trainer(model=model, args=tiny_args(tmp_path, **kw), train_dataset=data)
+    if case == "oom_split_and_retry":
+        injector = OOMFaultInjector(max_batch=4, phase="backward", times=1, start_after=2)
+        injector.install(model)
+        recovery = enable_oom_recovery(trainer)
+    callback = attach_telemetry(trainer, interval_s=0.05)
+    trainer.train()
+    if case == "oom_split_and_retry":
+        assert injector.raised == 1 and recovery.micro_batch == 4
+    counted = sum(w["metrics"].get("train/tokens", 0) for w in windows(tmp_path))
+    assert counted == token_total(data)
+    assert callback.records[0]["metrics"]["train/tokens_per_s"] > 0
+    if case == "trainer_counts_too":
+        assert trainer.state.num_input_tokens_seen == counted
+
+
+def test_throughput_is_training_time_only_not_an_evaluation_inside_the_window(tmp_path):
+    """An evaluation that takes 0.5 s inside a 4-step window must not show up as a slower GPU."""
+
+    class SlowEval(TokenDataset):
+        def __getitem__(self, i):
+            time.sleep(0.5 / len(self))
+            return super().__getitem__(i)
+
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=8, logging_steps=4, eval_strategy="steps",
+                                                       eval_steps=2, per_device_eval_batch_size=8),
+                      train_dataset=TokenDataset(), eval_dataset=SlowEval(n=8))
+    callback = attach_telemetry(trainer, interval_s=0.05, write_report=False)
+    trainer.train()
+    second = [r for r in callback.records if r["step"] == 8][0]["metrics"]  # holds the evaluation at step 6
+    assert second["train/steps"] == 4 and second["train/train_time_s"] < 0.5
+    assert second["train/samples_per_s"] == pytest.approx(4 * 8 / second["train/train_time_s"])
+    assert second["train/samples_per_s"] > 4 * 8 / 0.5  # what wall time (>= 0.5 s of evaluation) would have allowed
+
+
+def test_the_run_verdict_comes_from_the_last_full_window_not_a_one_step_tail(tmp_path, machine):
+    """9 steps, a log every 4: windows of 4, 4 and a 1-step tail. Memory looks fragmented only in the tail;
+    the run's verdict is the last full window's."""
+    calls = []
+
+    def memory(device):
+        calls.append(device)
+        return fake_memory(device, 2.0, 10.0 if len(calls) == 3 else 2.2)
+
+    backend = FakeNvmlBackend(machine("2x-a100-one-busy"), series={"utilization_pct": [(95, 50)], "sm_clock_mhz": [1410]})
+    trainer = Trainer(model=slow_forward(tiny_bert()), args=tiny_args(tmp_path, max_steps=9, logging_steps=4),
+                      train_dataset=TokenDataset(n=72))
+    callback = attach_telemetry(trainer, backend=backend, gpu_indices=[0], interval_s=0.02, memory_probe=memory)
+    trainer.train()
+    steps = [(r["step"], r["metrics"]["train/steps"], r["full"], r["verdict"]["kind"]) for r in callback.records]
+    assert steps == [(4, 4, True, "healthy"), (8, 4, True, "healthy"), (9, 1, False, "memory-pressure")]
+    summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
+    assert summary["final_verdict"]["kind"] == "healthy" and callback.last_verdict.kind == "healthy"

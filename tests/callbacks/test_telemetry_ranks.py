@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from ..launching import cpu_config, launch
+from .tiny import TokenDataset
 
 
 @pytest.mark.slow
@@ -20,3 +21,7 @@ def test_two_gloo_processes_produce_the_per_rank_summary_and_name_the_straggler(
     summary = json.loads((out / "telemetry_summary.json").read_text())
     assert summary["straggler_ranks"] == [1]
     assert "straggler rank(s) [1]" in run.stderr
+    # each rank counts its own tokens; summed once per log step they are the whole epoch's, each sample once
+    data = TokenDataset(n=96)
+    assert sum(w["metrics"].get("train/tokens", 0) for w in windows) == sum(int(data[i]["attention_mask"].sum()) for i in range(96))
+    assert all(r["tokens"] > 0 for r in ranks)

@@ -30,6 +30,6 @@ def tiny_bert():
 
 def tiny_args(out, **kw):
     base = dict(output_dir=str(out), per_device_train_batch_size=8, max_steps=8, logging_steps=2, report_to="none",
-                use_cpu=True, save_strategy="no", disable_tqdm=True, include_num_input_tokens_seen="non_padding")
+                use_cpu=True, save_strategy="no", disable_tqdm=True)
     base.update(kw)
     return TrainingArguments(**base)
