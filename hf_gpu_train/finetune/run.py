@@ -50,23 +50,44 @@ def _resume_point(cfg: FinetuneConfig, label_names: list[str]) -> str | None:
 
 
 def prepare(cfg: FinetuneConfig, runtime):
-    """(model, train, validation, collator, processing_class, label_names) for the task."""
-    from .data import load_classification_data
+    """(model, train, validation, collator, processing_class, data) for the task.
 
-    data = load_classification_data(cfg)
+    The order is for whoever made a mistake: first what is cheap to check (the model's path or timm name and its
+    weights; the data's files, splits, columns and labels, and whether a validation carve is possible), then the
+    model (it may download, or find no network), and only then the passes over every row (label encoding, the
+    carve, opening every image, tokenizing). A typo costs seconds, not a pass over a large dataset.
+    """
+    from .checkpoints import is_main_process
+    from .data import open_classification_data, process_classification_data
+
+    def say(notes):
+        if is_main_process():
+            for note in notes:
+                print(f"hf_gpu_train: {note}", flush=True)
+
     if cfg.task == "text-classification":
         from .checkpoints import check_label_map
-        from .text import load_text_model, resolve_model_path, text_collator, tokenize
+        from .preflight import check_text_model
+        from .text import load_text_model, text_collator, tokenize
 
-        model_dir = Path(resolve_model_path(cfg.model))
-        if model_dir.is_dir():
-            check_label_map(model_dir, data.label_names, "model")  # warm start from one of our runs
-        model, tokenizer = load_text_model(cfg, data.label_names)
+        model_dir = check_text_model(cfg)
+        opened = open_classification_data(cfg)
+        if model_dir is not None:
+            check_label_map(model_dir, opened.label_names, "model")  # warm start from one of our runs
+        model, tokenizer = load_text_model(cfg, opened.label_names)
+        data = process_classification_data(cfg, opened)
+        say(data.notes)
         train, validation = tokenize(cfg, data, tokenizer)
         return model, train, validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data
+    from .pretrained import resolve_vision_weights
     from .vision import attach_transforms, image_collator, load_vision_model
 
-    model = load_vision_model(cfg, data.label_names)
+    weights = resolve_vision_weights(cfg)
+    say([weights.describe(cfg.learning_rate)])  # the run's first line: which weights, and a from-scratch learning rate
+    opened = open_classification_data(cfg)
+    model = load_vision_model(cfg, opened.label_names, weights)
+    data = process_classification_data(cfg, opened)
+    say(data.notes)
     if runtime.on_cuda:
         import torch
 

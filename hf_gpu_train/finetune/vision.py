@@ -1,15 +1,14 @@
-"""Image classification with timm: the model (classifier reset to the dataset's classes), timm's
-data config and transforms, and a Trainer-friendly wrapper that returns the loss."""
+"""Image classification with timm: the model (starting weights from ``pretrained``, classifier reset to the
+dataset's classes), timm's data config and transforms, and a Trainer-friendly wrapper that returns the loss."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from .config import ConfigError, FinetuneConfig
 from .data import ClassificationData
+from .pretrained import VisionWeights, create_timm_model, resolve_vision_weights
 
 
 class TimmClassifier(nn.Module):
@@ -33,25 +32,10 @@ class TimmClassifier(nn.Module):
         self.model.set_grad_checkpointing(True)
 
 
-def timm_name(model: str) -> str:
-    return model.split("/", 1)[1] if model.startswith("timm/") else model
-
-
-def load_vision_model(cfg: FinetuneConfig, label_names: list[str]):
-    import timm
-
-    name = timm_name(cfg.model)
-    if not timm.is_model(name):
-        close = timm.list_models(f"*{name.split('_')[0]}*")[:5]
-        raise ConfigError(f"model={cfg.model!r} is not a timm model" + (f"; similar: {close}" if close else ""))
-    kwargs = {}
-    if cfg.pretrained_weights:
-        weights = Path(cfg.pretrained_weights).expanduser()
-        if not weights.is_file():
-            raise ConfigError(f"pretrained_weights={cfg.pretrained_weights!r} does not exist")
-        kwargs = {"pretrained": True, "pretrained_cfg_overlay": {"file": str(weights)}}
-    model = timm.create_model(name, num_classes=len(label_names), **kwargs)  # classifier reset when the count differs
-    return TimmClassifier(model)
+def load_vision_model(cfg: FinetuneConfig, label_names: list[str], weights: VisionWeights | None = None) -> TimmClassifier:
+    """The timm model with its starting weights (see ``pretrained``) and a classifier for ``label_names``."""
+    weights = weights or resolve_vision_weights(cfg)
+    return TimmClassifier(create_timm_model(cfg, weights, len(label_names)))
 
 
 def attach_transforms(cfg: FinetuneConfig, data: ClassificationData, model: TimmClassifier):

