@@ -69,10 +69,22 @@ def render(profile: HardwareProfile, live: bool = True) -> str:
             g.index, g.name, gib(g.memory_total_bytes), gib(g.memory_used_bytes), g.capability_str,
             "yes" if g.bf16_supported else "no", "yes" if g.fp8_supported else "no",
             "?" if g.power_limit_w is None else f"{g.power_limit_w:.0f} W",
-            {True: "on", False: "off", None: "?"}[g.mig_enabled], {True: "yes", False: "no", None: "?"}[g.display_active],
+            _mig_cell(g), {True: "yes", False: "no", None: "?"}[g.display_active],
             "?" if g.numa_node is None else g.numa_node, g.pci_bus_id,
         ])
     lines += ["", table(rows)]
+    pending = [g for g in profile.gpus if g.mig_change_pending]
+    if pending:
+        lines.append("MIG mode changes pending (applied at the next GPU reset): " + "; ".join(
+            f"GPU{g.index} {_on(g.mig_enabled)} now, {_on(g.mig_pending_enabled)} after the reset" for g in pending))
+    instances = [(g, m) for g in profile.gpus for m in (g.mig_instances or ())]
+    if instances:
+        lines += ["", "MIG instances (CUDA_VISIBLE_DEVICES takes the UUID):"]
+        lines += ["  " + line for line in table(
+            [[f"GPU{g.index}", m.profile, gib(m.memory_total_bytes), gib(m.memory_used_bytes),
+              f"GI {'?' if m.gpu_instance_id is None else m.gpu_instance_id} CI "
+              f"{'?' if m.compute_instance_id is None else m.compute_instance_id}", m.uuid] for g, m in instances],
+            header=False).splitlines()]
     procs = [f"GPU{g.index}: pid {p.pid} {p.name or '?'} {gib(p.used_memory_bytes)}" for g in profile.gpus for p in g.processes]
     if procs:
         lines += ["", "Processes holding GPU memory:"] + [f"  {p}" for p in procs]
@@ -87,3 +99,12 @@ def render(profile: HardwareProfile, live: bool = True) -> str:
     if profile.notes:
         lines += ["", "Detection notes:"] + [f"  {n}" for n in profile.notes]
     return "\n".join(lines)
+
+
+def _on(flag: bool | None) -> str:
+    return {True: "on", False: "off", None: "?"}[flag]
+
+
+def _mig_cell(gpu) -> str:
+    """ "on", "off", or "off->on" when a MIG mode change waits for the next GPU reset."""
+    return f"{_on(gpu.mig_enabled)}->{_on(gpu.mig_pending_enabled)}" if gpu.mig_change_pending else _on(gpu.mig_enabled)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from ..hardware.profile import HardwareProfile
 from ..textfmt import gib
 from .check import FAIL, PASS, SKIP, WARN, Check
+from .mig_checks import check_mig
+from .topology_checks import check_gpu_models, check_nvlink_p2p
 
 # Clock-event reasons that are normal on an idle GPU; anything else at idle is a hardware or
 # cooling problem (HwSlowdown, thermal, power brake) that will slow the training too.
@@ -60,16 +62,6 @@ def check_other_processes(profile: HardwareProfile, threshold_bytes: int = OTHER
                  "or set CUDA_VISIBLE_DEVICES).")
 
 
-def check_mig(profile: HardwareProfile) -> Check:
-    mig = [g for g in profile.gpus if g.mig_enabled]
-    if not mig:
-        return Check("MIG", PASS, "MIG mode off on every GPU")
-    ids = ",".join(str(g.index) for g in mig)
-    return Check("MIG", WARN, f"MIG mode on for GPU {ids}: CUDA sees MIG instances, one per process, and NCCL cannot span them",
-                 f"For whole-GPU training: `sudo nvidia-smi -i {ids} -mig 0` (then reset the GPU); "
-                 "or train on one MIG instance with CUDA_VISIBLE_DEVICES=MIG-<uuid>.")
-
-
 def check_idle_throttling(profile: HardwareProfile) -> Check:
     findings = []
     for g in profile.gpus:
@@ -86,4 +78,10 @@ def check_idle_throttling(profile: HardwareProfile) -> Check:
 
 
 def gpu_checks(profile: HardwareProfile) -> list[Check]:
-    return [check_gpus(profile), check_other_processes(profile), check_mig(profile), check_idle_throttling(profile)]
+    checks = [check_gpus(profile)]
+    if len(profile.gpus) > 1:
+        checks.append(check_gpu_models(profile))
+    checks += [check_other_processes(profile), check_mig(profile)]
+    if len(profile.gpus) > 1:
+        checks.append(check_nvlink_p2p(profile))
+    return checks + [check_idle_throttling(profile)]

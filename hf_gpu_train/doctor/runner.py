@@ -27,7 +27,8 @@ def run_checks(
     driver_broken = driver.status == FAIL
     if driver_broken:
         why = "fix the driver first (see above) before anything that needs the GPU"
-        checks += [skipped(n, why) for n in ("gpus", "other processes", "MIG", "idle clocks", "torch stack", "small win")]
+        checks += [skipped(n, why) for n in ("gpus", "GPU models", "other processes", "MIG", "NVLink P2P", "idle clocks", "torch stack",
+                                              "small win")]
     else:
         if profile.gpus:
             checks += gpu_checks(profile)

@@ -65,3 +65,46 @@ def test_live_doctor_on_this_machine_exits_cleanly():
     report = json.loads(result.stdout)
     assert result.returncode == report["exit_code"]
     assert report["checks"][0]["name"] == "driver"
+
+
+def test_detect_shows_mig_instances_and_pending_changes(capsys):
+    from ..hardware.odd_machines import TEST_MACHINES_DIR
+
+    assert main(["detect", "--machine", "1x-a100-mig"]) == 0
+    out = capsys.readouterr().out
+    assert "MIG instances (CUDA_VISIBLE_DEVICES takes the UUID):" in out
+    assert "  GPU0  3g.40gb  39.2 GiB  0.0 GiB  GI 1 CI 0  MIG-a100-sxm-80-00-gi1-0000-000000000000" in out
+    assert main(["detect", "--machine", str(TEST_MACHINES_DIR / "2x-a100-mig-pending.json")]) == 0
+    out = capsys.readouterr().out
+    assert "off->on" in out
+    assert "MIG mode changes pending (applied at the next GPU reset): GPU1 off now, on after the reset" in out
+
+
+def test_doctor_cli_reports_pending_mig_and_nvlink_without_p2p(capsys):
+    from ..hardware.odd_machines import TEST_MACHINES_DIR
+
+    assert main(["doctor", "--machine", str(TEST_MACHINES_DIR / "2x-a100-mig-pending.json")]) == 0
+    out = capsys.readouterr().out
+    assert "[WARN] MIG: GPU1: MIG mode change pending" in out and "sudo nvidia-smi -i 1 -r" in out
+    assert main(["doctor", "--machine", str(TEST_MACHINES_DIR / "4x-h100-vm-nvlink-no-p2p.json")]) == 0
+    assert "[WARN] NVLink P2P: NVLinks active but P2P reported unsupported" in capsys.readouterr().out
+
+
+def test_config_counts_and_indices_and_cpu_binding_prefix(tmp_path, capsys):
+    from dataclasses import replace
+
+    from hf_gpu_train.hardware.snapshot import save
+
+    assert main(["config", "--machine", "2x-rtx4090", "--gpus", "0", "--output", str(tmp_path / "a")]) == 2
+    assert "pass --gpu-ids 0" in capsys.readouterr().err
+    assert main(["config", "--machine", "2x-rtx4090", "--gpu-ids", "1", "--output", str(tmp_path / "b")]) == 0
+    assert "gpu_ids: '1'" in (tmp_path / "b.yaml").read_text()
+    dgx1 = load_machine("8x-v100-dgx1")
+    busy = replace(dgx1, gpus=(replace(dgx1.gpus[0], memory_used_bytes=20 * 2**30), *dgx1.gpus[1:]))
+    box = save(busy, tmp_path / "dgx1-busy.json")
+    capsys.readouterr()
+    assert main(["config", "--machine", str(box), "--gpus", "4", "--output", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "taskset -c 20-39,60-79 hf-gpu-train launch --config-file" in out
+    assert "taskset -c 20-39,60-79 accelerate launch" in out and "taskset -c 20-39,60-79 torchrun" in out
+    assert "gpu_ids: 4,5,6,7" in (tmp_path / "c.yaml").read_text()

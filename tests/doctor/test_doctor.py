@@ -3,10 +3,12 @@ from dataclasses import replace
 import pytest
 
 from hf_gpu_train.doctor import FAIL, PASS, SKIP, WARN, exit_code, run_checks
-from hf_gpu_train.doctor.gpu_checks import check_idle_throttling, check_mig, check_other_processes
+from hf_gpu_train.doctor.gpu_checks import check_idle_throttling, check_other_processes
 from hf_gpu_train.doctor.host_checks import check_disk, check_shm
 from hf_gpu_train.doctor.live_checks import ProbeResult, p2p_copy_checks, small_win_checks
+from hf_gpu_train.doctor.mig_checks import check_mig
 from hf_gpu_train.doctor.stack_checks import check_cuda_compat, check_cudnn_nccl, check_torch, torch_install_command
+from hf_gpu_train.doctor.topology_checks import check_gpu_models, check_nvlink_p2p
 from hf_gpu_train.hardware.profile import SoftwareInfo
 
 GOOD_SW = SoftwareInfo(python_version="3.11.7", torch_version="2.5.1+cu124", torch_cuda_build="12.4", cudnn_version=90100,
@@ -153,3 +155,61 @@ def test_real_probe_small_win_on_every_gpu():
     profile = detect()
     checks = small_win_checks(profile, RealTorchProbe())
     assert checks and all(c.status == PASS for c in checks), checks
+
+
+# -- MIG, NVLink without P2P, mixed models -----------------------------------------------------------
+
+def test_mig_pending_is_reported_with_the_reset_fix():
+    from ..hardware.odd_machines import odd_machine
+
+    checks = by_name(run_checks(odd_machine("2x-a100-mig-pending"), None, None, live=False))
+    mig = checks["MIG"]
+    assert mig.status == WARN
+    assert mig.detail == ("GPU1: MIG mode change pending (off now, on after the next GPU reset): `nvidia-smi -mig` was run "
+                          "but the GPU not reset, so the GPU works whole now and becomes MIG instances at the next reset "
+                          "or reboot")
+    assert mig.fix == ("Apply it: stop every process on the GPU, then `sudo nvidia-smi -i 1 -r` (or reboot; some VMs need "
+                       "the host to reset it); or undo it: `sudo nvidia-smi -i 1 -mig 0`. Then run `hf-gpu-train detect "
+                       "--save` again.")
+
+
+def test_mig_instances_are_listed_with_their_memory(machine):
+    check = check_mig(machine("1x-a100-mig"))
+    assert check.status == WARN
+    assert check.detail.startswith("GPU0: MIG mode on with 2 instance(s): 3g.40gb 39.2 GiB (MIG-a100-sxm-80-00-gi1-")
+    assert "one process per instance (CUDA_VISIBLE_DEVICES=<MIG UUID>), NCCL cannot join instances" in check.detail
+    assert "-mig 0" in check.fix and "hf-gpu-train config" in check.fix
+    box = machine("1x-a100-mig")
+    empty = replace(box, gpus=(replace(box.gpus[0], mig_instances=()),))
+    none_created = check_mig(empty)
+    assert none_created.status == WARN and "no MIG instance exists: CUDA sees no device on this GPU" in none_created.detail
+    assert "nvidia-smi mig -cgi" in none_created.fix
+
+
+def test_nvlink_without_p2p_warns_with_causes_and_fix(machine):
+    from ..hardware.odd_machines import odd_machine
+
+    check = check_nvlink_p2p(odd_machine("4x-h100-vm-nvlink-no-p2p"))
+    assert check.status == WARN
+    assert check.detail.startswith("NVLinks active but P2P reported unsupported on 0-1, 0-2, 0-3, 1-2, 1-3, 2-3 (not supported)")
+    assert "NCCL then moves data through host memory" in check.detail
+    for cause in ("fabric manager", "virtual machine", "driver"):
+        assert cause in check.detail
+    assert "systemctl status nvidia-fabricmanager" in check.fix and "nvidia-smi topo -p2p r" in check.fix
+    assert check_nvlink_p2p(machine("8x-h100-sxm")).status == PASS
+    assert check_nvlink_p2p(machine("4x-rtx3090-nvlink-pairs")).status == PASS  # PCIe pairs without P2P are not NVLink's
+    assert check_nvlink_p2p(machine("2x-rtx4090")).detail == "no NVLink between these GPUs"
+
+
+def test_mixed_gpu_models_are_named(machine):
+    check = check_gpu_models(machine("mixed-a100-rtx3090"))
+    assert check.status == WARN
+    assert check.detail == ("mixed GPU models: NVIDIA A100 80GB PCIe (GPU 0), NVIDIA GeForce RTX 3090 (GPU 1); one DDP job "
+                            "runs at the pace and memory of its slowest GPU")
+    assert "--gpu-ids" in check.fix
+    assert check_gpu_models(machine("8x-h100-sxm")).detail == "8x NVIDIA H100 80GB HBM3"
+
+
+def test_snapshot_doctor_runs_the_new_checks_in_order(machine):
+    names = [c.name for c in run_checks(machine("8x-v100-dgx1"), None, None, live=False)]
+    assert names[:6] == ["driver", "gpus", "GPU models", "other processes", "MIG", "NVLink P2P"]
