@@ -7,7 +7,7 @@ order is only the last tie-break. A merely connected NVLink component is not eno
 whole box is one NVLink component, yet GPUs 1-4 share no link.
 
 Every subset is scored when there are at most ``MAX_SUBSETS`` of them (C(16, 8) = 12,870: any box up to
-16 GPUs); beyond that the set is grown greedily from the best pair, and the reason says so.
+16 GPUs); beyond that the set is grown greedily from each GPU in turn, and the reason says so.
 """
 
 from __future__ import annotations
@@ -73,16 +73,21 @@ def best_subset(profile: HardwareProfile, usable: list[GpuInfo], count: int) -> 
         how = f"best-connected of {candidates} subsets of the {len(usable)} usable GPUs"
     else:
         chosen = _greedy(links, usable, count)
-        how = f"grown greedily from the best pair ({candidates} subsets are too many to try)"
+        how = f"grown greedily ({candidates} subsets are too many to try)"
     return chosen, f"{describe(profile, chosen)}; {how}"
 
 
 def _greedy(links: _Links, usable: list[GpuInfo], count: int) -> tuple[GpuInfo, ...]:
-    chosen = min(combinations(usable, 2), key=links.score)
-    while len(chosen) < count:
-        rest = [g for g in usable if g not in chosen]
-        chosen = min((tuple(sorted(chosen + (g,), key=lambda x: x.index)) for g in rest), key=links.score)
-    return chosen
+    """Grow a set from each GPU in turn, adding the GPU that scores best, and keep the best set: seeding
+    from one pair only would fill the first island it meets even when another island holds them all."""
+    results = []
+    for seed in usable:
+        chosen: tuple[GpuInfo, ...] = (seed,)
+        while len(chosen) < count:
+            rest = [g for g in usable if g not in chosen]
+            chosen = min((tuple(sorted(chosen + (g,), key=lambda x: x.index)) for g in rest), key=links.score)
+        results.append(chosen)
+    return min(results, key=links.score)
 
 
 def describe(profile: HardwareProfile, gpus: list[GpuInfo] | tuple[GpuInfo, ...]) -> str:

@@ -195,3 +195,28 @@ def test_one_socket_of_a_two_socket_box_is_still_pinned(machine):
     plan = make_plan(machine("4x-a100-pcie-nvlink-pairs"), PlanOptions(gpus="2"))
     assert plan.accelerate["gpu_ids"] == "0,1" and plan.accelerate["enable_cpu_affinity"] is True
     assert "enable_cpu_affinity" not in make_plan(machine("4x-rtx3090-nvlink-pairs")).accelerate  # one NUMA node
+
+
+def _islands_box(count, island):
+    """``count`` GPUs in NVLink islands of ``island`` (NV6 inside, none across), one NUMA node per half."""
+    from itertools import combinations
+
+    from hf_gpu_train.hardware.profile import GpuInfo, GpuPair, HardwareProfile, HostInfo
+
+    gpus = tuple(GpuInfo(index=i, name="GPU", uuid=f"GPU-{i}", pci_bus_id=f"0000:{i + 1:02x}:00.0", memory_total_bytes=GIB,
+                         numa_node=2 * i // count) for i in range(count))
+    pairs = tuple(GpuPair(a.index, b.index, "NODE" if a.numa_node == b.numa_node else "SYS",
+                          6 if a.index // island == b.index // island else 0, "OK", "OK") for a, b in combinations(gpus, 2))
+    return HardwareProfile(host=HostInfo("islands"), gpus=gpus, pairs=pairs)
+
+
+def test_search_is_exhaustive_up_to_the_bound_and_greedy_beyond():
+    from hf_gpu_train.launch.gpu_subset import best_subset
+
+    box = _islands_box(16, 4)
+    chosen, why = best_subset(box, list(box.gpus[1:]), 4)  # GPU 0 taken: the island 4-7, not 1,2,3 plus one
+    assert ids(chosen) == [4, 5, 6, 7] and why.endswith("best-connected of 1365 subsets of the 15 usable GPUs")
+    big = _islands_box(18, 9)
+    chosen, why = best_subset(big, list(big.gpus[1:]), 9)  # C(17, 9) = 24,310 > 20,000
+    assert ids(chosen) == list(range(9, 18)) and why.endswith("grown greedily (24310 subsets are too many to try)")
+    assert why.startswith("GPUs 9,10,11,12,13,14,15,16,17: fully NVLinked (NV6 on every pair)")
