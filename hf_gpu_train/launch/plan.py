@@ -123,8 +123,9 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tupl
     if plan is None:
         raise PlanError(
             f"{options.model.name} ({options.model.params / 1e9:.2f}B parameters) does not fit in {memory / 2**30:.1f} GiB per {per_what} "
-            f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing: use more GPUs "
-            f"(--num-machines), a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
+            f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing: use "
+            + ("a larger MIG instance or the whole GPU (disable MIG)" if per_what == "MIG instance" else "more GPUs (--num-machines)")
+            + ", a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
             + ("" if options.strategy == "auto" else ", or --strategy auto"))
     return plan, plan.strategy
 

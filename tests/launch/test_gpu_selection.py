@@ -145,7 +145,7 @@ def test_mig_instance_is_offered_for_one_process_without_nccl(machine):
 
 def test_planner_plans_against_the_instance_memory_not_the_gpu(machine):
     box = machine("1x-a100-mig")
-    with pytest.raises(PlanError, match=r"llama-3b .* does not fit in 39.2 GiB per MIG instance"):
+    with pytest.raises(PlanError, match=r"llama-3b .* does not fit in 39.2 GiB per MIG instance .* use a larger MIG instance"):
         make_plan(box, PlanOptions(model=LLAMA_3B, seq_len=2048))
     whole = replace(box, gpus=(replace(box.gpus[0], mig_enabled=False, mig_pending_enabled=False, mig_instances=None),))
     assert make_plan(whole, PlanOptions(model=LLAMA_3B, seq_len=2048)).memory.gpu_memory_bytes > 79 * GIB
