@@ -83,9 +83,9 @@ def build_trainer(cfg, runtime, model, train, validation, collator, processing_c
         preprocess_logits_for_metrics=logits_to_class_ids,
         callbacks=list(callbacks),
     )
-    # Both tasks' losses are means over the batch. transformers 5 treats a model that *accepts*
-    # num_items_in_batch (sequence classification does) as already normalised for gradient accumulation
-    # and skips the division: gradients would grow with the accumulation steps
-    # (tests/training/test_oom.py::test_transformers_5_gradient_accumulation_needs_the_mean_loss_flag).
-    trainer.loss_is_scaled_for_ga = False
+    # Both tasks' losses are means over the batch. transformers 5 takes a model whose forward accepts **kwargs
+    # (sequence classification does) for one that normalises its loss by num_items_in_batch: it then skips the
+    # division by the accumulation steps and multiplies the loss by the number of processes (N times the loss
+    # and the gradients on N processes). Saying the truth once fixes both (tests/scaling).
+    trainer.model_accepts_loss_kwargs = False
     return trainer

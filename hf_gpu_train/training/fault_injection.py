@@ -7,7 +7,9 @@ Usable on the CPU, so recovery is tested without a GPU::
     injector.install(model)
 
 ``phase="forward"`` raises from a forward pre-hook of the model; ``phase="backward"`` raises from a
-gradient hook on the model's output, i.e. in the middle of ``loss.backward()``. ``times`` limits how
+gradient hook on the output of the model's first layer with trainable weights, i.e. late in
+``loss.backward()``, after the later layers have already added their gradients (as a real OOM part-way
+through backward leaves them); when that output needs no gradient, from the model's output. ``times`` limits how
 many OOMs it raises (None: every time the batch is too large); ``start_after`` lets that many training
 forwards pass first (an OOM in the middle of a run, e.g. on a long batch).
 """
@@ -52,38 +54,59 @@ class OOMFaultInjector:
             f"phase {self.phase})")
 
     def install(self, model: torch.nn.Module) -> OOMFaultInjector:
+        armed_size: list[int | None] = [None]  # the batch size of the forward in progress, when it must fail in backward
+
+        def fail_in_backward(tensor: torch.Tensor, size: int) -> bool:
+            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+                return False
+            injector = self
+
+            def fail(grad):
+                raise injector._error(size)
+
+            tensor.register_hook(fail)
+            armed_size[0] = None
+            return True
+
         def pre_forward(module, args, kwargs):
             size = _size(args, kwargs)
             if module.training:
                 self._forwards += 1
+            armed_size[0] = None
             if size is None or size <= self.max_batch or not self._armed(module):
                 return None
             if self.phase == "forward":
                 raise self._error(size)
+            armed_size[0] = size
             return None
 
-        def post_forward(module, args, kwargs, output):
-            size = _size(args, kwargs)
-            if self.phase != "backward" or size is None or size <= self.max_batch or not self._armed(module):
-                return None
-            tensor = _first_tensor(output)
-            if tensor is not None and tensor.requires_grad:
-                injector = self
+        def first_layer_output(module, args, output):
+            if armed_size[0] is not None:
+                fail_in_backward(_first_tensor(output), armed_size[0])
 
-                def fail(grad):
-                    raise injector._error(size)
-
-                tensor.register_hook(fail)
-            return None
+        def model_output(module, args, kwargs, output):
+            if armed_size[0] is not None:  # the first layer's output needed no gradient
+                fail_in_backward(_first_tensor(output), armed_size[0])
+            armed_size[0] = None
 
         self._handles = [model.register_forward_pre_hook(pre_forward, with_kwargs=True),
-                         model.register_forward_hook(post_forward, with_kwargs=True)]
+                         model.register_forward_hook(model_output, with_kwargs=True)]
+        first = _first_trainable_layer(model)
+        if self.phase == "backward" and first is not None and first is not model:
+            self._handles.append(first.register_forward_hook(first_layer_output))
         return self
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _first_trainable_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            return module
+    return None
 
 
 def _size(args, kwargs) -> int | None:

@@ -1,4 +1,4 @@
-"""Recognise out-of-memory errors and split a batch into micro-batches."""
+"""Recognise out-of-memory errors and cut a batch into micro-batches."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+# Only allocation failures count. cuDNN's CUDNN_STATUS_NOT_SUPPORTED also appears when no algorithm fits
+# its workspace, but far more often for non-contiguous inputs or unsupported shapes: a different bug that
+# a smaller micro-batch would hide, so it surfaces as itself.
 OOM_MARKERS = (
-    "out of memory",  # CUDA: "CUDA out of memory. Tried to allocate ..."
-    "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN picks no algorithm when its workspace cannot be allocated
+    "out of memory",  # CUDA: "CUDA out of memory. Tried to allocate ...", "CUDA error: out of memory"
     "CUDNN_STATUS_ALLOC_FAILED",
     "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDA error: out of memory",
 )
 
 
@@ -22,6 +23,11 @@ def is_oom_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(marker in str(error) for marker in OOM_MARKERS)
 
 
+def describe_oom(error: BaseException) -> str:
+    """One line to keep from the error, so the exception (and the tensors its traceback holds) can go."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+
+
 def batch_size(inputs: Mapping[str, Any]) -> int:
     for value in inputs.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -29,20 +35,31 @@ def batch_size(inputs: Mapping[str, Any]) -> int:
     raise ValueError("cannot find the batch dimension: no tensor in the inputs")
 
 
-def split_batch(inputs: Mapping[str, Any], micro: int) -> list[dict[str, Any]]:
-    """Slices of at most ``micro`` samples; tensors (and lists) with the batch as first dimension are
-    sliced, anything else is passed to every slice as it is."""
+def slice_batch(inputs: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Samples ``start:stop``: tensors (and lists) with the batch as first dimension are sliced, anything
+    else is passed as it is."""
     size = batch_size(inputs)
-    chunks = []
-    for start in range(0, size, micro):
-        stop = min(size, start + micro)
-        chunk = {}
-        for key, value in inputs.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-                chunk[key] = value[start:stop]
-            elif isinstance(value, list) and len(value) == size:
-                chunk[key] = value[start:stop]
-            else:
-                chunk[key] = value
-        chunks.append(chunk)
-    return chunks
+    chunk = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+            chunk[key] = value[start:stop]
+        elif isinstance(value, list) and len(value) == size:
+            chunk[key] = value[start:stop]
+        else:
+            chunk[key] = value
+    return chunk
+
+
+def split_batch(inputs: Mapping[str, Any], micro: int) -> list[dict[str, Any]]:
+    """Slices of at most ``micro`` samples."""
+    size = batch_size(inputs)
+    return [slice_batch(inputs, start, min(size, start + micro)) for start in range(0, size, micro)]
+
+
+def loss_items(inputs: Mapping[str, Any]) -> int:
+    """What a loss over these inputs averages over: labelled tokens for token-level labels (-100 ignored),
+    samples otherwise. Weighs the losses of evaluation micro-batches."""
+    labels = inputs.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() > 1:
+        return int(labels.ne(-100).sum())
+    return batch_size(inputs)

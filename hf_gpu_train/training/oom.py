@@ -1,25 +1,29 @@
 """In-place OOM recovery for the Hugging Face Trainer: same step, same effective batch, every rank agrees.
 
-``enable_oom_recovery(trainer)`` wraps the Trainer's ``training_step`` and ``prediction_step`` on
-the instance (a Trainer callback has no exception hook). When a step runs out of memory:
+``enable_oom_recovery(trainer)`` wraps the Trainer's ``training_step``, ``prediction_step`` and
+``compute_loss`` on the instance (a Trainer callback has no exception hook). When a step runs out of memory:
 
-1. the error is caught and only its text kept; memory is freed *outside* the ``except`` block
-   (the traceback holds tensors: pytorch #18853);
-2. with several processes, one small all-reduce (MAX of an OOM flag) per step makes every rank
-   agree, so a rank that failed alone (in forward or in backward) does not leave the others waiting
-   in a collective. To make that safe, forward and backward run under DDP's ``no_sync`` and the
-   gradients are all-reduced by us after the agreement (once per optimizer step);
-3. this step's gradients are dropped, the micro-batch is halved, the *same* inputs are split and
-   retried; each micro-batch's loss is scaled by its share of the batch (or, with transformers 5's
-   ``num_items_in_batch`` normalisation, left as it is), so the gradient equals the full batch's.
-   ``global_step``, the LR schedule, the data order and the effective batch do not change.
+1. only the error's text is kept; memory is freed *outside* the ``except`` block (the traceback holds
+   tensors: pytorch #18853);
+2. the micro-batch is halved and the step goes on with the *same* inputs, cut into micro-batches whose losses
+   are scaled by their share of the batch (or left alone when the loss is normalised by
+   ``num_items_in_batch``), so the gradient equals the whole batch's. An OOM in forward keeps what earlier
+   micro-batches accumulated; an OOM part-way through backward has already added part of a gradient, so that
+   micro-step is recomputed from its first sample (with gradient accumulation, earlier micro-steps of that
+   optimizer step are lost, and a warning says so). ``global_step``, the LR schedule, the data order and the
+   effective batch do not change;
+3. with several processes, forward and backward run under DDP's ``no_sync`` and ``GradientReducer``
+   (``grad_sync.py``) averages the gradients with DDP's overlap but a state we own: a rank that fails
+   finishes the round with what it has, one small vote per optimizer step tells every rank, nobody applies a
+   round that failed, and ranks that did not fail only reduce again. Every rank then runs the smallest
+   micro-batch any rank needed. A rank that cannot fit one sample stops every rank with the remedies.
 
-Compared with ``auto_find_batch_size`` (restarts the whole loop with a smaller batch, changes the
-effective batch, no cross-rank agreement) and Composer (in place, outside the HF stack).
+Compared with ``auto_find_batch_size`` (restarts the loop with a smaller batch, changes the effective batch,
+no cross-rank agreement) and Composer's microbatching (in place, outside the HF stack).
 
-Limits, said plainly: with gradient accumulation > 1, an OOM in a later micro-step of an optimizer
-step drops the earlier micro-steps of that one step (their inputs are gone; a warning says so).
-FSDP and DeepSpeed are not supported (the recovery steps aside with a warning).
+Limits, said plainly: FSDP and DeepSpeed step aside with a warning (their collectives run inside forward and
+backward). BatchNorm normalises each micro-batch with its own statistics, so a split step is close to, not
+equal to, the whole batch (a warning says so once).
 """
 
 from __future__ import annotations
@@ -27,57 +31,58 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import Sequence
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..errors import UsageError
-from .microbatch import batch_size, is_oom_error, split_batch
+from .grad_sync import NO_LIMIT, GradientReducer, broadcast_buffers
+from .loss_scaling import SUM, LossScalingGuard, guard_loss_scaling
+from .microbatch import batch_size, describe_oom, is_oom_error, loss_items, slice_batch, split_batch
+from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
 log = logging.getLogger("hf_gpu_train.oom")
 SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")
 THRASH_STEPS = 3
 
 
-class OutOfMemoryAtMicroBatchOne(UsageError):
-    """Even one sample does not fit: the message lists this run's remedies, most effective first."""
-
-
 class OOMRecoveryState(TrainerCallback, ExportableState):
-    """The micro-batch sizes, saved in ``trainer_state.json`` with every checkpoint and restored on resume."""
+    """The micro-batch sizes, saved in ``trainer_state.json`` with every checkpoint and restored on resume.
+    Data only: with ``restore_callback_states_from_checkpoint=True`` the Trainer replaces this object by a
+    new one built from the checkpoint, and the recovery finds the new one (``_RecoveryHooks``)."""
 
     def __init__(self):
         self.micro_batch: int | None = None
         self.eval_micro_batch: int | None = None
         self.recoveries = 0
-        self.recovery: InPlaceOOMRecovery | None = None
-        self._retries: list[float] = []
-        self._warned_thrash = False
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"micro_batch": self.micro_batch, "eval_micro_batch": self.eval_micro_batch,
                                            "recoveries": self.recoveries}}
 
+
+class _RecoveryHooks(TrainerCallback):
+    """The recovery's view of the loop: not exportable, so the Trainer never swaps it out."""
+
+    def __init__(self, recovery: InPlaceOOMRecovery):
+        self.recovery = recovery
+        self._retries: list[float] = []
+        self._warned_thrash = False
+
     def on_train_begin(self, args, state, control, **kwargs):
-        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
-        if isinstance(saved, list):
-            saved = saved[0] if saved else None
-        if saved:
-            for key, value in saved.get("attributes", {}).items():
-                setattr(self, key, value)
-            if self.micro_batch:
-                log.info("OOM recovery: resuming with micro-batch %s recorded in the checkpoint", self.micro_batch)
-        if self.recovery is not None:
-            self.recovery.fresh = True
+        self.recovery.train_begins(state)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.recovery is not None:
-            self.recovery.optimizer_step_done()
+        self.recovery.optimizer_step_done()
         self._check_thrash()
         return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.recovery.agree_on_eval_micro_batch()
+        return control
+
+    on_predict = on_evaluate
 
     def _check_thrash(self) -> None:
         """Allocator retries climbing step after step: cudaMalloc failed, caches were flushed, and it
@@ -95,20 +100,23 @@ class OOMRecoveryState(TrainerCallback, ExportableState):
 
 
 class InPlaceOOMRecovery:
-    def __init__(self, trainer, grow_after_steps: int | None = None):
+    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = None):
         self.trainer = trainer
+        self.guard = guard
         self.grow_after_steps = grow_after_steps
         self._training_step = trainer.training_step
         self._prediction_step = trainer.prediction_step
         self._compute_loss = trainer.compute_loss
-        self.loss_scale = 1.0
-        self.fresh = True
+        self.state = OOMRecoveryState()
+        self.hooks = _RecoveryHooks(self)
+        self.reducer: GradientReducer | None = None
+        self.share = 1.0  # this micro-batch's share of the step's batch, while one runs
+        self.fresh = True  # the next training_step starts an optimizer step
         self.clean_steps = 0
         self.events: list[dict] = []
-        self._sum_normalised_answer: bool | None = None
         self._last_batch = 0
-        self.state = OOMRecoveryState()
-        self.state.recovery = self
+        self._warned: set[str] = set()
+        self.seen_items = None
 
     # -- wiring --------------------------------------------------------------------------------
     def install(self) -> InPlaceOOMRecovery:
@@ -117,137 +125,158 @@ class InPlaceOOMRecovery:
         t.prediction_step = self.prediction_step
         t.compute_loss = self.compute_loss
         t.add_callback(self.state)
+        t.add_callback(self.hooks)
         return self
 
     @property
     def micro_batch(self) -> int | None:
         return self.state.micro_batch
 
-    def _supported(self) -> bool:
-        kind = str(getattr(self.trainer.accelerator.distributed_type, "value", self.trainer.accelerator.distributed_type))
-        if kind.upper() not in SUPPORTED_DISTRIBUTED:
-            if not getattr(self, "_warned_unsupported", False):
-                log.warning("OOM recovery is off under %s (only single process and DDP are supported)", kind)
-                self._warned_unsupported = True
+    def train_begins(self, trainer_state) -> None:
+        """Find the state object the Trainer holds now (it may have rebuilt it from a checkpoint) and, when the
+        Trainer does not restore callback states itself, restore the micro-batches recorded in the checkpoint."""
+        handler = self.trainer.callback_handler
+        self.state = next((c for c in handler.callbacks if isinstance(c, OOMRecoveryState)), self.state)
+        if not self.trainer.args.restore_callback_states_from_checkpoint:
+            saved = (trainer_state.stateful_callbacks or {}).get(OOMRecoveryState.__name__)
+            saved = saved[0] if isinstance(saved, list) and saved else saved
+            for key, value in ((saved or {}).get("attributes") or {}).items():
+                setattr(self.state, key, value)
+        if self.state.micro_batch:
+            log.info("OOM recovery: resuming with micro-batch %s recorded in the checkpoint", self.state.micro_batch)
+        self.fresh = True
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def _distributed(self, model) -> bool:
+        return self.trainer.accelerator.num_processes > 1
+
+    def _supported(self, model, training: bool = True) -> bool:
+        accelerator = self.trainer.accelerator
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+        if kind not in SUPPORTED_DISTRIBUTED:
+            self._warn_once("unsupported", "OOM recovery is off under %s: its collectives run inside forward and backward "
+                            "(single process and DDP are supported)", kind)
+            return False
+        if training and self._distributed(model) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._warn_once("not-ddp", "OOM recovery is off: %d processes but the model is not wrapped in DDP (%s)",
+                            accelerator.num_processes, type(model).__name__)
             return False
         return True
 
+    def _reducer_for(self, model) -> GradientReducer:
+        if self.reducer is None:
+            accelerator = self.trainer.accelerator
+            self.reducer = GradientReducer(model.parameters(), accelerator.num_processes, accelerator.device)
+            if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+                log.warning("OOM recovery: this model has BatchNorm layers; after an OOM each micro-batch is normalised "
+                            "with its own statistics, so a split step is close to, not equal to, the whole batch's")
+        return self.reducer
+
     # -- training --------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen_items = num_items_in_batch  # what the Trainer counted (and gathered) for this call
         result = self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if self.loss_scale == 1.0:
+        # a loss normalised by the whole batch's item count adds up over micro-batches as it is
+        scale = 1.0 if self.guard.answer == SUM else self.share
+        if scale == 1.0:
             return result
         if return_outputs:
             loss, outputs = result
-            return loss * self.loss_scale, outputs
-        return result * self.loss_scale
-
-    def _sum_normalised(self, model, chunk, num_items_in_batch) -> bool:
-        """Does this model's loss divide a sum by ``num_items_in_batch`` (transformers 5), so micro-batch
-        losses already add up to the batch loss? Trainer flags (``model_accepts_loss_kwargs``) say a model
-        *takes* the argument, not that its loss uses it, so ask the loss itself, once: with dropout off and
-        no graph, the loss of one chunk for N and for 2N items halves exactly when it is sum-normalised."""
-        if num_items_in_batch is None:
-            return False
-        if self._sum_normalised_answer is None:
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.no_grad():
-                    one = float(self._compute_loss(model, chunk, num_items_in_batch=num_items_in_batch))
-                    two = float(self._compute_loss(model, chunk, num_items_in_batch=num_items_in_batch * 2))
-            finally:
-                model.train(was_training)
-            self._sum_normalised_answer = abs(one - 2 * two) <= 1e-4 * abs(one) + 1e-8 and abs(one - two) > 1e-4 * abs(one)
-        return self._sum_normalised_answer
+            return loss * scale, outputs
+        return result * scale
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self._supported():
+        if not self._supported(model):
             return self._training_step(model, inputs, num_items_in_batch)
         size = batch_size(inputs)
         self._last_batch = size
         fresh, self.fresh = self.fresh, False
-        accelerator = self.trainer.accelerator
-        distributed = accelerator.num_processes > 1
+        reducer = self._reducer_for(model)
+        distributed = self._distributed(model)
+        syncs = distributed and model.require_backward_grad_sync  # the last micro-step of the optimizer step
+        if distributed and fresh:
+            broadcast_buffers(model)  # DDP's per-step buffer sync, kept out of the guarded forwards
+        done, total = 0, None  # samples of this micro-step whose gradients are in .grad, and their loss
         while True:
             micro = min(self.state.micro_batch or size, size)
-            failure = None
-            total = None
-            if distributed:
-                # DDP broadcasts buffers in a forward when the previous forward finished outside no_sync; a
-                # forward that died of OOM on one rank leaves that flag different across ranks, and the next
-                # forward would then broadcast on one rank only (a hang). Keep collectives out of the guarded
-                # region: buffers are broadcast by us after the step (_sync_after_step).
-                _set_ddp_flag(model, "require_forward_param_sync", False)
-            try:
-                with accelerator.no_sync(model) if distributed else contextlib.nullcontext():
-                    chunks = split_batch(inputs, micro) if micro < size else [inputs]
-                    sum_normalised = micro < size and self._sum_normalised(model, chunks[0], num_items_in_batch)
-                    for chunk in chunks:
-                        self.loss_scale = 1.0 if sum_normalised or micro >= size else batch_size(chunk) / size
-                        loss = self._training_step(model, chunk, num_items_in_batch)
-                        total = loss if total is None else total + loss
-            except Exception as error:  # only OOM is handled; everything else is re-raised untouched
-                if not is_oom_error(error):
-                    raise
-                failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            finally:
-                self.loss_scale = 1.0
-            if not self._agree(failure is not None, distributed):
-                if distributed and accelerator.sync_gradients:
-                    self._all_reduce_gradients(model)
-                    self._broadcast_buffers(model)
-                return total
-            total = None
-            self._free_memory(model, fresh)
-            if micro <= 1:
-                raise OutOfMemoryAtMicroBatchOne(self.remedies(model, inputs, failure))
-            self._shrink(micro, size, failure, "train")
+            failure, polluted = None, False
+            if done < size:
+                events = reducer.grad_events
+                try:
+                    with model.no_sync() if distributed else contextlib.nullcontext():
+                        for start in range(done, size, micro):
+                            stop = min(size, start + micro)
+                            if syncs and stop == size:
+                                reducer.arm()
+                            self.share = (stop - start) / size
+                            if distributed:
+                                model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
+                            loss = self._training_step(model, slice_batch(inputs, start, stop), num_items_in_batch)
+                            total = loss if total is None else total + loss
+                            done, events = stop, reducer.grad_events
+                except Exception as error:  # only OOM is handled; everything else is re-raised untouched
+                    if not is_oom_error(error):
+                        raise
+                    failure = describe_oom(error)
+                    polluted = reducer.grad_events != events  # backward had begun adding this micro-batch's gradient
+                finally:
+                    self.share = 1.0
+            fatal = False
+            if failure is not None:
+                if polluted:
+                    self._drop_gradients(model, fresh)
+                    done, total = 0, None
+                self._free_memory()
+                fatal = micro <= 1
+                if not fatal:
+                    self._shrink(micro, size, failure, "train")
+            if not syncs:
+                if failure is None:
+                    return total
+                if fatal:
+                    raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+                continue
+            vote = reducer.finish(failed=failure is not None, fatal=fatal, micro_batch=self.state.micro_batch)
+            if vote.fatal:
+                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+            self._adopt(vote.micro_batch, size)
+            if vote.failed:
+                reducer.discard()
+                continue
+            if vote.stale:  # every rank saw it: reduce again from the complete gradients, without overlap from now on
+                reducer.discard()
+                reducer.overlap = False
+                log.info("OOM recovery: a gradient was accumulated twice in one backward (reentrant checkpointing?): "
+                         "gradients are averaged after backward from now on")
+                vote = reducer.finish(micro_batch=self.state.micro_batch)
+            reducer.apply(vote)
+            return total
 
-    def _agree(self, failed: bool, distributed: bool) -> bool:
-        """One small all-reduce per step: did any rank run out of memory?"""
-        if not distributed:
-            return failed
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.trainer.accelerator.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
-    def _all_reduce_gradients(self, model, bucket_bytes: int = 25 * 2**20) -> None:
-        """What DDP would have done in backward: average the gradients over ranks, in flat buckets."""
-        world = self.trainer.accelerator.num_processes
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        buckets: list[list[torch.Tensor]] = []
-        current: list[torch.Tensor] = []
-        size = 0
-        for g in grads:
-            if current and (size + g.numel() * g.element_size() > bucket_bytes or g.dtype != current[0].dtype):
-                buckets.append(current)
-                current, size = [], 0
-            current.append(g)
-            size += g.numel() * g.element_size()
-        if current:
-            buckets.append(current)
-        for bucket in buckets:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            torch.distributed.all_reduce(flat)
-            flat /= world
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-    def _broadcast_buffers(self, model) -> None:
-        """DDP's buffer sync (rank 0's BatchNorm statistics to every rank), done once per optimizer step."""
-        if not getattr(model, "broadcast_buffers", False):
+    def _adopt(self, agreed: int | None, size: int) -> None:
+        """Every rank runs the smallest micro-batch any rank needed."""
+        if agreed is None or agreed >= NO_LIMIT or (self.state.micro_batch is not None and self.state.micro_batch <= agreed):
             return
-        for buffer in model.buffers():
-            torch.distributed.broadcast(buffer, src=0)
+        current = self.state.micro_batch or size
+        self.state.micro_batch = agreed
+        self.clean_steps = 0
+        self.events.append({"step": self.trainer.state.global_step, "phase": "train", "batch": size, "from": current,
+                            "to": agreed, "cause": "out of memory on another rank"})
+        log.warning("OOM recovery (step %d): another rank ran out of memory; every rank now runs micro-batches of %d",
+                    self.trainer.state.global_step, agreed)
 
-    def _free_memory(self, model, fresh: bool) -> None:
+    def _drop_gradients(self, model, fresh: bool) -> None:
         if not fresh:
-            log.warning("OOM recovery: out of memory in a later gradient-accumulation micro-step; the earlier micro-steps "
-                        "of this optimizer step are dropped (their inputs are gone), later steps keep the full batch")
+            log.warning("OOM recovery: out of memory part-way through backward in a later gradient-accumulation micro-step; "
+                        "the earlier micro-steps of this optimizer step are dropped (their inputs are gone), later steps keep "
+                        "the full batch")
         model.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _free_memory() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -277,81 +306,80 @@ class InPlaceOOMRecovery:
 
     # -- evaluation ------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """An OOM in evaluation shrinks the evaluation micro-batch only (not the training one)."""
+        """An OOM in evaluation shrinks the evaluation micro-batch only (not the training one). The only
+        collective inside a prediction step is the Trainer's gather of the item count (losses normalised by
+        ``num_items_in_batch`` with ``average_tokens_across_devices``): micro-batches count locally, and one
+        gather per step stands for the one the whole batch would have made, so a rank retries alone without
+        desynchronising the others. The ranks agree on the evaluation micro-batch after each evaluation."""
+        if not self._supported(model, training=False):
+            return self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         size = batch_size(inputs)
+        global_items = None  # the item count of the whole batch over every rank, once this step has gathered it
         while True:
             micro = min(self.state.eval_micro_batch or size, size)
             failure = None
+            self.seen_items = None
             try:
                 if micro >= size:
                     return self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-                parts = [self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys)
-                         for chunk in split_batch(inputs, micro)]
-                return _combine(parts, [batch_size(c) for c in split_batch(inputs, micro)])
+                return self._predict_in_chunks(model, inputs, micro, prediction_loss_only, ignore_keys, global_items)
             except Exception as error:
                 if not is_oom_error(error):
                     raise
-                failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+                failure = describe_oom(error)
+                if micro >= size and self._gathers_item_counts(inputs) and self.seen_items is not None:
+                    global_items = self.seen_items  # the failed whole-batch call had gathered it
+            self._free_memory()
             if micro <= 1:
-                raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({failure}): lower "
-                                                 "per_device_eval_batch_size is not enough; use bf16/fp16 or a shorter max_length")
+                raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({failure}): use bf16/fp16, a "
+                                                 "shorter max_length or a smaller image_size")
             self._shrink(micro, size, failure, "eval")
 
-    # -- the last word ------------------------------------------------------------------------------
-    def remedies(self, model, inputs, failure: str | None) -> str:
+    def _gathers_item_counts(self, inputs) -> bool:
+        t = self.trainer
+        counts = "labels" in inputs and (t.model_accepts_loss_kwargs or t.compute_loss_func is not None)
+        return counts and t.args.average_tokens_across_devices and t.accelerator.num_processes > 1
+
+    def _predict_in_chunks(self, model, inputs, micro, prediction_loss_only, ignore_keys, global_items):
+        gathers = self._gathers_item_counts(inputs)
         args = self.trainer.args
-        steps = []
-        if not (args.bf16 or args.fp16):
-            steps.append("mixed precision: precision=bf16 (compute capability >= 8.0) or fp16")
-        if not args.gradient_checkpointing:
-            steps.append("gradient_checkpointing=true (recompute activations in backward)")
-        steps.append("a shorter max_length (text) or a smaller image_size (vision)")
-        if "adafactor" not in str(args.optim) and "8bit" not in str(args.optim):
-            steps.append("a lighter optimizer: Adafactor (optim=adafactor) or 8-bit AdamW (optim=adamw_bnb_8bit)")
-        steps.append("shard the model: `hf-gpu-train config --strategy fsdp` (or deepspeed-zero3) and launch with that config")
-        estimate = self._planner_estimate(model, inputs)
-        lines = [f"out of memory even at micro-batch 1 ({failure or 'on another rank'}). For this run, in order:"]
-        lines += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
-        if estimate:
-            lines.append(f"Memory planner: {estimate}")
-        return "\n".join(lines)
-
-    def _planner_estimate(self, model, inputs) -> str | None:
-        from ..launch.memory import TrainingShape, estimate
-        from ..launch.model_spec import ModelSpec
-
+        parts, items = [], []
+        averaging = args.average_tokens_across_devices
+        args.average_tokens_across_devices = False  # each micro-batch counts its own items, without a collective
         try:
-            config = getattr(getattr(model, "module", model), "config", None)
-            spec = ModelSpec(name="this model", params=sum(p.numel() for p in model.parameters()),
-                             num_layers=getattr(config, "num_hidden_layers", None), hidden_size=getattr(config, "hidden_size", None),
-                             num_heads=getattr(config, "num_attention_heads", None))
-            seq = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 512
-            args = self.trainer.args
-            precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-            breakdown = estimate(spec, TrainingShape(micro_batch=1, seq_len=seq, precision=precision), "single")
-            total = f"{breakdown.total / 2**30:.1f} GiB per GPU at micro-batch 1"
-            if torch.cuda.is_available():
-                total += f" of {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB"
-            return total + " (run `hf-gpu-train plan-memory --params N` for each strategy)"
-        except Exception:  # an estimate is a bonus: never hide the real error behind it
-            return None
+            for chunk in split_batch(inputs, micro):
+                self.seen_items = None
+                parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
+                items.append(float(self.seen_items) if self.seen_items is not None else float(loss_items(chunk)))
+        finally:
+            args.average_tokens_across_devices = averaging
+        loss, logits, labels = _combine(parts, items)
+        if gathers:
+            if global_items is None:
+                mine = torch.tensor(sum(items), device=self.trainer.accelerator.device)
+                global_items = self.trainer.accelerator.gather(mine).sum()
+            if loss is not None:  # the whole batch's loss is this rank's sum over every rank's item count, x world
+                loss = loss * sum(items) * self.trainer.accelerator.num_processes / float(global_items)
+        return loss, logits, labels
+
+    def agree_on_eval_micro_batch(self) -> None:
+        """After an evaluation every rank takes the smallest evaluation micro-batch any rank needed."""
+        if self.trainer.accelerator.num_processes < 2 or not torch.distributed.is_initialized():
+            return
+        mine = torch.tensor([-(self.state.eval_micro_batch or NO_LIMIT)], dtype=torch.int64, device=self.trainer.accelerator.device)
+        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+        smallest = -int(mine.item())
+        self.state.eval_micro_batch = None if smallest >= NO_LIMIT else smallest
 
 
-def _set_ddp_flag(model, name: str, value) -> None:
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        setattr(model, name, value)
-
-
-def _combine(parts: Sequence[tuple], sizes: Sequence[int]):
-    """Join micro-batch prediction_step results: losses weighted by size, logits/labels concatenated."""
+def _combine(parts, weights):
+    """Join micro-batch ``prediction_step`` results: losses averaged by what each one averages over (samples,
+    or labelled tokens), logits and labels concatenated."""
     losses = [p[0] for p in parts]
     loss = None
     if all(x is not None for x in losses):
-        total = sum(sizes)
-        loss = sum(x * (n / total) for x, n in zip(losses, sizes))
+        total = sum(weights) or 1
+        loss = sum(x * (w / total) for x, w in zip(losses, weights))
 
     def cat(items):
         if all(i is None for i in items):
@@ -367,5 +395,7 @@ def _combine(parts: Sequence[tuple], sizes: Sequence[int]):
 
 
 def enable_oom_recovery(trainer, grow_after_steps: int | None = None) -> InPlaceOOMRecovery:
-    """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``."""
-    return InPlaceOOMRecovery(trainer, grow_after_steps=grow_after_steps).install()
+    """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
+    loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum."""
+    guard = guard_loss_scaling(trainer)
+    return InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps).install()

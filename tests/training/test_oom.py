@@ -133,7 +133,10 @@ def test_resume_starts_with_the_recorded_micro_batch(tmp_path):
 
 def test_helpers():
     assert is_oom_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
-    assert is_oom_error(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."))
+    assert is_oom_error(RuntimeError("CUDA error: out of memory"))
+    assert is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    # a different bug (non-contiguous input, unsupported shape) that a smaller micro-batch would only hide
+    assert not is_oom_error(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."))
     assert not is_oom_error(RuntimeError("shape mismatch"))
     chunks = split_batch({"input_ids": torch.zeros(5, 3), "labels": torch.arange(5), "flag": True}, 2)
     assert [c["labels"].tolist() for c in chunks] == [[0, 1], [2, 3], [4]] and chunks[2]["flag"] is True
@@ -164,12 +167,12 @@ def test_growing_back_after_clean_steps_is_opt_in(tmp_path):
 
 
 def test_allocator_retries_climbing_warn_before_the_crash(monkeypatch, caplog):
-    from hf_gpu_train.training.oom import OOMRecoveryState
+    from hf_gpu_train.training.oom import _RecoveryHooks
 
     retries = iter([0, 2, 5, 9, 14])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: {"num_alloc_retries": next(retries)})
-    state = OOMRecoveryState()
+    state = _RecoveryHooks(recovery=None)
     with caplog.at_level("WARNING", logger="hf_gpu_train.oom"):
         for _ in range(5):
             state._check_thrash()

@@ -1,0 +1,206 @@
+"""Gradient averaging for the OOM recovery under DDP: DDP's overlap, with a state this package owns.
+
+DDP's reducer all-reduces gradient buckets while backward is still running. A rank that runs out of
+memory in forward never starts that backward, one that fails in backward stops half-way, and the other
+ranks wait forever in the bucket all-reduces they already launched. Which buckets fired is private to
+DDP's C++ reducer, so a failing rank cannot finish DDP's round for it. The recovery therefore runs
+forward and backward under ``no_sync`` and averages gradients with this class:
+
+- buckets are fixed once, from the trainable parameters in reverse order (the order backward produces
+  gradients, as DDP does), ~25 MiB each and one dtype each: identical on every rank, whatever each rank
+  computed (never built from ``p.grad is not None``, which differs between ranks that used different
+  parameters);
+- during the armed backward (the last one of an optimizer step) a post-accumulate-grad hook per parameter
+  counts what is ready and launches a bucket's all-reduce asynchronously as soon as it and every bucket
+  before it are complete: communication overlaps the rest of backward, in the same order on every rank;
+- ``finish`` launches the buckets still pending (a rank that failed sends what it has, or zeros), then
+  one small all-reduce carries every rank's vote: failed, cannot fit even one sample, a hook fired twice
+  (reentrant checkpointing), the micro-batch it can run, and which parameters it gave a gradient to;
+- only when no rank failed are the averaged gradients written into ``.grad`` (a parameter no rank used
+  keeps ``grad=None``, as DDP leaves it); otherwise ``.grad`` stays as this rank computed it, so a rank
+  that did not fail need not compute again, only reduce again.
+
+Cost against plain DDP: the same bucketed, overlapped all-reduces, one copy of each gradient into its
+bucket, and one small all-reduce per optimizer step (the vote).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+NO_LIMIT = 2**31 - 1  # "the whole batch" in the micro-batch vote
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    positions: list[int]  # index of each parameter in GradientReducer.params
+    numel: int
+    flat: torch.Tensor | None = None
+    work: object | None = None
+    ready: int = 0
+
+
+@dataclass(frozen=True)
+class Vote:
+    failed: bool  # some rank ran out of memory this round: nobody applies the averaged gradients
+    fatal: bool  # some rank ran out of memory at micro-batch 1: every rank stops
+    stale: bool  # some rank accumulated a gradient after its bucket left: reduce again, without overlap
+    micro_batch: int | None  # the smallest micro-batch any rank asks for (None: the whole batch)
+    used: tuple[bool, ...] = field(default=())  # per parameter: did any rank compute a gradient for it
+
+
+class GradientReducer:
+    def __init__(self, params: Iterable[torch.Tensor], world_size: int, device: torch.device, group=None,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size = world_size
+        self.device = device
+        self.group = group
+        self.grad_events = 0  # every accumulation into a .grad, armed or not: did a backward touch the gradients?
+        self.overlap = True
+        self._position = {id(p): i for i, p in enumerate(self.params)}
+        self.buckets = _make_buckets(self.params, bucket_bytes)
+        self._bucket_of = [0] * len(self.params)
+        for b, bucket in enumerate(self.buckets):
+            for i in bucket.positions:
+                self._bucket_of[i] = b
+        self._fired = [False] * len(self.params)
+        self._next = 0
+        self._armed = False
+        self._open = False
+        self._stale = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- one round: (arm, backward,) finish, then apply or discard ---------------------------------
+    def _open_round(self) -> None:
+        if self._open:
+            return
+        self._fired = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.ready, bucket.flat, bucket.work = 0, None, None
+        self._next = 0
+        self._stale = False
+        self._open = True
+
+    def arm(self) -> None:
+        """The next backward is the last of this optimizer step: launch buckets as they fill."""
+        self._open_round()
+        self._armed = self.overlap
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self.grad_events += 1
+        if not self._armed:
+            return
+        i = self._position[id(param)]
+        if self._fired[i]:  # a second accumulation in one backward (reentrant checkpointing, shared weights)
+            if self._bucket_of[i] < self._next:
+                self._stale = True
+            return
+        self._fired[i] = True
+        self.buckets[self._bucket_of[i]].ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        flat = torch.empty(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+        offset = 0
+        for p in bucket.params:
+            view = flat[offset:offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        bucket.flat = flat
+        bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._next = b + 1
+
+    def finish(self, failed: bool = False, fatal: bool = False, micro_batch: int | None = None) -> Vote:
+        """Launch what is pending, vote, wait for every all-reduce. Every rank calls it once per round."""
+        self._open_round()
+        self._armed = False
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        ballot = [int(failed), int(fatal), int(self._stale), -(micro_batch or NO_LIMIT)]
+        ballot += [int(p.grad is not None) for p in self.params]
+        box = torch.tensor(ballot, dtype=torch.int64, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        for bucket in self.buckets:
+            bucket.work.wait()
+        counts = box.tolist()
+        smallest = -counts[3]
+        self._open = False
+        return Vote(failed=bool(counts[0]), fatal=bool(counts[1]), stale=bool(counts[2]),
+                    micro_batch=None if smallest >= NO_LIMIT else smallest, used=tuple(bool(u) for u in counts[4:]))
+
+    def apply(self, vote: Vote) -> None:
+        """Write the averages into ``.grad``; a parameter no rank used keeps ``grad=None``."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.flat.div_(self.world_size)
+                offset = 0
+                for p, i in zip(bucket.params, bucket.positions):
+                    view = bucket.flat[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+                    if not vote.used[i]:
+                        continue
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)  # the parameter's memory format, as AccumulateGrad would
+                    p.grad.copy_(view)
+        self.discard()
+
+    def discard(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat, bucket.work = None, None
+
+
+def _make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    current: _Bucket | None = None
+    size = 0
+    for i in reversed(range(len(params))):  # backward produces the last layers' gradients first
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if current is not None and (size + nbytes > bucket_bytes or p.dtype != current.params[0].dtype
+                                    or p.device != current.params[0].device):
+            buckets.append(current)
+            current, size = None, 0
+        if current is None:
+            current = _Bucket(params=[], positions=[], numel=0)
+        current.params.append(p)
+        current.positions.append(i)
+        current.numel += p.numel()
+        size += nbytes
+    if current is not None:
+        buckets.append(current)
+    return buckets
+
+
+def broadcast_buffers(model: torch.nn.Module, group=None) -> None:
+    """DDP's buffer sync (rank 0's BatchNorm statistics, position ids ...) as one broadcast per dtype."""
+    if not getattr(model, "broadcast_buffers", True):
+        return
+    buffers = list(getattr(model, "modules_buffers", None) or getattr(model, "module", model).buffers())
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = torch.cat([b.reshape(-1) for b in same])
+            dist.broadcast(flat, src=0, group=group)
+            offset = 0
+            for b in same:
+                b.copy_(flat[offset:offset + b.numel()].view(b.shape))
+                offset += b.numel()

@@ -1,0 +1,50 @@
+"""The last word when even one sample does not fit: this run's remedies, most effective first, with the
+memory planner's estimate (an estimate is a bonus: it never hides the real error)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UsageError
+
+
+class OutOfMemoryAtMicroBatchOne(UsageError):
+    """Even one sample does not fit: the message lists this run's remedies, most effective first."""
+
+
+def remedies(args, model, inputs, failure: str | None) -> str:
+    steps = []
+    if not (args.bf16 or args.fp16):
+        steps.append("mixed precision: precision=bf16 (compute capability >= 8.0) or fp16")
+    if not args.gradient_checkpointing:
+        steps.append("gradient_checkpointing=true (recompute activations in backward)")
+    steps.append("a shorter max_length (text) or a smaller image_size (vision)")
+    if "adafactor" not in str(args.optim) and "8bit" not in str(args.optim):
+        steps.append("a lighter optimizer: Adafactor (optim=adafactor) or 8-bit AdamW (optim=adamw_bnb_8bit)")
+    steps.append("shard the model: `hf-gpu-train config --strategy fsdp` (or deepspeed-zero3) and launch with that config")
+    lines = [f"out of memory even at micro-batch 1 ({failure or 'on another rank'}). For this run, in order:"]
+    lines += [f"  {i}. {s}" for i, s in enumerate(steps, 1)]
+    estimate = planner_estimate(args, model, inputs)
+    if estimate:
+        lines.append(f"Memory planner: {estimate}")
+    return "\n".join(lines)
+
+
+def planner_estimate(args, model, inputs) -> str | None:
+    from ..launch.memory import TrainingShape, estimate
+    from ..launch.model_spec import ModelSpec
+
+    try:
+        config = getattr(getattr(model, "module", model), "config", None)
+        spec = ModelSpec(name="this model", params=sum(p.numel() for p in model.parameters()),
+                         num_layers=getattr(config, "num_hidden_layers", None), hidden_size=getattr(config, "hidden_size", None),
+                         num_heads=getattr(config, "num_attention_heads", None))
+        seq = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 512
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        breakdown = estimate(spec, TrainingShape(micro_batch=1, seq_len=seq, precision=precision), "single")
+        total = f"{breakdown.total / 2**30:.1f} GiB per GPU at micro-batch 1"
+        if torch.cuda.is_available():
+            total += f" of {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB"
+        return total + " (run `hf-gpu-train plan-memory --params N` for each strategy)"
+    except (ImportError, AttributeError, TypeError, ValueError, KeyError, RuntimeError):
+        return None
