@@ -311,10 +311,17 @@ class TelemetryCallback(TrainerCallback):
         )
 
 
-def attach_telemetry(trainer, **kwargs) -> TelemetryCallback:
-    """Add telemetry to a Trainer in one line; the thread also stops if ``trainer.train`` raises."""
+def attach_telemetry(trainer, compact_console: bool = True, **kwargs) -> TelemetryCallback:
+    """Add telemetry to a Trainer in one line; the thread also stops if ``trainer.train`` raises.
+
+    ``compact_console`` (default): the Trainer's printer is swapped for one compact line per log step
+    (``console.py``); the full metric set still goes to every ``report_to`` sink and the run report."""
+    from .console import use_compact_console
+
     callback = TelemetryCallback(trainer=trainer, **kwargs)
     trainer.add_callback(callback)
+    if compact_console:
+        use_compact_console(trainer, callback)
     train = trainer.train
 
     def train_and_close(*args, **kw):

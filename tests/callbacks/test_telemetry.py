@@ -193,3 +193,42 @@ def test_the_run_verdict_comes_from_the_last_full_window_not_a_one_step_tail(tmp
     assert steps == [(4, 4, True, "healthy"), (8, 4, True, "healthy"), (9, 1, False, "memory-pressure")]
     summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
     assert summary["final_verdict"]["kind"] == "healthy" and callback.last_verdict.kind == "healthy"
+
+
+@pytest.mark.parametrize("progress_bar", [False, True])
+def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_bar):
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=not progress_bar,
+                                                       eval_strategy="steps", eval_steps=4),
+                      train_dataset=TokenDataset(), eval_dataset=TokenDataset(n=8))
+    sink = []
+
+    class Sink(TelemetryCallback.__mro__[1]):  # stands for TensorBoard / any report_to sink
+        def on_log(self, args, state, control, logs=None, **kw):
+            sink.append(dict(logs))
+
+    trainer.add_callback(Sink())
+    attach_telemetry(trainer, interval_s=0.05, write_report=False)
+    trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"], lines
+    for line in steps:
+        fields = line.split(" | ")
+        assert fields[1].startswith("loss ") and fields[2].startswith("lr ")
+        assert fields[3].endswith(" samples/s") and fields[4].endswith(" tok/s") and fields[-1] == "healthy", line
+    evals = [line.split(" | ") for line in lines if line.startswith("eval ")]
+    assert len(evals) == 1 and len(evals[0]) == 3 and evals[0][0] == "eval step 4" and evals[0][1].startswith("loss "), evals
+    assert evals[0][2].endswith(" s") and any(line.startswith("train done | ") for line in lines)
+    assert not any("{" in line or "gpu" in line or "host/" in line for line in lines), lines  # no logged dicts printed
+    assert any("train/tokens_per_s" in logs and "host/rss_gib" in logs for logs in sink)  # the sinks get everything
+
+
+def test_compact_line_with_gpu_memory_and_mfu():
+    from hf_gpu_train.callbacks.console import step_line, telemetry_parts
+
+    metrics = {"train/samples_per_s": 812.4, "train/tokens_per_s": 52_300.0, "train/mfu_pct": 38.2, "gpu0/mem_used_gib": 12.06,
+               "gpu0/mem_total_gib": 79.65, "torch/mem_allocated_gib": 9.0}
+    line = step_line(40, 500, {"loss": 0.41, "learning_rate": 3e-5, "epoch": 0.4, "grad_norm": 1.2, "mean_token_accuracy": 0.71},
+                     telemetry_parts(metrics, "healthy, at power limit"))
+    assert line == ("step 40/500 | loss 0.41 | lr 3.00e-05 | mean_token_accuracy 0.71 | 812 samples/s | 52.3k tok/s | MFU 38% | "
+                    "mem 12.1/79.7 GiB | healthy, at power limit")
