@@ -18,8 +18,9 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 # keys of the Trainer's training log that the line shows in its own way, or that only add noise there
-_SHOWN_APART = frozenset({"loss", "learning_rate", "epoch", "total_flos", "num_input_tokens_seen", "train_tokens_per_second",
-                          "grad_norm"})
+# (with include_num_input_tokens_seen the Trainer adds its running train_* speed to every training log)
+_SHOWN_APART = frozenset({"loss", "learning_rate", "epoch", "total_flos", "grad_norm", "num_input_tokens_seen", "train_runtime",
+                          "train_samples_per_second", "train_steps_per_second", "train_tokens_per_second"})
 _EVAL_APART = frozenset({"runtime", "samples_per_second", "steps_per_second"})
 
 
@@ -70,7 +71,7 @@ def step_line(step: int, max_steps: int | None, train_logs: dict | None, telemet
 
 def brief_line(step: int, logs: dict) -> str:
     """A log that is not a training step's: evaluation, the end-of-training summary, or anything a user logged."""
-    if "train_runtime" in logs:
+    if "train_loss" in logs and "train_runtime" in logs:
         parts = ["train done", f"{logs['train_runtime']:.1f} s"]
         if "train_samples_per_second" in logs:
             parts.append(f"{_rate(logs['train_samples_per_second'])} samples/s")
@@ -100,7 +101,7 @@ class _CompactLines:
             out = self.flush(state)
             self._pending = (state.global_step, telemetry_parts(logs, verdict.label() if verdict else None))
             return out
-        if "loss" in logs and "train_runtime" not in logs:
+        if "loss" in logs:
             pending = self._pending[1] if self._pending and self._pending[0] == state.global_step else []
             out = [] if pending or not self._pending else self.flush(state)
             self._pending = None

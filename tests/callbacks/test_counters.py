@@ -102,3 +102,30 @@ def test_deciding_window_is_the_last_full_one():
     assert deciding_window([rec(10, "a"), rec(10, "b"), rec(1, "c")], 10)["verdict"]["kind"] == "b"
     assert deciding_window([rec(3, "a"), rec(1, "b")], 10)["verdict"]["kind"] == "b"  # no full window: the last with steps
     assert deciding_window([], 10) is None
+
+
+@pytest.mark.gpu
+def test_real_cuda_forward_time_is_the_device_time():
+    """On a GPU the forward returns before its kernels finish: the events must see the device's time."""
+    import time
+
+    class Matmuls(torch.nn.Module):
+        def forward(self, input_ids=None):
+            x = input_ids
+            for _ in range(20):
+                x = x @ x
+                x = x / x.norm()
+            return x
+
+    model = Matmuls().cuda()
+    x = torch.randn(4096, 4096, device="cuda")
+    model(input_ids=x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model(input_ids=x)
+    torch.cuda.synchronize()
+    reference_s = time.perf_counter() - start
+    timer = ForwardTimer(torch.device("cuda")).install(model)
+    model(input_ids=x)
+    seconds, calls = timer.take()
+    assert calls == 1 and 0.7 * reference_s <= seconds <= 1.5 * reference_s, (seconds, reference_s)

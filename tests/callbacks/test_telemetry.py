@@ -197,10 +197,11 @@ def test_the_run_verdict_comes_from_the_last_full_window_not_a_one_step_tail(tmp
     assert summary["final_verdict"]["kind"] == "healthy" and callback.last_verdict.kind == "healthy"
 
 
-@pytest.mark.parametrize("progress_bar", [False, True])
-def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_bar):
+@pytest.mark.parametrize("progress_bar, trainer_counts_tokens", [(False, False), (True, False), (False, True)])
+def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_bar, trainer_counts_tokens):
+    extra = dict(include_num_input_tokens_seen="non_padding") if trainer_counts_tokens else {}  # adds train_* to loss logs
     trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=not progress_bar,
-                                                       eval_strategy="steps", eval_steps=4),
+                                                       eval_strategy="steps", eval_steps=4, **extra),
                       train_dataset=TokenDataset(), eval_dataset=TokenDataset(n=8))
     sink = []
 
@@ -220,7 +221,7 @@ def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_b
         assert fields[3].endswith(" samples/s") and fields[4].endswith(" tok/s") and fields[-1] == "healthy", line
     evals = [line.split(" | ") for line in lines if line.startswith("eval ")]
     assert len(evals) == 1 and len(evals[0]) == 3 and evals[0][0] == "eval step 4" and evals[0][1].startswith("loss "), evals
-    assert evals[0][2].endswith(" s") and any(line.startswith("train done | ") for line in lines)
+    assert evals[0][2].endswith(" s") and [line.split(" | ")[0] for line in lines if line.startswith("train")] == ["train done"]
     assert not any("{" in line or "gpu" in line or "host/" in line for line in lines), lines  # no logged dicts printed
     assert any("train/tokens_per_s" in logs and "host/rss_gib" in logs for logs in sink)  # the sinks get everything
 
