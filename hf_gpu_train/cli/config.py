@@ -23,10 +23,11 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("config", help="write an accelerate config + .env for this machine (or a snapshot)",
-                              description="Plan a launch from detected hardware and write DIR/NAME.yaml (accelerate config) "
-                              "and DIR/NAME.env (environment for the training processes).")
+                              description="Plan a launch from detected hardware and write DIR/NAME.yaml (accelerate config), "
+                              "DIR/NAME.env (environment for the training processes) and DIR/NAME.plan.json (every decided "
+                              "value with its reason, read by the training processes).")
     add_machine_argument(p)
-    p.add_argument("--output", required=True, metavar="DIR/NAME", help="writes DIR/NAME.yaml and DIR/NAME.env")
+    p.add_argument("--output", required=True, metavar="DIR/NAME", help="writes DIR/NAME.yaml, DIR/NAME.env and DIR/NAME.plan.json")
     p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3"])
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"])
     p.add_argument("--gpus", default="all", metavar="all|N",
@@ -79,6 +80,7 @@ def port_in_use(port: int) -> bool:
 def run(args: argparse.Namespace) -> int:
     from ..hardware.snapshot import load_machine
     from ..launch.plan import PlanOptions, make_plan
+    from ..launch.plan_document import NO_MEMORY_PLAN, render_plan_json
     from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
     from ..textfmt import table
 
@@ -94,15 +96,16 @@ def run(args: argparse.Namespace) -> int:
     )
     plan = make_plan(profile, options)
     out = Path(args.output)
-    yaml_path, env_path = out.with_name(out.name + ".yaml"), out.with_name(out.name + ".env")
-    existing = [p for p in (yaml_path, env_path) if p.exists()]
+    yaml_path, env_path, plan_path = (out.with_name(out.name + suffix) for suffix in (".yaml", ".env", ".plan.json"))
+    existing = [p for p in (yaml_path, env_path, plan_path) if p.exists()]
     if existing and not args.force:
         raise UsageError(f"{', '.join(map(str, existing))} already exist(s): pass --force to overwrite, or another --output")
     command = "hf-gpu-train " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["config"] else f"hf-gpu-train config --output {out}"
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
     yaml_path.write_text(render_yaml(plan, command))
     env_path.write_text(render_env(plan))
-    written = [yaml_path, env_path]
+    plan_path.write_text(render_plan_json(plan, command, yaml_path))
+    written = [yaml_path, env_path, plan_path]
     if options.num_machines > 1:
         sbatch = out.with_name(out.name + ".sbatch")
         sbatch.write_text(render_sbatch(plan, yaml_path, args.script))
@@ -114,14 +117,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nMemory per GPU ({m.strategy}, micro-batch {m.micro_batch}): "
               + ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in m.breakdown.rows() if value)
               + f"; total {m.breakdown.total / 2**30:.2f} of {m.gpu_memory_bytes / 2**30:.1f} GiB")
+    else:
+        print(f"\nNo memory plan: {NO_MEMORY_PLAN}.")
     if live and options.machine_rank == 0 and options.num_machines > 1 and port_in_use(options.main_process_port):
         print(f"\nwarning: port {options.main_process_port} is in use on this machine: pick another --main-process-port")
     print("\nWrote " + ", ".join(map(str, written)))
-    # A CPU binding accelerate cannot apply (GPUs other than 0..n-1) is a prefix every launch inherits.
-    prefix = f"{plan.cpu_binding.command_prefix} " if plan.cpu_binding and plan.cpu_binding.command_prefix else ""
-    print(f"\nLaunch:\n  {prefix}{launch_command(yaml_path, args.script)}")
-    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script).replace('accelerate launch', prefix + 'accelerate launch', 1)}")
-    print(f"or with torchrun:\n  {torchrun_command(plan, args.script).replace(' torchrun ', f' {prefix}torchrun ', 1)}")
+    # hf-gpu-train launch applies a taskset binding itself; the other commands carry it as a prefix.
+    print(f"\nLaunch:\n  {launch_command(yaml_path, args.script)}")
+    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script, plan)}")
+    print(f"or with torchrun:\n  {torchrun_command(plan, args.script, yaml_path)}")
     if options.num_machines > 1:
         print(f"On SLURM: sbatch {written[-1]}  (one task per node, c10d rendezvous)")
     return 0

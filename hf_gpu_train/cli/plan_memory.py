@@ -24,24 +24,28 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from ..errors import UsageError
-    from ..launch.decisions import select_gpus
+    from ..launch.gpu_selection import select_devices
     from ..launch.memory import STRATEGIES, TrainingShape, estimate, largest_micro_batch, plan_memory
     from ..textfmt import table
 
     spec = model_spec_from_args(args)
     if spec is None:
         raise UsageError("give --model NAME_OR_PATH or --params N")
+    devices = "GPU(s)"
     if args.gpu_memory_gib:
         memory, count = int(args.gpu_memory_gib * 2**30), args.gpus or 1
     else:
         profile, _ = resolve_profile(args)
-        gpus, _ = select_gpus(profile, str(args.gpus) if args.gpus else "all")
-        if not gpus:
+        # the same selection as `config`: a MIG box plans one process against its instance's memory, not the GPU's
+        selection = select_devices(profile, str(args.gpus) if args.gpus else "all")
+        if not selection.gpus:
             raise UsageError("no GPU on this machine: pass --machine NAME_OR_FILE or --gpu-memory-gib")
-        memory, count = min(g.memory_total_bytes - (g.memory_used_bytes or 0) for g in gpus), len(gpus)
+        memory, count = selection.memory_free_bytes, len(selection.gpus)
+        if selection.mig_instance is not None:
+            devices = f"MIG instance ({selection.mig_instance.uuid})"
     shape = TrainingShape(seq_len=args.seq_len, image_size=args.image_size, precision=args.precision,
                           optimizer=args.optimizer, num_gpus=count)
-    print(f"{spec.name}: {spec.params / 1e6:.1f}M parameters; {count} GPU(s) x {memory / 2**30:.1f} GiB; "
+    print(f"{spec.name}: {spec.params / 1e6:.1f}M parameters; {count} {devices} x {memory / 2**30:.1f} GiB; "
           f"{args.precision}, {args.optimizer}, seq {args.seq_len}, image {args.image_size}")
     rows = [["Strategy", "Fixed (GiB)", "Act./sample (GiB)", "Max micro-batch", "With checkpointing"]]
     for strategy in STRATEGIES:

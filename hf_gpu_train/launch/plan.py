@@ -16,6 +16,7 @@ from .decisions import (
 from .gpu_selection import select_devices
 from .memory import MemoryPlan, TrainingShape, plan_memory
 from .model_spec import ModelSpec
+from .threads import dataloader_workers, thread_budget
 
 STRATEGY_CHOICES = ("auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 DEFAULT_PORT = 29500
@@ -64,6 +65,8 @@ class LaunchPlan:
     memory: MemoryPlan | None = None
     mig_instance: MigInstance | None = None  # one process on this MIG instance of gpus[0]
     cpu_binding: CpuBinding | None = None
+    options: PlanOptions = PlanOptions()  # what was asked: the model, shape and global batch the memory plan serves
+    dataloader_workers: int = 0  # per process
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -160,8 +163,9 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
                                 "(accelerate's MULTI_CPU path would start one process without mpirun)"
                                 if strategy == "cpu-ddp" else "one CPU process"))
         env.append(("ACCELERATE_USE_CPU", "1", "without it a MULTI_GPU config on a CPU machine starts independent processes"))
-        threads = max(1, (profile.host.physical_cores or 1) // per_machine)
-        env.append(("OMP_NUM_THREADS", str(threads), f"{profile.host.physical_cores or 1} physical core(s) / {per_machine} process(es)"))
+        budget = thread_budget(profile, per_machine, None)
+        env.append(("OMP_NUM_THREADS", str(budget.cores_per_process), budget.reason))
+        workers = dataloader_workers(budget, on_gpu=False)
         memory = None
         settings.append(Setting("num_processes", per_machine * options.num_machines, why))
         gpu_ids = None
@@ -175,15 +179,15 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         settings.append(Setting("gpu_ids", gpu_ids, selection.reason))
         settings.append(Setting("num_processes", world, f"{per_machine} GPU(s) x {options.num_machines} machine(s): the total over all machines"))
         _strategy_settings(acc, settings, strategy, memory, options, per_machine)
-        threads = max(1, (profile.host.physical_cores or per_machine) // per_machine)
-        env.append(("OMP_NUM_THREADS", str(threads), f"{profile.host.physical_cores} physical cores / {per_machine} process(es); "
-                    "torchrun would set 1"))
         binding = decide_cpu_binding(profile, gpus)
         if binding is not None:
             key, value = binding.setting
             if key == "enable_cpu_affinity":
                 acc["enable_cpu_affinity"] = True
             settings.append(Setting(key, value, binding.reason))
+        budget = thread_budget(profile, per_machine, binding)
+        env.append(("OMP_NUM_THREADS", str(budget.cores_per_process), f"{budget.reason}; torchrun would set 1"))
+        workers = dataloader_workers(budget, on_gpu=True)
 
     acc.update(mixed_precision=precision, num_processes=per_machine * options.num_machines, num_machines=options.num_machines,
                machine_rank=options.machine_rank, main_training_function="main", rdzv_backend=options.rdzv_backend,
@@ -192,6 +196,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     if gpu_ids is not None:
         acc["gpu_ids"] = gpu_ids
     settings.insert(0, Setting("mixed_precision", precision, precision_reason))
+    settings.append(Setting("dataloader_num_workers", workers[0], workers[1]))
     if options.num_machines > 1:
         acc.update(main_process_ip=options.main_process_ip, main_process_port=options.main_process_port)
         settings.append(Setting("num_machines", options.num_machines, f"this is machine_rank {options.machine_rank}; "
@@ -204,7 +209,8 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     for key, value, reason in env:
         settings.append(Setting(key, value, reason))
     return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
-                      settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding)
+                      settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding,
+                      options=options, dataloader_workers=workers[0])
 
 
 def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:

@@ -170,3 +170,23 @@ def test_plan_memory_command(capsys):
     out = capsys.readouterr().out
     assert "deepspeed-zero3" in out and "Plan:" in out
     assert main(["plan-memory"]) == 2
+
+
+def test_taskset_binding_prefixes_torchrun_and_the_sbatch_launch(machine):
+    from dataclasses import replace
+
+    dgx1 = machine("8x-v100-dgx1")
+    busy = replace(dgx1, gpus=(replace(dgx1.gpus[0], memory_used_bytes=20 * 2**30), *dgx1.gpus[1:]))
+    plan = make_plan(busy, PlanOptions(gpus="4", num_machines=2, main_process_ip="node0"))
+    assert plan.cpu_binding.command_prefix == "taskset -c 20-39,60-79"
+    assert " ACCELERATE_MIXED_PRECISION=fp16 taskset -c 20-39,60-79 torchrun --nnodes=2 " in torchrun_command(plan)
+    script = render_sbatch(plan, "launch_configs/x.yaml")
+    assert 'srun --kill-on-bad-exit=1 bash -c "taskset -c 20-39,60-79 $ACCELERATE launch --config_file launch_configs/x.yaml' in script
+    assert "export HF_GPU_TRAIN_PLAN=launch_configs/x.plan.json\n" in script
+    unbound = make_plan(machine("8x-h100-sxm"), PlanOptions(num_machines=2, main_process_ip="node0"))
+    assert "taskset" not in torchrun_command(unbound) and "taskset" not in render_sbatch(unbound, "x.yaml")
+
+
+def test_torchrun_command_names_the_plan(machine):
+    cmd = torchrun_command(make_plan(machine("2x-rtx4090")), "train.py", "cfg/box.yaml")
+    assert "NCCL_P2P_DISABLE=1 OMP_NUM_THREADS=12 HF_GPU_TRAIN_PLAN=cfg/box.plan.json ACCELERATE_MIXED_PRECISION=bf16 torchrun" in cmd
