@@ -1,33 +1,80 @@
-"""Model FLOPs per training sample or token, for MFU.
+"""Model FLOPs per training token or sample, for MFU.
 
-Transformers: 6 x non-embedding parameters per token (forward + backward) plus the attention term
-12 x layers x hidden x sequence length (nanoGPT ``estimate_mfu``; Megatron-LM). timm and other
-models: forward FLOPs of one sample counted once with ``torch.utils.flop_counter`` on the CPU,
-times 3 for forward + backward.
+Transformers (anything with ``config.num_hidden_layers`` / ``hidden_size``): FLOPs per token are
+counted per matmul weight of N elements (``nn.Linear``, and transformers' GPT-2 ``Conv1D``), in module
+order, which is forward order for these models:
+
+- forward: 2N;
+- gradient of the weight: 2N when the weight is trainable;
+- gradient of the input: 2N when some parameter *before* it is trainable (the gradient has to flow
+  through this matmul to reach it).
+
+Full fine-tuning gives the familiar 6N per token (nanoGPT ``estimate_mfu``; Megatron-LM). LoRA, where
+the big weights are frozen but adapters sit in every layer, gives about 6 x N_trainable + 4 x N_frozen:
+frozen weights skip their weight gradient but still pass gradients down. A frozen backbone under a
+trainable head costs 2 x N_frozen. The lm_head counts even when tied to the embeddings (it is a
+matmul); embedding lookups, norms and biases are not counted (no matmul, or negligible).
+
+Attention adds 4 x layers x hidden x T FLOPs per token in the forward pass (QK^T and AV over a
+context of T), and twice that in the backward when gradients flow through the layers: 12 x L x H x T in
+training, 4 x L x H x T when only the head trains. Recomputation under gradient checkpointing is not
+model FLOPs and is not counted (that would be hardware FLOPs).
+
+Other models (timm): forward FLOPs of one sample counted once with ``torch.utils.flop_counter`` on the
+model's device, times 3 for forward + backward.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def embedding_params(model: torch.nn.Module) -> int:
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+def _matmul_numel(module: torch.nn.Module) -> int | None:
+    """Elements of the weight of a matmul module (a 4-bit packed weight by its real shape), else None."""
+    if not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+        return None
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return None
+    shape = getattr(getattr(weight, "quant_state", None), "shape", None) or weight.shape
+    return math.prod(shape)
+
+
+def dense_flops_per_token(model: torch.nn.Module) -> tuple[float, bool]:
+    """(matmul FLOPs per training token, whether gradients flow back through the layers, i.e. into a
+    matmul before the last one: then the attention between them runs its backward too)."""
+    flops = 0.0
+    trainable_before = False
+    gradient_reaches: list[bool] = []  # per matmul, in order: does an input gradient pass through it?
+    for module in model.modules():
+        numel = _matmul_numel(module)
+        own_trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if numel is not None:
+            flops += 2.0 * numel * (1 + int(own_trainable) + int(trainable_before))
+            gradient_reaches.append(trainable_before)
+        trainable_before = trainable_before or own_trainable
+    return flops, any(gradient_reaches[:-1])
 
 
 def transformer_flops_per_token(model: torch.nn.Module, seq_len: float) -> float | None:
+    """Training FLOPs per token at a context of ``seq_len`` tokens; None for models without a transformer config."""
     config = getattr(model, "config", None)
     layers = getattr(config, "num_hidden_layers", None)
     hidden = getattr(config, "hidden_size", None)
     if not layers or not hidden:
         return None
-    params = sum(p.numel() for p in model.parameters())
-    dense = params - embedding_params(model)
-    return 6.0 * dense + 12.0 * layers * hidden * seq_len
+    dense, through = dense_flops_per_token(model)
+    return dense + attention_flops_per_token_per_position(layers, hidden, through) * seq_len
+
+
+def attention_flops_per_token_per_position(layers: int, hidden: int, backward_through_layers: bool = True) -> float:
+    return (12.0 if backward_through_layers else 4.0) * layers * hidden
 
 
 def counted_flops_per_sample(model: torch.nn.Module, example: dict) -> float | None:
-    """Forward + backward FLOPs of one sample, counted by torch on a CPU copy of the inputs."""
+    """Forward + backward FLOPs of one sample, counted by torch on a copy of the inputs."""
     from torch.utils.flop_counter import FlopCounterMode
 
     try:

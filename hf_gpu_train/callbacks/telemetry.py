@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.peaks import peak_flops
-from .flops import counted_flops_per_sample, transformer_flops_per_token
+from .flops import attention_flops_per_token_per_position, counted_flops_per_sample, dense_flops_per_token
 from .forward_timer import ForwardTimer
 from .gpu_lookup import model_device, nvml_handles_for, torch_bus_id
 from .memory_probe import cuda_memory
@@ -214,10 +214,12 @@ class TelemetryCallback(TrainerCallback):
         self.peak = peak_flops(name, precision, tf32=bool(args.tf32)) if self.device.type == "cuda" else None
         if model is None:
             return
-        dense = transformer_flops_per_token(model, 0)  # the attention term is added per window from the mean length
-        if dense is not None:
-            config = model.config
-            self.flops = ModelFlops(per_token=dense, attention_per_token_per_position=12.0 * config.num_hidden_layers * config.hidden_size)
+        config = getattr(model, "config", None)
+        layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+        if layers and hidden:  # a transformer: per token, the attention term added per window from the mean length
+            dense, through = dense_flops_per_token(model)
+            self.flops = ModelFlops(per_token=dense, attention_per_token_per_position=attention_flops_per_token_per_position(
+                layers, hidden, through))
             return
         dataset = getattr(train_dataloader, "dataset", None)
         collate = getattr(train_dataloader, "collate_fn", None)
