@@ -18,6 +18,10 @@ from transformers import TrainerCallback
 from .config import ConfigError
 
 COMPLETE_MARKER = "hf_gpu_train_complete.json"
+# Outside the Trainer's ``checkpoint-*`` namespace: its rotation (save_total_limit) globs ``checkpoint-*`` in
+# output_dir, so a set-aside copy named ``checkpoint-N.something`` there would be counted, and deleted, or make
+# the Trainer delete a complete checkpoint instead.
+SET_ASIDE_DIR = "incomplete-checkpoints"
 LABEL_MAP = "label_map.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -40,13 +44,15 @@ def is_complete(checkpoint: Path) -> bool:
 
 
 def last_complete_checkpoint(output_dir: str | Path, set_aside_incomplete: bool = True) -> Path | None:
-    """The newest complete checkpoint. Newer incomplete ones are renamed (never deleted) on the main
-    process so the Trainer's own checkpoint rotation does not count them."""
+    """The newest complete checkpoint. Newer incomplete ones are moved (never deleted) on the main process into
+    ``output_dir/incomplete-checkpoints/``, where the Trainer's checkpoint rotation does not see them."""
     for checkpoint in checkpoints(output_dir):
         if is_complete(checkpoint):
             return checkpoint
         if set_aside_incomplete and is_main_process():
-            checkpoint.rename(checkpoint.with_name(f"{checkpoint.name}.incomplete-{int(time.time())}"))
+            aside = checkpoint.parent / SET_ASIDE_DIR
+            aside.mkdir(exist_ok=True)
+            checkpoint.rename(aside / f"{checkpoint.name}.{int(time.time() * 1000)}")
     return None
 
 

@@ -32,14 +32,15 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
     return args.config, args.overrides
 
 
-def _resume_point(cfg: FinetuneConfig, label_names: list[str]) -> str | None:
+def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
     from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
 
     out = Path(cfg.output_dir)
     check_label_map(out, label_names, "output_dir")
     if cfg.resume == "never":
-        if checkpoints(out):
-            raise ConfigError(f"output_dir={cfg.output_dir!r} holds checkpoints of an earlier run and resume=never: "
+        if checkpoints(out) or previous_finished:
+            what = "checkpoints of an earlier run" if checkpoints(out) else "a finished run"
+            raise ConfigError(f"output_dir={cfg.output_dir!r} holds {what} and resume=never: "
                               "choose a new output_dir, or resume=auto to continue it (nothing was overwritten)")
         return None
     if cfg.resume == "auto":
@@ -104,21 +105,45 @@ def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ))]
 
 
+def final_metrics(trainer) -> dict:
+    """The evaluation at the last step when the schedule already ran it (eval_strategy=epoch), else one now:
+    the final evaluation runs once."""
+    last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
+    if last is not None and last.get("step") == trainer.state.global_step:
+        return {k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"}
+    return trainer.evaluate()
+
+
+def _report_finished(cfg: FinetuneConfig, results: dict) -> dict:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"hf_gpu_train: output_dir={cfg.output_dir!r} already holds this run, finished: "
+              f"{json.dumps({k: v for k, v in results.items() if k in ('eval_accuracy', 'eval_f1', 'eval_loss', 'epoch')})}. "
+              "Nothing was trained (output_dir=NEW_DIR to train again).", flush=True)
+    return results
+
+
 def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dict:
     from transformers import Trainer, set_seed
 
     from .checkpoints import is_main_process, write_label_map
+    from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
 
     runtime = resolve_runtime(cfg)
+    accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
+    identity = RunIdentity.of(cfg, runtime.precision, effective)
+    previous = read_previous(cfg.output_dir)
+    if check_previous_run(cfg, identity, previous) == "finished":
+        return _report_finished(cfg, previous.results)
     set_seed(cfg.seed)
     model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
-    resume = _resume_point(cfg, data.label_names)
+    resume = _resume_point(cfg, data.label_names, previous.finished)
+    back_up_config(cfg.output_dir, cfg)
     if is_main_process():
         save_resolved(cfg, cfg.output_dir)
     write_label_map(cfg.output_dir, data.label_names)
-    accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
+    write_record(cfg.output_dir, identity, runtime.world_size)
     if cfg.global_batch_size and effective != cfg.global_batch_size:
         log.warning("global_batch_size=%d is not a multiple of %d x %d process(es): effective batch %d",
                     cfg.global_batch_size, cfg.per_device_train_batch_size, runtime.world_size, effective)
@@ -142,7 +167,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dic
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - start
-    metrics = trainer.evaluate()
+    trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations
+    metrics = final_metrics(trainer)
     trainer.save_metrics("eval", metrics)
     trainer.save_model()
     if trainer.is_world_process_zero():
@@ -151,6 +177,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dic
                    **{k: metrics[k] for k in ("eval_accuracy", "eval_f1", "eval_loss") if k in metrics}}
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
         print("hf_gpu_train: " + json.dumps(summary), flush=True)
+    write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
     return metrics
 
 

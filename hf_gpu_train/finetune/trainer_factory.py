@@ -13,6 +13,7 @@ from transformers import Trainer, TrainingArguments
 from .config import FinetuneConfig
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
+from .sampling import group_by_length_over_the_global_batch
 
 
 def gradient_accumulation(cfg: FinetuneConfig, world_size: int) -> tuple[int, int]:
@@ -88,4 +89,5 @@ def build_trainer(cfg, runtime, model, train, validation, collator, processing_c
     # division by the accumulation steps and multiplies the loss by the number of processes (N times the loss
     # and the gradients on N processes). Saying the truth once fixes both (tests/scaling).
     trainer.model_accepts_loss_kwargs = False
+    group_by_length_over_the_global_batch(trainer)  # the same global batches for any number of processes
     return trainer

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, check_label_map, last_complete_checkpoint
+from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR, check_label_map, last_complete_checkpoint
 from hf_gpu_train.finetune.config import ConfigError
 
 
@@ -21,10 +21,9 @@ def test_an_interrupted_save_is_never_taken_for_a_complete_one(tmp_path):
     make_checkpoint(tmp_path, 12, complete=True)
     make_checkpoint(tmp_path, 16, complete=False)  # killed mid-save: no marker
     assert last_complete_checkpoint(tmp_path).name == "checkpoint-12"
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names[:2] == ["checkpoint-12", "checkpoint-16.incomplete-" + names[1].split("-")[-1]] or any(
-        n.startswith("checkpoint-16.incomplete-") for n in names)
-    assert "checkpoint-16" not in names  # set aside, not deleted, so the Trainer's rotation ignores it
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-4"]  # what the Trainer rotates
+    aside = list((tmp_path / SET_ASIDE_DIR).iterdir())  # set aside, not deleted, out of the Trainer's sight
+    assert len(aside) == 1 and aside[0].name.startswith("checkpoint-16.") and (aside[0] / "model.safetensors").read_bytes() == b"x"
 
 
 def test_no_checkpoint(tmp_path):

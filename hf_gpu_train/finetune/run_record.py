@@ -1,0 +1,137 @@
+"""What a run in ``output_dir`` was, so a second command into the same directory never surprises.
+
+``hf_gpu_train_run.json`` records the values that decide the model a run produces: every config key except
+the ones that only change how it is watched or stored (``OUTPUT_ONLY``), plus what ``auto`` resolved to
+(precision) and the effective batch (per-device batch x accumulation x processes; the per-device batch alone
+does not change the training: 2 processes of 8 train the model 1 process of 16 does, tests/scaling).
+
+Before anything is loaded or written, ``check_previous_run`` compares the new command with the record:
+- same training, run finished: report its results, train nothing;
+- same training, not finished: resume (``resume=auto``), whatever the number of processes;
+- different training: exit 2 naming the keys that differ, with the choices; nothing is overwritten. An
+  explicit ``resume=PATH`` continues on purpose with the new values (the old config is kept as a backup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .checkpoints import checkpoints, is_main_process
+from .config import ConfigError, FinetuneConfig
+
+log = logging.getLogger("hf_gpu_train.finetune")
+RECORD = "hf_gpu_train_run.json"
+CONFIG = "finetune_config.yaml"
+OUTPUT_ONLY = frozenset({
+    "output_dir", "per_device_train_batch_size", "global_batch_size", "per_device_eval_batch_size", "precision",
+    "gradient_checkpointing", "torch_compile", "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy",
+    "save_steps", "save_total_limit", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery",
+    "max_eval_samples",
+})
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    training: dict[str, Any]  # the config keys that change the model, as resolved
+    precision: str  # bf16 | fp16 | fp32, after "auto"
+    effective_batch: int
+
+    @classmethod
+    def of(cls, cfg: FinetuneConfig, precision: str, effective_batch: int) -> RunIdentity:
+        values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in OUTPUT_ONLY}
+        return cls(training=json.loads(json.dumps(values, default=str)), precision=precision, effective_batch=effective_batch)
+
+    def differences(self, before: dict) -> list[tuple[str, Any, Any]]:
+        """(key, before, now) for each value that differs from a record (keys the record lacks are not compared)."""
+        diffs = [(k, before["training"][k], v) for k, v in self.training.items()
+                 if k in before.get("training", {}) and before["training"][k] != v]
+        for key in ("precision", "effective_batch"):
+            if before.get(key) is not None and before[key] != getattr(self, key):
+                diffs.append((key, before[key], getattr(self, key)))
+        return diffs
+
+
+@dataclass(frozen=True)
+class Previous:
+    record: dict | None  # None: no earlier run in output_dir
+    finished: bool
+    results: dict | None
+
+
+def read_previous(output_dir: str | Path) -> Previous:
+    out = Path(output_dir)
+    record_path, config_path = out / RECORD, out / CONFIG
+    if record_path.is_file():
+        record = json.loads(record_path.read_text())
+    elif config_path.is_file():  # written by an earlier version: the config alone
+        saved = yaml.safe_load(config_path.read_text()) or {}
+        record = {"training": {k: v for k, v in saved.items() if k not in OUTPUT_ONLY}}
+    else:
+        return Previous(None, False, None)
+    results_path = out / "eval_results.json"
+    finished = bool(record.get("finished")) and results_path.is_file()
+    return Previous(record, finished, json.loads(results_path.read_text()) if finished else None)
+
+
+def check_previous_run(cfg: FinetuneConfig, identity: RunIdentity, previous: Previous) -> str:
+    """"new", "resume" or "finished"; a ConfigError when the earlier run trained something else."""
+    if previous.record is None:
+        return "new"
+    diffs = identity.differences(previous.record)
+    if not diffs:
+        if previous.finished and cfg.resume == "auto":
+            return "finished"
+        return "resume"
+    listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in diffs)
+    if cfg.resume not in ("auto", "never"):
+        log.warning("resume=%s continues a run with other settings, on purpose: %s", cfg.resume, listed)
+        return "resume"
+    if cfg.resume == "never" and not checkpoints(cfg.output_dir):
+        return "new"  # nothing trained to lose; the earlier config is kept as a backup when it is replaced
+    hint = ""
+    if any(k == "effective_batch" for k, _, _ in diffs):
+        hint = (f" (the effective batch is per-device batch x accumulation x processes: set global_batch_size="
+                f"{previous.record['effective_batch']} to resume it with another number of processes)")
+    raise ConfigError(
+        f"output_dir={cfg.output_dir!r} holds a run that trained differently: {listed}{hint}. Nothing was changed. "
+        f"Choose: output_dir=NEW_DIR for a new run; the earlier values to continue it; or resume=PATH/checkpoint-N to "
+        f"continue from a checkpoint with the new values on purpose")
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def write_record(output_dir: str | Path, identity: RunIdentity, processes: int, finished: bool = False,
+                 global_step: int | None = None) -> None:
+    """On the main process; the resolved config beside it, an earlier different one kept as a backup."""
+    if not is_main_process():
+        return
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RECORD
+    record = {"training": identity.training, "precision": identity.precision, "effective_batch": identity.effective_batch,
+              "processes": processes, "finished": finished, "global_step": global_step, "time": time.time()}
+    if path.is_file() and not finished:
+        earlier = json.loads(path.read_text())
+        if identity.differences(earlier):
+            path.rename(out / f"{RECORD}.{int(time.time())}.bak")
+    path.write_text(json.dumps(record, indent=2))
+
+
+def back_up_config(output_dir: str | Path, cfg: FinetuneConfig) -> None:
+    """Keep an earlier, different finetune_config.yaml before the resolved one replaces it."""
+    path = Path(output_dir) / CONFIG
+    if not (is_main_process() and path.is_file()):
+        return
+    saved = yaml.safe_load(path.read_text()) or {}
+    if saved != json.loads(json.dumps(dataclasses.asdict(cfg), default=str)):
+        path.rename(path.with_name(f"finetune_config.{int(time.time())}.yaml"))

@@ -1,0 +1,49 @@
+"""Length grouping that gives every number of processes the same optimizer steps.
+
+transformers' ``LengthGroupedSampler`` sorts mega-batches of ``per-device batch x accumulation`` samples and draws
+its permutation from the global RNG each epoch. With 2 processes of 8 the mega-batches are half the size of one
+process of 16, and the global RNG has been through other dropout draws: the global batches differ, so 2 processes
+do not train the model 1 process trains, and a resume with another number of processes lands on other samples.
+
+Here the groups are built over the *global* batch (per-device x accumulation x processes: accelerate hands
+consecutive per-device batches to the ranks in turn, so each optimizer step takes exactly one group), and the
+permutation of epoch ``e`` comes from a generator seeded with ``seed + e`` (``set_epoch``, which accelerate's data
+loader calls), so it is the same on every rank, for every world size, and after a resume.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+
+
+class GlobalLengthGroupedSampler(LengthGroupedSampler):
+    def __init__(self, global_batch: int, lengths: list[int], seed: int):
+        super().__init__(global_batch, lengths=lengths)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
+def group_by_length_over_the_global_batch(trainer) -> None:
+    """Replace the Trainer's length-grouped sampler by ``GlobalLengthGroupedSampler``; other samplers stay.
+
+    ``_get_train_sampler`` is the Trainer's own place for the training sampler (there is no public argument), so
+    it is wrapped on this instance, the way OOM recovery wraps ``training_step``."""
+    build = trainer._get_train_sampler
+
+    def sampler(train_dataset=None):
+        chosen = build(train_dataset)
+        if type(chosen) is LengthGroupedSampler:
+            args = trainer.args
+            global_batch = args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+            return GlobalLengthGroupedSampler(global_batch, chosen.lengths, seed=args.data_seed or args.seed)
+        return chosen
+
+    trainer._get_train_sampler = sampler

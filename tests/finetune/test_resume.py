@@ -1,0 +1,115 @@
+"""A second command into the same output_dir never surprises: set-aside checkpoints stay out of the Trainer's
+rotation, a different training is refused before anything is written, a finished run is reported and not
+trained again, another number of processes with the same effective batch resumes at the right sample, and
+the final evaluation runs once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR
+from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.run import finetune, main
+from hf_gpu_train.finetune.run_record import RECORD
+
+from ..launching import cpu_config, launch
+from ..scaling.equivalence import assert_same_params
+from ..scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
+QUIET = ["telemetry=false"]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> list[str]:
+    return text_case(tmp_path_factory.mktemp("resume-case"))
+
+
+def args(case, out, *extra) -> list[str]:
+    return [*case, *COMMON, *QUIET, f"per_device_train_batch_size={GLOBAL_BATCH}", f"output_dir={out}", *extra]
+
+
+def files(out: Path) -> dict:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_set_aside_incomplete_checkpoint_is_never_rotated_away(tmp_path, case, limit):
+    out = tmp_path / "out"
+    assert main(args(case, out, "save_strategy=steps", "save_steps=2")) == 0  # checkpoints 2, 4, 6
+    (out / "checkpoint-6" / COMPLETE_MARKER).unlink()  # as if killed while saving step 6
+    record = json.loads((out / RECORD).read_text())
+    (out / RECORD).write_text(json.dumps({**record, "finished": False}))
+    assert main(args(case, out, "save_strategy=steps", "save_steps=2", f"save_total_limit={limit}")) == 0
+    aside = list((out / SET_ASIDE_DIR).iterdir())
+    assert [p.name.split(".")[0] for p in aside] == ["checkpoint-6"] and (aside[0] / "model.safetensors").is_file()
+    kept = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert len(kept) == limit and kept[-1].name == "checkpoint-6"
+    assert all((p / COMPLETE_MARKER).is_file() for p in kept)
+
+
+def test_a_different_training_is_refused_and_nothing_is_overwritten(tmp_path, case, capsys):
+    out = tmp_path / "out"
+    assert main(args(case, out)) == 0
+    before = {name: (out / name).read_bytes() for name in ("finetune_config.yaml", RECORD, "model.safetensors")}
+    assert main(args(case, out, "learning_rate=2e-3")) == 2
+    err = capsys.readouterr().err
+    assert "learning_rate: 0.001 -> 0.002" in err and "output_dir=NEW_DIR" in err and "resume=PATH/checkpoint-N" in err
+    assert "Traceback" not in err
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_rerunning_a_finished_run_reports_it_and_trains_nothing(tmp_path, case, capsys):
+    out = tmp_path / "out"
+    assert main(args(case, out)) == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    before = files(out)
+    capsys.readouterr()
+    assert main(args(case, out, "logging_steps=3")) == 0  # how it is logged does not change what it trains
+    said = capsys.readouterr().out
+    assert "already holds this run, finished" in said and f"{results['eval_accuracy']}" in said
+    assert files(out) == before  # not a file touched
+
+
+def test_the_final_evaluation_runs_once(tmp_path, case):
+    out = tmp_path / "out"
+    assert main(args(case, out, "eval_strategy=epoch")) == 0
+    evaluations = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in h]
+    assert len(evaluations) == 3  # one per epoch, none after
+    assert json.loads((out / "eval_results.json").read_text())["eval_loss"] == evaluations[-1]["eval_loss"]
+
+
+class StopAfterSaving(TrainerCallback):
+    """Stands for a crash right after the checkpoint of ``step`` was completed."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt("stopped after saving")
+
+
+def test_another_number_of_processes_with_the_same_effective_batch_resumes_at_the_same_sample(tmp_path, case):
+    whole = tmp_path / "whole"
+    assert main(args(case, whole)) == 0
+    out = tmp_path / "out"
+    saving = ["save_strategy=steps", "save_steps=2"]
+    with pytest.raises(KeyboardInterrupt):
+        finetune(load_config(None, args(case, out, *saving)), extra_callbacks=[StopAfterSaving(4)])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    config = cpu_config(tmp_path)
+    base = [*case, *COMMON, *QUIET, f"output_dir={out}", *saving]
+    refused = launch(config, SCRIPT, *base, f"per_device_train_batch_size={GLOBAL_BATCH}")  # 2 x 16: twice the batch
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert "effective_batch: 16 -> 32" in refused.stderr and f"global_batch_size={GLOBAL_BATCH}" in refused.stderr
+    resumed = launch(config, SCRIPT, *base, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"global_batch_size={GLOBAL_BATCH}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "CPU x2" in resumed.stdout
+    assert_same_params(load_file(out / "model.safetensors"), load_file(whole / "model.safetensors"))

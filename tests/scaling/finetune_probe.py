@@ -1,0 +1,14 @@
+"""Launched with several processes: ``scripts/finetune.py``'s ``main`` for each argument list in turn."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hf_gpu_train.finetune.run import main  # noqa: E402
+
+for arguments in json.loads(sys.argv[1]):
+    code = main(arguments)
+    if code:
+        sys.exit(code)
