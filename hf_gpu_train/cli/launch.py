@@ -1,4 +1,10 @@
-"""``hf-gpu-train launch``: accelerate launch with the plan's environment (NAME.env) applied."""
+"""``hf-gpu-train launch``: accelerate launch with the plan applied (NAME.env, NAME.plan.json, CPU binding).
+
+Everything before the script that starts with ``-`` is passed to `accelerate launch` as it is
+(``--num_processes``, ``--gpu_ids``, ``--main_process_port``, ``--machine_rank``, ...), so the same command
+line works with either tool. A flag that changes what the config says is printed with what it means for
+the plan, and the training processes see it too (``RunPlan.launch_overrides``).
+"""
 
 from __future__ import annotations
 
@@ -6,37 +12,120 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 
+USAGE = "hf-gpu-train launch [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT [SCRIPT_ARGS ...]"
+DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS` with FILE's .env (written by `hf-gpu-train "
+               "config`) in the environment of every process (your own exported variables win, and are named), "
+               "HF_GPU_TRAIN_PLAN naming FILE's .plan.json, and the plan's taskset CPU binding applied. Options before "
+               "SCRIPT other than --config-file go to accelerate launch unchanged (e.g. --num_processes 2 --main_process_port "
+               "29600); what they change against FILE is printed.")
+HELP_FLAGS = ("-h", "--help")
+
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("launch", help="accelerate launch with the config's .env applied",
-                              description="Run `accelerate launch --config_file FILE SCRIPT ARGS` with the variables of "
-                              "FILE's .env (written by `hf-gpu-train config`) in the environment of every process.")
-    p.add_argument("--config-file", required=True, help="accelerate YAML written by `hf-gpu-train config`")
-    p.add_argument("script", help="training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # prefix_chars="+": argparse must not read accelerate's options; they are split by hand (launch/accelerate_argv.py)
+    p = subparsers.add_parser("launch", help="accelerate launch with the config's .env and plan applied", usage=USAGE,
+                              description=DESCRIPTION, prefix_chars="+", add_help=False)
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="accelerate launch options, --config-file FILE, SCRIPT and its arguments")
     return p
 
 
-def build_command(config_file: Path, script: str, script_args: list[str]) -> tuple[list[str], dict[str, str]]:
-    from ..launch.render import env_path_for, parse_env
+@dataclass(frozen=True)
+class Launch:
+    """The accelerate command, its environment, what to tell the user, and the CPUs to bind to (None: leave)."""
 
+    cmd: list[str]
+    env: dict[str, str]
+    notes: tuple[str, ...]
+    cpus: frozenset[int] | None = None
+
+
+def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[str]:
+    notes = []
+    for key, value in settings.items():
+        if key in config and str(config[key]).lower() != str(value).lower():
+            notes.append(f"--{key} {value} overrides {config_name}'s {key}: {config[key]}")
+    if plan is not None and plan.memory is not None and "num_processes" in settings and str(settings["num_processes"]) != str(plan.num_processes):
+        notes.append(f"the plan's micro-batch {plan.memory.micro_batch} was planned for {plan.num_processes} process(es): the run "
+                     f"keeps it, works the accumulation out again for the requested global batch {plan.memory.global_batch_target}, "
+                     "and checks the memory for the processes that run")
+    return notes
+
+
+def _binding(plan, settings: dict) -> tuple[frozenset[int] | None, str | None]:
+    """A taskset binding applied to this launcher is inherited by accelerate and every process it starts."""
+    from ..launch.cpu_binding import TASKSET
+    from ..launch.run_environment import binding_target
+
+    if plan is None or plan.cpu_binding is None or plan.cpu_binding.method != TASKSET or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    if "gpu_ids" in settings and str(settings["gpu_ids"]) != str(plan.gpu_ids):
+        return None, f"CPU binding not applied: --gpu_ids {settings['gpu_ids']} is not the planned {plan.gpu_ids}"
+    target, note = binding_target(plan.cpu_binding, 0, set(os.sched_getaffinity(0)))
+    return (frozenset(target) if target else None), note
+
+
+def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch:
+    import yaml
+
+    from ..launch.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+    from ..launch.run_plan_file import PLAN_ENV, env_path_for, generating_command, parse_env, plan_path_for, read_run_plan
+
+    environ = os.environ if environ is None else environ
+    parsed = split_launch_argv(argv)
+    named = parsed.value(*CONFIG_FILE_OPTIONS)
+    if not named:
+        raise UsageError(f"--config-file FILE is required (written by `hf-gpu-train config --output DIR/NAME`): {USAGE}")
+    config_file = Path(named)
     if not config_file.is_file():
         raise UsageError(f"--config-file {config_file} does not exist: write one with `hf-gpu-train config --output ...`")
-    env = dict(os.environ)
+    if parsed.script is None:
+        raise UsageError(f"no training script after the options: {USAGE}")
+    if not parsed.has("-m", "--module", "--no_python", "--no-python") and not Path(parsed.script).exists():
+        raise UsageError(f"training script {parsed.script} does not exist")
+    notes: list[str] = []
     env_file = env_path_for(config_file)
-    if env_file.is_file():
-        env.update(parse_env(env_file.read_text()))
+    planned_env = parse_env(env_file.read_text()) if env_file.is_file() else {}
+    notes += [f"keeping {k}={environ[k]} from your environment over {env_file.name}'s {v}"
+              for k, v in planned_env.items() if k in environ and environ[k] != v]
+    env = {**planned_env, **environ}
+    plan = None
+    if plan_path_for(config_file).is_file():
+        plan = read_run_plan(plan_path_for(config_file), "hf-gpu-train launch", env)
+        env[PLAN_ENV] = str(plan_path_for(config_file).absolute())
+    elif (command := generating_command(config_file)) is not None:
+        notes.append(f"no {plan_path_for(config_file).name} beside {config_file.name}: the run decides batch, accumulation and "
+                     f"checkpointing itself; regenerate with `{command}` to carry the plan")
+    try:
+        config = yaml.safe_load(config_file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UsageError(f"--config-file {config_file}: not YAML ({str(error).splitlines()[0]})") from None
+    settings = {k: v for k, v in parsed.settings().items() if k not in ("config_file",)}
+    notes += _flag_notes(settings, config if isinstance(config, dict) else {}, plan, config_file.name)
+    cpus, note = _binding(plan, settings)
+    if note:
+        notes.append(note)
     # The accelerate of this interpreter, whatever PATH says.
-    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config_file), script, *script_args]
-    return cmd, env
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config_file),
+           *flatten(parsed.without(*CONFIG_FILE_OPTIONS)), parsed.script, *parsed.script_args]
+    return Launch(cmd, env, tuple(notes), cpus)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not Path(args.script).exists():
-        raise UsageError(f"training script {args.script} does not exist")
-    cmd, env = build_command(Path(args.config_file), args.script, args.script_args)
-    return subprocess.call(cmd, env=env)
+    from ..launch.accelerate_argv import split_launch_argv
+
+    if split_launch_argv(args.argv).has(*HELP_FLAGS):
+        print(f"usage: {USAGE}\n\n{DESCRIPTION}")
+        return 0
+    launch = build_launch(args.argv)
+    for note in launch.notes:
+        print(f"hf-gpu-train launch: {note}", file=sys.stderr)
+    if launch.cpus:
+        os.sched_setaffinity(0, launch.cpus)
+        print("hf-gpu-train launch: bound to the plan's CPUs (its taskset binding); every process inherits it", file=sys.stderr)
+    return subprocess.call(launch.cmd, env=launch.env)

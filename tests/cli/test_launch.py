@@ -1,0 +1,109 @@
+"""`hf-gpu-train launch`: accelerate's flags through, the .env and the plan in, the user's own variables kept."""
+
+import sys
+from dataclasses import replace
+
+import pytest
+
+from hf_gpu_train.cli import main
+from hf_gpu_train.cli.launch import build_launch
+from hf_gpu_train.errors import UsageError
+from hf_gpu_train.hardware.snapshot import load_machine, save
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+
+
+@pytest.fixture
+def cpu(tmp_path):
+    assert main(["config", "--machine", "cpu-only", "--num-processes", "1", "--output", str(tmp_path / "cpu")]) == 0
+    script = tmp_path / "train.py"
+    script.write_text("")
+    return tmp_path / "cpu.yaml", script
+
+
+def test_accelerate_options_pass_through_and_the_scripts_arguments_stay_the_scripts(cpu):
+    cfg, script = cpu
+    launch = build_launch(["--num_processes", "2", "--config-file", str(cfg), "--main_process_port=29999", "--same_network",
+                           str(script), "--config", "recipe.yaml", "--num_processes", "9"], environ={})
+    assert launch.cmd == [*ACCELERATE, "--config_file", str(cfg), "--num_processes", "2", "--main_process_port", "29999",
+                          "--same_network", str(script), "--config", "recipe.yaml", "--num_processes", "9"]
+    assert launch.env == {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "2", "HF_GPU_TRAIN_PLAN": str(cfg.with_suffix(".plan.json"))}
+    assert launch.notes == ("--num_processes 2 overrides cpu.yaml's num_processes: 1",) and launch.cpus is None
+
+
+def test_your_exported_variables_win_over_the_env_file_and_are_named(cpu):
+    cfg, script = cpu
+    launch = build_launch(["--config_file", str(cfg), str(script)], environ={"OMP_NUM_THREADS": "1", "PATH": "/bin"})
+    assert launch.env["OMP_NUM_THREADS"] == "1" and launch.env["PATH"] == "/bin" and launch.env["ACCELERATE_USE_CPU"] == "1"
+    assert launch.notes == ("keeping OMP_NUM_THREADS=1 from your environment over cpu.env's 2",)
+
+
+def test_a_process_count_other_than_planned_says_what_happens_to_the_batch(tmp_path, cpu):
+    _, script = cpu
+    assert main(["config", "--machine", "2x-rtx4090", "--params", "1.1e8", "--global-batch", "64", "--output", str(tmp_path / "g")]) == 0
+    launch = build_launch(["--num_processes", "1", "--config-file", str(tmp_path / "g.yaml"), str(script)], environ={})
+    assert launch.notes == ("--num_processes 1 overrides g.yaml's num_processes: 2",
+                            "the plan's micro-batch 32 was planned for 2 process(es): the run keeps it, works the accumulation "
+                            "out again for the requested global batch 64, and checks the memory for the processes that run")
+
+
+def test_the_taskset_binding_is_applied_by_the_launcher(tmp_path, cpu, monkeypatch):
+    _, script = cpu
+    dgx1 = load_machine("8x-v100-dgx1")
+    busy = replace(dgx1, gpus=(replace(dgx1.gpus[0], memory_used_bytes=20 * 2**30), *dgx1.gpus[1:]))
+    assert main(["config", "--machine", str(save(busy, tmp_path / "dgx1.json")), "--gpus", "4", "--output", str(tmp_path / "d")]) == 0
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(80)))
+    launch = build_launch(["--config-file", str(tmp_path / "d.yaml"), str(script)], environ={})
+    assert launch.cpus == frozenset([*range(20, 40), *range(60, 80)])
+    moved = build_launch(["--gpu_ids", "0,1,2,3", "--config-file", str(tmp_path / "d.yaml"), str(script)], environ={})
+    assert moved.cpus is None and moved.notes[-1] == "CPU binding not applied: --gpu_ids 0,1,2,3 is not the planned 4,5,6,7"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    elsewhere = build_launch(["--config-file", str(tmp_path / "d.yaml"), str(script)], environ={})
+    assert elsewhere.cpus is None and elsewhere.notes[-1].startswith("CPU binding not applied: the plan's CPUs 20-39,60-79 are not")
+
+
+def test_an_older_config_without_its_plan_is_launched_with_a_note(cpu):
+    cfg, script = cpu
+    cfg.with_suffix(".plan.json").unlink()
+    launch = build_launch(["--config-file", str(cfg), str(script)], environ={})
+    assert "HF_GPU_TRAIN_PLAN" not in launch.env and launch.env["ACCELERATE_USE_CPU"] == "1"
+    assert launch.notes[0].startswith("no cpu.plan.json beside cpu.yaml: the run decides batch, accumulation and checkpointing "
+                                      "itself; regenerate with `hf-gpu-train config --output ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train.py"], "--config-file FILE is required"),
+    (["--config-file", "nowhere.yaml", "train.py"], "--config-file nowhere.yaml does not exist"),
+    (["--config-file", "CFG"], "no training script after the options"),
+    (["--config-file", "CFG", "missing.py"], "training script missing.py does not exist"),
+])
+def test_usage_errors(cpu, argv, message):
+    cfg, _ = cpu
+    with pytest.raises(UsageError, match=message):
+        build_launch([str(cfg) if a == "CFG" else a for a in argv], environ={})
+
+
+def test_help_and_errors_through_the_cli(cpu, capsys):
+    assert main(["launch", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: hf-gpu-train launch [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT")
+    assert main(["launch", "--num_processes", "2", "train.py"]) == 2
+    assert "--config-file FILE is required" in capsys.readouterr().err
+
+
+def test_config_launch_and_the_run_plan_api_never_import_torch(tmp_path):
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from hf_gpu_train.cli import main\n"
+        "from hf_gpu_train.cli.launch import build_launch\n"
+        "import hf_gpu_train.launch.run_plan as api\n"
+        f"assert main(['config', '--machine', '8x-h100-sxm', '--params', '7e9', '--output', {str(tmp_path / 'h')!r}]) == 0\n"
+        f"launch = build_launch(['--num_processes', '4', '--config-file', {str(tmp_path / 'h.yaml')!r}, {__file__!r}], environ={{}})\n"
+        "plan = api.read_run_plan(launch.env['HF_GPU_TRAIN_PLAN'], 'test', {'WORLD_SIZE': '4'})\n"
+        "values, _ = api.resolve_with_plan(plan, {'per_device_train_batch_size': 8}, set())\n"
+        "api.check_memory(plan, values)\n"
+        "leaked = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'accelerate', 'transformers'))\n"
+        "assert not leaked, leaked\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
