@@ -77,7 +77,7 @@ def find_launcher(proc: Path = Path("/proc"), pid: int | None = None) -> Launche
     current = os.getpid() if pid is None else pid
     for _ in range(MAX_ANCESTORS):
         parent = _parent(proc, current)
-        if parent is None or parent <= 1:
+        if parent is None or parent < 1:  # pid 1 is examined: in a container the launcher often is pid 1
             return None
         raw = _read(proc / str(parent) / "cmdline")
         args = accelerate_launch_args([t.decode("utf-8", "replace") for t in raw.split(b"\0") if t]) if raw else None

@@ -68,6 +68,13 @@ def test_a_wrapper_between_launcher_and_worker_and_hf_gpu_train_launchs_own_form
     assert load_run_plan({}, proc=proc, pid=WORKER).path == configs / "box.plan.json"
 
 
+def test_a_launcher_that_is_pid_1_as_in_a_container(tmp_path, configs):
+    proc = tmp_path / "proc"
+    fake_process(proc, 1, 0, ["accelerate", "launch", "--config_file", str(configs / "box.yaml"), "t.py"], "/")
+    fake_process(proc, 7, 1, ["python", "t.py"])
+    assert find_launcher(proc, 7).pid == 1 and load_run_plan({}, proc=proc, pid=7).path == configs / "box.plan.json"
+
+
 def test_the_scripts_own_config_option_is_not_the_launch_config(tmp_path, configs):
     home = tmp_path / "home"
     (home / ".cache/huggingface/accelerate").mkdir(parents=True)
