@@ -21,7 +21,7 @@ from ..errors import UsageError
 
 TASKS = ("text-classification", "image-classification")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-STRATEGIES = ("no", "steps", "epoch")
+STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes of training, and at the end
 # learning_rate when the user sets none. Fine-tuning moves pretrained weights a little: 5e-5 (BERT's fine-tuning
 # range, Devlin et al. 2019). Training from random weights (pretrained=false) needs far larger steps: 1e-3 is Adam's
 # own default step size (Kingma & Ba 2015; torch.optim.AdamW's default). Measured on scikit-learn digits with
@@ -91,10 +91,11 @@ class FinetuneConfig:
     dataloader_num_workers: int | str = "auto"
     seed: int = 42
     # evaluation, checkpoints, logging
-    eval_strategy: str = "epoch"
+    eval_strategy: str = "auto"
     eval_steps: int | None = None
-    save_strategy: str = "epoch"
+    save_strategy: str = "auto"
     save_steps: int | None = None
+    checkpoint_minutes: float = 30.0  # auto: evaluate and save a checkpoint every this many minutes of training
     save_total_limit: int | None = 2
     logging_steps: int = 10
     resume: str = "auto"  # auto | never | PATH to a checkpoint
@@ -139,6 +140,8 @@ class FinetuneConfig:
             raise bad("save_steps", "save_strategy=steps needs save_steps")
         if self.eval_strategy == "steps" and not self.eval_steps:
             raise bad("eval_steps", "eval_strategy=steps needs eval_steps")
+        if self.checkpoint_minutes <= 0:
+            raise bad("checkpoint_minutes", "must be positive (save_strategy=no to save no checkpoint)")
         if isinstance(self.dataloader_num_workers, str) and self.dataloader_num_workers != "auto":
             raise bad("dataloader_num_workers", "use auto or a number")
         if isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers < 0:

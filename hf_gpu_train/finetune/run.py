@@ -101,8 +101,10 @@ def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
     from ..launch.decisions import accelerate_uses_cpu
     from .checkpoints import CompleteCheckpointMarker
+    from .intervals import interval_callbacks
 
-    return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ))]
+    return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ)),
+            *interval_callbacks(cfg.eval_strategy, cfg.save_strategy, cfg.checkpoint_minutes)]
 
 
 def final_metrics(trainer) -> dict:

@@ -42,16 +42,16 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> Trai
         bf16=runtime.precision == "bf16",
         fp16=runtime.precision == "fp16",
         tf32=True if ampere else None,
-        optim="adamw_torch_fused" if runtime.on_cuda else "adamw_torch",
+        optim="adamw_torch_fused",  # torch has a fused AdamW for CUDA and for the CPU (~7x the foreach one on 2 cores)
         activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5 name of gradient_checkpointing
         torch_compile=cfg.torch_compile,
         dataloader_num_workers=runtime.dataloader_workers,
         dataloader_pin_memory=runtime.on_cuda,
         dataloader_persistent_workers=runtime.on_cuda and runtime.dataloader_workers > 0,
-        eval_strategy=cfg.eval_strategy,
+        eval_strategy="no" if cfg.eval_strategy == "auto" else cfg.eval_strategy,  # auto: finetune/intervals.py
         eval_steps=cfg.eval_steps,
         eval_accumulation_steps=16,  # move gathered predictions to the CPU every 16 steps: bounded GPU memory
-        save_strategy=cfg.save_strategy,
+        save_strategy="no" if cfg.save_strategy == "auto" else cfg.save_strategy,
         save_steps=cfg.save_steps or 500,
         save_total_limit=cfg.save_total_limit,
         logging_steps=cfg.logging_steps,
@@ -65,8 +65,6 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> Trai
     )
     if task == "text-classification":
         kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
-        if cfg.telemetry:
-            kwargs["include_num_input_tokens_seen"] = "non_padding"  # tokens/s and MFU count real tokens
     kwargs.update(cfg.extra)
     return TrainingArguments(**kwargs)
 
