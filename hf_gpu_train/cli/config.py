@@ -80,7 +80,7 @@ def port_in_use(port: int) -> bool:
 def run(args: argparse.Namespace) -> int:
     from ..hardware.snapshot import load_machine
     from ..launch.plan import PlanOptions, make_plan
-    from ..launch.plan_document import NO_MEMORY_PLAN, render_plan_json
+    from ..launch.plan_document import no_memory_plan, render_plan_json
     from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
     from ..textfmt import table
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in m.breakdown.rows() if value)
               + f"; total {m.breakdown.total / 2**30:.2f} of {m.gpu_memory_bytes / 2**30:.1f} GiB")
     else:
-        print(f"\nNo memory plan: {NO_MEMORY_PLAN}.")
+        print(f"\nNo memory plan: {no_memory_plan(plan)}.")
     if live and options.machine_rank == 0 and options.num_machines > 1 and port_in_use(options.main_process_port):
         print(f"\nwarning: port {options.main_process_port} is in use on this machine: pick another --main-process-port")
     print("\nWrote " + ", ".join(map(str, written)))

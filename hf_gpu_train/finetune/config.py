@@ -220,6 +220,17 @@ def _coerce(key: str, raw: Any) -> Any:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> FinetuneConfig:
+    return FinetuneConfig(**read_config_values(path, overrides)).validate()
+
+
+def load_config_and_keys(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[FinetuneConfig, frozenset]:
+    """The config, and the keys the recipe or the command line set (they win over a launch plan's values)."""
+    values = read_config_values(path, overrides)
+    return FinetuneConfig(**values).validate(), frozenset(values)
+
+
+def read_config_values(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The values a recipe file and ``key=value`` overrides set, converted to the fields' types."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -243,7 +254,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if key not in _FIELDS:
             raise _unknown(key)
         values[key] = _coerce(key, raw)
-    return FinetuneConfig(**values).validate()
+    return values
 
 
 def save_resolved(config: FinetuneConfig, output_dir: str | Path) -> Path:

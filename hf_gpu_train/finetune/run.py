@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from .config import ConfigError, FinetuneConfig, load_config, save_resolved
+from .config import ConfigError, FinetuneConfig, load_config_and_keys, save_resolved
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -124,7 +124,8 @@ def _report_finished(cfg: FinetuneConfig, results: dict) -> dict:
     return results
 
 
-def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dict:
+def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch_plan=None) -> dict:
+    """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
     from .checkpoints import is_main_process, write_label_map
@@ -153,6 +154,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dic
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
     if trainer.is_world_process_zero():
+        for line in launch_plan.lines if launch_plan else ():
+            print(f"hf_gpu_train: {line}", flush=True)
         print(f"hf_gpu_train: {cfg.task}, {len(data.train)} train / {len(data.validation)} validation examples, "
               f"{len(data.label_names)} classes; {'CUDA' if runtime.on_cuda else 'CPU'} x{runtime.world_size}, "
               f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
@@ -177,19 +180,37 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None) -> dic
         summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
                    "train_samples_per_second": result.metrics.get("train_samples_per_second"),
                    **{k: metrics[k] for k in ("eval_accuracy", "eval_f1", "eval_loss") if k in metrics}}
+        if launch_plan is not None:
+            summary["plan"] = launch_plan.record(*measured_peak_memory(runtime))
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        print("hf_gpu_train: " + json.dumps(summary), flush=True)
+        if launch_plan is not None and cfg.telemetry:
+            from ..report.writer import render_report
+
+            render_report(cfg.output_dir)  # again, now with the plan next to what was measured
+        print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
     write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
     return metrics
+
+
+def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
+    """This process's peak of GPU memory held by torch's allocator, to set against the planner's estimate."""
+    if not runtime.on_cuda:
+        return None, None
+    import torch
+
+    return int(torch.cuda.max_memory_reserved()), "torch.cuda.max_memory_reserved on rank 0 (without the CUDA context)"
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        from .launch_plan import apply_launch_plan
+
         config_path, overrides = parse_args(argv)
-        cfg = load_config(config_path, overrides)
-        finetune(cfg)
+        cfg, explicit = load_config_and_keys(config_path, overrides)
+        cfg, plan = apply_launch_plan(cfg, explicit)  # before torch: NCCL and CUDA read their variables once
+        finetune(cfg, launch_plan=plan)
     except UsageError as error:
         print(f"finetune: error: {error}", file=sys.stderr)
         return 2

@@ -18,9 +18,16 @@ from .memory import HEADROOM_FRACTION, usable_bytes
 from .plan import LaunchPlan
 from .run_plan_file import FORMAT, VERSION, finetune_precision, plan_path_for
 
-__all__ = ["NO_MEMORY_PLAN", "plan_document", "plan_path_for", "render_plan_json"]
+__all__ = ["NO_GPU_MEMORY_PLAN", "NO_MEMORY_PLAN", "no_memory_plan", "plan_document", "plan_path_for", "render_plan_json"]
 NO_MEMORY_PLAN = ("no --model (or --params) given to `hf-gpu-train config`: no memory plan, so no micro-batch, "
                   "accumulation or checkpointing was decided; the run keeps its own. Pass --model to plan them")
+NO_GPU_MEMORY_PLAN = ("no GPU: the memory planner plans GPU memory, so no micro-batch, accumulation or checkpointing was "
+                      "decided for CPU processes; the run keeps its own")
+
+
+def no_memory_plan(plan: LaunchPlan) -> str:
+    """Why the plan decided no batch: no model given, or no GPU to plan memory for."""
+    return NO_MEMORY_PLAN if plan.gpus or plan.options.model is None else NO_GPU_MEMORY_PLAN
 
 
 def _value(value, reason: str) -> dict:
@@ -35,7 +42,7 @@ def _batch_values(plan: LaunchPlan) -> dict:
     m = plan.memory
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "global_batch_size", "gradient_checkpointing")
     if m is None:
-        return {k: _value(None, NO_MEMORY_PLAN) for k in keys}
+        return {k: _value(None, no_memory_plan(plan)) for k in keys}
     target = plan.options.global_batch
     served = (f"the requested global batch {target}" if m.effective_batch == target else
               f"the requested global batch {target}, rounded up to {m.effective_batch} (a whole micro-batch on every process)")
@@ -103,7 +110,7 @@ def plan_document(plan: LaunchPlan, command: str, config_file: str | Path) -> di
             "dataloader_num_workers": _value(plan.dataloader_workers, _setting_reason(plan, "dataloader_num_workers")),
         },
         "memory": _memory(plan),
-        "memory_note": None if plan.memory else NO_MEMORY_PLAN,
+        "memory_note": None if plan.memory else no_memory_plan(plan),
         "cpu_binding": None if binding is None else {
             "method": binding.method, "cpus_by_process": list(binding.cpus_by_process),
             "command_prefix": binding.command_prefix, "reason": binding.reason},

@@ -68,9 +68,35 @@ def render_report(output_dir) -> list[Path]:
     samples, windows, summary = load_run(out)
     plots = draw_all(out, samples, windows)
     lines = ["# Run report", "", render_terminal_summary(summary), ""]
+    run_summary = out / "run_summary.json"
+    if run_summary.is_file():
+        plan = json.loads(run_summary.read_text()).get("plan")
+        lines += render_plan_section(plan) if plan else []
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / REPORT).write_text("\n".join(lines) + "\n")
     return plots
+
+
+def render_plan_section(plan: dict) -> list[str]:
+    """The launch plan the run ran with: each value planned and used, the overrides, the planner's memory
+    estimate against the measured peak."""
+    lines = ["## Launch plan", "", f"{plan.get('file')} ({plan.get('machine')}, {plan.get('strategy')}), found by {plan.get('found_by')}", "",
+             "| value | plan | used | reason |", "|---|---|---|---|"]
+    for key, v in plan.get("values", {}).items():
+        lines.append(f"| {key} | {v.get('plan')} | {v.get('used')} | {v.get('reason')} |")
+    for o in plan.get("overridden", []):
+        lines.append(f"\noverridden by {o.get('source')}: {o.get('key')}={o.get('user_value')} over the plan's {o.get('plan_value')}")
+    memory = plan.get("memory")
+    if memory:
+        gib = 2**30
+        measured = memory.get("measured_peak_bytes")
+        lines.append(f"\nmemory: planner {memory['estimate_bytes'] / gib:.2f} GiB per process for the values used "
+                     f"(of {memory['usable_bytes'] / gib:.2f} GiB usable)"
+                     + (f"; measured peak {measured / gib:.2f} GiB ({memory.get('measured')}), error {memory['error_pct']:+.1f}%"
+                        if measured is not None else "; no measured peak (CPU run)"))
+    elif plan.get("memory_note"):
+        lines.append(f"\nmemory: {plan['memory_note']}")
+    return lines + [""]
 
 
 def render_terminal_summary(summary: dict) -> str:

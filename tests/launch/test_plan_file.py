@@ -8,7 +8,7 @@ from hf_gpu_train.cli import main
 from hf_gpu_train.launch.memory import usable_bytes
 from hf_gpu_train.launch.model_spec import ModelSpec
 from hf_gpu_train.launch.plan import PlanOptions, make_plan
-from hf_gpu_train.launch.plan_document import NO_MEMORY_PLAN, plan_document, render_plan_json
+from hf_gpu_train.launch.plan_document import NO_GPU_MEMORY_PLAN, NO_MEMORY_PLAN, plan_document, render_plan_json
 from hf_gpu_train.launch.run_plan_file import RunPlanError, read_run_plan
 
 BERT = ModelSpec(name="bert-base", params=109_482_240, num_layers=12, hidden_size=768, num_heads=12, vocab_size=30522,
@@ -125,3 +125,13 @@ def test_config_writes_the_plan_and_refuses_to_overwrite_it(tmp_path, capsys):
     assert f"{out}.plan.json already exist(s): pass --force" in capsys.readouterr().err
     assert main(["config", "--machine", "1x-t4", "--output", str(tmp_path / "nomodel")]) == 0
     assert f"No memory plan: {NO_MEMORY_PLAN}." in capsys.readouterr().out
+
+
+def test_a_cpu_plan_with_a_model_says_why_no_batch_was_planned(machine):
+    from hf_gpu_train.launch.model_spec import ModelSpec
+    from hf_gpu_train.launch.plan import PlanOptions, make_plan
+
+    plan = make_plan(machine("cpu-only"), PlanOptions(cpu_processes=2, model=ModelSpec(name="m", params=10**6)))
+    document = plan_document(plan, "hf-gpu-train config ...", "cpu.yaml")
+    assert document["memory_note"] == NO_GPU_MEMORY_PLAN and "no GPU" in NO_GPU_MEMORY_PLAN
+    assert document["values"]["per_device_train_batch_size"] == {"value": None, "reason": NO_GPU_MEMORY_PLAN}

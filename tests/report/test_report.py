@@ -43,3 +43,19 @@ def test_power_limit_is_reported_as_such_not_as_throttling(tmp_path):
     text = render_terminal_summary(load_run(tmp_path)[2])
     assert "gpu0 at power limit (SwPowerCap, not throttling) in 80% of readings" in text
     assert "verdict: healthy, at power limit: GPU busy" in text and "throttling seen" not in text
+
+
+def test_the_report_shows_the_launch_plan_next_to_the_measured_peak(tmp_path):
+    import json
+
+    from hf_gpu_train.report.writer import render_plan_section
+
+    plan = {"file": "box.plan.json", "machine": "1x-h200", "strategy": "single", "found_by": "HF_GPU_TRAIN_PLAN",
+            "values": {"per_device_train_batch_size": {"plan": 64, "used": 32, "reason": "largest that fits"}},
+            "overridden": [{"key": "per_device_train_batch_size", "plan_value": 64, "user_value": 32, "source": "config"}],
+            "memory": {"estimate_bytes": 10 * 2**30, "usable_bytes": 120 * 2**30, "measured_peak_bytes": 11 * 2**30,
+                       "measured": "torch.cuda.max_memory_reserved", "error_pct": 10.0}}
+    text = "\n".join(render_plan_section(json.loads(json.dumps(plan))))
+    assert "| per_device_train_batch_size | 64 | 32 | largest that fits |" in text
+    assert "overridden by config: per_device_train_batch_size=32 over the plan's 64" in text
+    assert "planner 10.00 GiB per process" in text and "measured peak 11.00 GiB" in text and "error +10.0%" in text

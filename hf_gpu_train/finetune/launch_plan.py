@@ -1,0 +1,58 @@
+"""The launch plan inside ``scripts/finetune.py``: found, its environment applied, its values used unless the
+recipe or the command line set them, overrides said, and an override the planner predicts will not fit warned
+about with its numbers, all before torch is imported or a model loaded. ``hf_gpu_train.launch.run_plan`` holds
+the pieces (no torch); this module is the fine-tuning side's use of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+from .config import FinetuneConfig
+
+log = logging.getLogger("hf_gpu_train.finetune")
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    plan: object  # launch.run_plan_file.RunPlan
+    resolution: object  # launch.plan_resolution.Resolution
+    memory: object | None  # launch.plan_resolution.MemoryCheck
+    lines: tuple[str, ...]  # what the run says about it first
+
+    def record(self, measured_peak_bytes: int | None, measured_what: str | None) -> dict:
+        from ..launch.run_plan import plan_record
+
+        return plan_record(self.plan, self.resolution, self.memory, measured_peak_bytes, measured_what)
+
+
+def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=None) -> tuple[FinetuneConfig, AppliedPlan | None]:
+    from ..launch.run_plan import (
+        APPLIED_KEYS,
+        apply_run_environment,
+        check_memory,
+        load_run_plan,
+        override_lines,
+        resolve_with_plan,
+    )
+
+    environ = os.environ if environ is None else environ
+    plan = load_run_plan(environ)
+    if plan is None:
+        return cfg, None
+    lines = [f"launch plan {plan.path} ({plan.source})", *apply_run_environment(plan, environ).lines()]
+    resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit_keys)
+    values = dict(resolution.values)
+    if values.get("precision") == "fp8":  # the plan allows it; this entry point trains in bf16 at most
+        values["precision"] = "bf16"
+        lines.append("the plan's fp8 is not supported by scripts/finetune.py: bf16")
+    cfg = dataclasses.replace(cfg, **{k: values[k] for k in APPLIED_KEYS if k in values}).validate()
+    lines += [f"plan value overridden: {line}" for line in override_lines(resolution.overridden)]
+    vision = cfg.task == "image-classification"
+    memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None)
+    if memory is not None and memory.warning:
+        log.warning("hf_gpu_train: %s", memory.warning)
+    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines))

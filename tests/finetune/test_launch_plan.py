@@ -1,0 +1,41 @@
+"""A run launched with a generated config applies its plan: values the recipe leaves open come from the plan,
+an explicit key wins and is reported, and run_summary.json records the plan next to what the run used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ..launching import cpu_config, launch
+from ..scaling.finetune_cases import COMMON, text_case
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
+
+
+def plan_batch(config: Path, micro: int, global_batch: int) -> None:
+    """What `config --model` decides on a GPU box (the CPU planner decides no batch): micro-batch and global batch."""
+    path = config.with_suffix(".plan.json")
+    plan = json.loads(path.read_text())
+    for key, value in (("per_device_train_batch_size", micro), ("global_batch_size", global_batch),
+                       ("gradient_accumulation_steps", global_batch // (micro * 2)), ("gradient_checkpointing", False)):
+        plan["values"][key] = {"value": value, "reason": f"test plan: {key}={value}"}
+    path.write_text(json.dumps(plan))
+
+
+def test_the_plan_fills_what_the_recipe_leaves_open_and_an_explicit_key_wins(tmp_path):
+    case = text_case(tmp_path)
+    config = cpu_config(tmp_path)
+    plan_batch(config, micro=8, global_batch=16)
+    out = tmp_path / "out"
+    run = launch(config, SCRIPT, *case, *COMMON, "telemetry=false", "per_device_train_batch_size=4", f"output_dir={out}", timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"launch plan {config.with_suffix('.plan.json')}" in run.stdout
+    assert "per_device_train_batch_size=4 (your config) over the plan's 8" in run.stdout
+    assert "batch 4 x 2 x 2 = 16" in run.stdout  # the plan's global batch, the user's micro-batch: accumulation 2
+    record = json.loads((out / "run_summary.json").read_text())["plan"]
+    assert record["values"]["global_batch_size"] == {"plan": 16, "used": 16, "reason": "test plan: global_batch_size=16"}
+    assert record["values"]["per_device_train_batch_size"]["used"] == 4
+    assert [o["key"] for o in record["overridden"]] == ["per_device_train_batch_size"]
