@@ -128,4 +128,33 @@ def run(args: argparse.Namespace) -> int:
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)
         print("hf-gpu-train launch: bound to the plan's CPUs (its taskset binding); every process inherits it", file=sys.stderr)
-    return subprocess.call(launch.cmd, env=launch.env)
+    return run_reporting_usage_errors(launch.cmd, launch.env)
+
+
+def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the launcher with its stderr passed through as it comes. A training process that stops on a usage error
+    (``scripts/finetune.py`` exits 2 with one line) writes that line to ``USAGE_ERROR_FILE``; from then on what the
+    launcher adds is its own report of a failed worker (torchrun's ChildFailedError traceback, accelerate's
+    CalledProcessError): it is dropped, the one line is shown, and the exit code is 2, as for one process."""
+    import tempfile
+
+    from ..errors import USAGE_ERROR_FILE_ENV
+
+    with tempfile.TemporaryDirectory(prefix="hf_gpu_train_launch_") as folder:
+        marker = Path(folder) / "usage_error.txt"
+        proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker)}, stderr=subprocess.PIPE)
+        shown = b""
+        while chunk := os.read(proc.stderr.fileno(), 65536):
+            if marker.exists():
+                continue  # the launcher's report of a worker that stopped on a usage error
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            shown = (shown + chunk)[-65536:]
+        code = proc.wait()
+        if not marker.exists():
+            return code
+        message = marker.read_text().strip().splitlines()[0]
+        if message.encode() not in shown:
+            print(message, file=sys.stderr)
+        print("hf-gpu-train launch: the training processes stopped on the usage error above (exit 2)", file=sys.stderr)
+        return 2

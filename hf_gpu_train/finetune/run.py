@@ -10,11 +10,10 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, report_usage_error
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, save_resolved
 
 log = logging.getLogger("hf_gpu_train.finetune")
@@ -212,6 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg, plan = apply_launch_plan(cfg, explicit)  # before torch: NCCL and CUDA read their variables once
         finetune(cfg, launch_plan=plan)
     except UsageError as error:
-        print(f"finetune: error: {error}", file=sys.stderr)
+        report_usage_error(f"finetune: error: {error}")
         return 2
     return 0

@@ -107,3 +107,22 @@ def test_config_launch_and_the_run_plan_api_never_import_torch(tmp_path):
         "assert not leaked, leaked\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_worker_usage_error_ends_the_launch_with_its_line_and_exit_2(capfd):
+    import sys
+
+    from hf_gpu_train.cli.launch import run_reporting_usage_errors
+
+    worker = ("import os, sys\n"
+              "print('finetune: error: learning_rate=-1: must be positive', file=sys.stderr, flush=True)\n"
+              "open(os.environ['HF_GPU_TRAIN_USAGE_ERROR_FILE'], 'a').write('finetune: error: learning_rate=-1: must be positive\\n')\n"
+              "print('Traceback (most recent call last):\\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError', "
+              "file=sys.stderr, flush=True)\n"
+              "sys.exit(1)\n")
+    assert run_reporting_usage_errors([sys.executable, "-c", worker], {}) == 2
+    err = capfd.readouterr().err
+    assert err.count("learning_rate=-1: must be positive") == 1
+    assert "ChildFailedError" not in err and "Traceback" not in err and "exit 2" in err
+    assert run_reporting_usage_errors([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], {}) == 3
+    assert "boom" in capfd.readouterr().err  # any other failure passes through as it is
