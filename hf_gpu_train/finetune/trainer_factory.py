@@ -11,6 +11,7 @@ import math
 from transformers import Trainer, TrainingArguments
 
 from .config import FinetuneConfig
+from .fsdp import shard_on_cpu_too, wrap_repeated_blocks
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
 from .sampling import group_by_length_over_the_global_batch
@@ -25,7 +26,7 @@ def gradient_accumulation(cfg: FinetuneConfig, world_size: int) -> tuple[int, in
     return steps, steps * per_step
 
 
-def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> TrainingArguments:
+def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str, packed: bool = False) -> TrainingArguments:
     accumulation, _ = gradient_accumulation(cfg, runtime.world_size)
     ampere = bool(runtime.gpus) and all(g.bf16_supported for g in runtime.gpus)
     kwargs = dict(
@@ -63,14 +64,15 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str) -> Trai
         ddp_find_unused_parameters=False,
         disable_tqdm=True,
     )
-    if task == "text-classification":
+    if task == "text-classification" or (task == "causal-lm" and not packed):  # packed rows are all about max_length long
         kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
     kwargs.update(cfg.extra)
     return TrainingArguments(**kwargs)
 
 
 def build_trainer(cfg, runtime, model, train, validation, collator, processing_class=None, callbacks=(), trainer_class=Trainer):
-    args = training_arguments(cfg, runtime, cfg.task)
+    args = training_arguments(cfg, runtime, cfg.task, packed=getattr(collator, "packs_examples", False))
+    classifier = cfg.task != "causal-lm"  # a causal LM's evaluation is its loss (perplexity from it): no logits gathered
     trainer = trainer_class(
         model=model,
         args=args,
@@ -78,14 +80,19 @@ def build_trainer(cfg, runtime, model, train, validation, collator, processing_c
         eval_dataset=validation,
         data_collator=collator,
         processing_class=processing_class,
-        compute_metrics=compute_classification_metrics,
-        preprocess_logits_for_metrics=logits_to_class_ids,
+        compute_metrics=compute_classification_metrics if classifier else None,
+        preprocess_logits_for_metrics=logits_to_class_ids if classifier else None,
         callbacks=list(callbacks),
     )
-    # Both tasks' losses are means over the batch. transformers 5 takes a model whose forward accepts **kwargs
+    # The classifiers' losses are means over the batch. transformers 5 takes a model whose forward accepts **kwargs
     # (sequence classification does) for one that normalises its loss by num_items_in_batch: it then skips the
     # division by the accumulation steps and multiplies the loss by the number of processes (N times the loss
     # and the gradients on N processes). Saying the truth once fixes both (tests/scaling).
-    trainer.model_accepts_loss_kwargs = False
+    # A causal LM's loss is the other kind: a sum over label tokens divided by num_items_in_batch (the Trainer counts
+    # them over the accumulation steps and the processes), so transformers' own answer (True) stands for it.
+    if classifier:
+        trainer.model_accepts_loss_kwargs = False
     group_by_length_over_the_global_batch(trainer)  # the same global batches for any number of processes
+    shard_on_cpu_too(trainer)  # an FSDP launch config shards on CPU processes too (accelerate would run DDP)
+    wrap_repeated_blocks(trainer)  # FSDP units are the transformer layers (accelerate's default double-shards BERT)
     return trainer

@@ -151,17 +151,30 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
 
     if not gpus:
         per_machine, why = _cpu_processes(profile, options)
-        strategy = "cpu-ddp" if per_machine * options.num_machines > 1 else "cpu"
-        if options.strategy not in ("auto", "ddp", "single"):
-            raise PlanError(f"--strategy {options.strategy} needs GPUs; this machine has none: use --strategy auto")
+        processes = per_machine * options.num_machines
+        strategy = "cpu-ddp" if processes > 1 else "cpu"
+        if options.strategy == "fsdp" and processes > 1:
+            strategy = "cpu-fsdp"
+        elif options.strategy not in ("auto", "ddp", "single"):
+            raise PlanError(f"--strategy {options.strategy} needs GPUs; this machine has none: use --strategy auto"
+                            + (" (or --strategy fsdp with --num-processes 2 or more, FSDP2 over gloo)" if options.strategy == "fsdp" else ""))
         # accelerate's MULTI_CPU path starts one process without mpirun, and a MULTI_GPU config on a
         # machine without CUDA starts N processes that each think they are alone. MULTI_GPU plus
         # ACCELERATE_USE_CPU=1 in the environment gives real gloo DDP (ARCHITECTURE.md, CPU traps).
-        acc.update(distributed_type="MULTI_GPU" if strategy == "cpu-ddp" else "NO", use_cpu=True)
-        settings.append(Setting("distributed_type", acc["distributed_type"],
-                                "gloo DDP on the CPU through the MULTI_GPU launcher + ACCELERATE_USE_CPU=1 "
-                                "(accelerate's MULTI_CPU path would start one process without mpirun)"
-                                if strategy == "cpu-ddp" else "one CPU process"))
+        acc.update(distributed_type={"cpu-ddp": "MULTI_GPU", "cpu-fsdp": "FSDP"}.get(strategy, "NO"), use_cpu=True)
+        reasons = {
+            "cpu-ddp": "gloo DDP on the CPU through the MULTI_GPU launcher + ACCELERATE_USE_CPU=1 "
+                       "(accelerate's MULTI_CPU path would start one process without mpirun)",
+            "cpu-fsdp": "FSDP2 over gloo on CPU processes (a rehearsal of the GPU run: accelerate itself turns FSDP on CPU "
+                        "processes into DDP, scripts/finetune.py shards anyway; finetune/fsdp.py)",
+            "cpu": "one CPU process"}
+        settings.append(Setting("distributed_type", acc["distributed_type"], reasons[strategy]))
+        if strategy == "cpu-fsdp":
+            layer = options.model.layer_class if options.model else None
+            acc["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                  "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
+                                  "fsdp_offload_params": False, "fsdp_activation_checkpointing": False,
+                                  **({"fsdp_transformer_layer_cls_to_wrap": layer} if layer else {})}
         env.append(("ACCELERATE_USE_CPU", "1", "without it a MULTI_GPU config on a CPU machine starts independent processes"))
         budget = thread_budget(profile, per_machine, None)
         env.append(("OMP_NUM_THREADS", str(budget.cores_per_process), budget.reason))

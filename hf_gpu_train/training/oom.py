@@ -157,6 +157,10 @@ class InPlaceOOMRecovery:
     def _supported(self, model, training: bool = True) -> bool:
         accelerator = self.trainer.accelerator
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+        if getattr(self.trainer, "is_fsdp_enabled", False):
+            kind = "FSDP"
+        elif getattr(self.trainer, "is_deepspeed_enabled", False):
+            kind = "DEEPSPEED"
         if kind not in SUPPORTED_DISTRIBUTED:
             self._warn_once("unsupported", "OOM recovery is off under %s: its collectives run inside forward and backward "
                             "(single process and DDP are supported)", kind)

@@ -1,0 +1,67 @@
+"""FSDP2 through scripts/finetune.py and a config from `hf-gpu-train config --strategy fsdp`: two gloo processes
+sharding the model train what one process trains (the same losses, gradient norms and final weights), checkpoints
+are written as shards (one file per rank), a run killed after a sharded checkpoint resumes from it to the same
+final weights, and the final model is saved whole."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from hf_gpu_train.finetune.run import main
+from hf_gpu_train.finetune.run_record import RECORD
+
+from ..launching import free_port, launch
+from .equivalence import assert_same_params, assert_same_series
+from .finetune_cases import COMMON, GLOBAL_BATCH, text_case
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
+
+
+def fsdp_config(tmp_path: Path) -> Path:
+    out = tmp_path / "fsdp"
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
+                           "--strategy", "fsdp", "--main-process-port", str(free_port()), "--output", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    return out.with_suffix(".yaml")
+
+
+def history(out: Path, key: str) -> list[float]:
+    return [h[key] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if key in h]
+
+
+def test_two_fsdp_processes_train_what_one_process_trains(tmp_path):
+    case = text_case(tmp_path)
+    arguments = [*case, *COMMON, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"global_batch_size={GLOBAL_BATCH}"]
+    reference = tmp_path / "one"
+    assert main([*arguments, f"output_dir={reference}"]) == 0
+    out, config = tmp_path / "sharded", fsdp_config(tmp_path)
+    saving = ["save_strategy=steps", "save_steps=2"]
+    run = launch(config, SCRIPT, *arguments, *saving, f"output_dir={out}", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "sharding with FSDP2 over gloo" in run.stderr
+    assert_same_series("logged loss", history(out, "loss"), history(reference, "loss"))
+    assert_same_series("gradient norm", history(out, "grad_norm"), history(reference, "grad_norm"))
+    assert_same_params(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))
+    shards = sorted(p.name for p in (out / "checkpoint-4").rglob("*.distcp"))
+    assert len(shards) >= 4 and {name.split("_")[2] for name in shards} == {"0", "1"}  # model and optimizer, a file per rank
+
+    killed = tmp_path / "killed"  # what a run killed after its step-4 checkpoint leaves behind
+    killed.mkdir()
+    for name in ("finetune_config.yaml", "label_map.json"):
+        shutil.copy(out / name, killed / name)
+    shutil.copytree(out / "checkpoint-4", killed / "checkpoint-4")
+    record = json.loads((out / RECORD).read_text())
+    (killed / RECORD).write_text(json.dumps({**record, "finished": False, "global_step": None}))
+    again = launch(config, SCRIPT, *arguments, *saving, f"output_dir={killed}", timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resuming from {killed / 'checkpoint-4'}" in again.stdout
+    assert_same_params(load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors"))
