@@ -3,15 +3,16 @@
 Per GPU, for DDP, FSDP and DeepSpeed ZeRO-2/3: weights, gradients, optimizer states, fp32 master
 weights under mixed precision, activations from the model's shape, the CUDA context and a headroom.
 Unlike ``accelerate estimate-memory`` (batch size 1, no activations: accelerate #2512, #2910) it
-counts activations, so it can pick a batch size.
+counts activations, so it can pick a batch size. For LoRA and QLoRA (``TrainingShape.method``) the
+frozen base, the adapters and their states come from ``peft_memory``.
 
 Sources for the formulas:
 - bytes per parameter of mixed-precision Adam training (16 with torch AMP: fp32 weights, fp32 grads,
   two fp32 moments; ZeRO paper, Rajbhandari et al. 2020, section 3);
-- activations per transformer layer: 34·s·h bytes per sample in 16-bit with fused attention
-  (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1 without the 5·a·s² attention
-  scores that SDPA/flash kernels do not store; +5·a·s²·... with eager attention);
-- checkpointing keeps each layer's input (2·s·h bytes) and one layer's activations at a time.
+- activations (``activations.py``): per transformer layer 34·s·h bytes per sample in 16-bit with fused
+  attention (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1 without the 5·a·s²
+  attention scores that SDPA/flash kernels do not store), Llama-family decoders counted tensor by tensor
+  and checked against autograd; checkpointing keeps each layer's input and one layer's activations.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .activations import activation_bytes
 from .model_spec import ModelSpec
+from .peft_memory import estimate_peft
+from .training_shape import METHODS, TrainingShape
+
+__all__ = ["BREAKDOWN_ROWS", "CUDA_CONTEXT_BYTES", "GIB", "HEADROOM_FRACTION", "METHODS", "OPTIMIZER_BYTES_PER_PARAM", "STRATEGIES",
+           "MemoryBreakdown", "MemoryPlan", "TrainingShape", "activation_bytes", "estimate", "largest_micro_batch",
+           "plan_memory", "usable_bytes"]
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces: 300-800 MiB in practice
@@ -31,24 +39,20 @@ OPTIMIZER_BYTES_PER_PARAM = {
     "sgd": 4.0,  # momentum buffer
     "adafactor": 0.05,  # factored second moment (rows + columns), no momentum: ~1% of AdamW
 }
+# Every row a breakdown can have, in the order tables show them (full fine-tuning's rows, then LoRA/QLoRA's).
+BREAKDOWN_ROWS = ("weights", "frozen base weights", "4-bit base weights (NF4)", "unquantized weights (fp32)",
+                  "adapter weights (fp32)", "gradients", "adapter gradients", "optimizer states", "adapter optimizer states",
+                  "fp32 master weights", "communication buffers", "gathered parameters", "16-bit working copies",
+                  "activations", "CUDA context")
 STRATEGIES = ("ddp", "fsdp-shard-grad-op", "fsdp", "deepspeed-zero2", "deepspeed-zero3",
               "fsdp-offload", "deepspeed-zero2-offload", "deepspeed-zero3-offload")
 
 
 @dataclass(frozen=True)
-class TrainingShape:
-    micro_batch: int = 1
-    seq_len: int = 512
-    image_size: int = 224
-    precision: str = "bf16"  # bf16 | fp16 | fp32
-    optimizer: str = "adamw"
-    gradient_checkpointing: bool = False
-    num_gpus: int = 1
-    attention: str = "sdpa"  # sdpa | eager
-
-
-@dataclass(frozen=True)
 class MemoryBreakdown:
+    """Bytes per GPU. For LoRA/QLoRA ``weights`` is the frozen base (QLoRA: the part kept in fp32), and
+    ``gradients`` and ``optimizer`` are the adapters'."""
+
     strategy: str
     weights: float
     gradients: float
@@ -58,47 +62,42 @@ class MemoryBreakdown:
     gathered_params: float
     activations: float
     context: float
+    quantized_weights: float = 0.0  # QLoRA: NF4 codes and their quantization constants
+    adapter_weights: float = 0.0  # LoRA/QLoRA: fp32 adapters
+    working_copies: float = 0.0  # autocast's 16-bit adapter copies; QLoRA's dequantized layer and output-head copy
+    method: str = "full"
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.master_weights + self.comm_buffers
-                + self.gathered_params + self.activations + self.context)
+                + self.gathered_params + self.activations + self.context + self.quantized_weights
+                + self.adapter_weights + self.working_copies)
 
     def rows(self) -> list[tuple[str, float]]:
-        return [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer),
-                ("fp32 master weights", self.master_weights), ("communication buffers", self.comm_buffers),
-                ("gathered parameters", self.gathered_params), ("activations", self.activations),
-                ("CUDA context", self.context)]
-
-
-def activation_bytes(spec: ModelSpec, shape: TrainingShape) -> float:
-    """Activation memory of one micro-batch."""
-    half = shape.precision in ("bf16", "fp16")
-    if spec.activation_bytes_per_sample_fp32:  # measured (vision): autocast keeps most in 16-bit
-        per_sample = spec.activation_bytes_per_sample_fp32 * (0.55 if half else 1.0)
-        if shape.gradient_checkpointing:
-            per_sample *= 0.25  # block inputs only, plus one block being recomputed
-        return per_sample * shape.micro_batch
-    if not spec.is_transformer_shaped:
-        return 0.0
-    s, h, L, a, b = shape.seq_len, spec.hidden_size, spec.num_layers, spec.num_heads, shape.micro_batch
-    scale = 1.0 if half else 2.0  # the formula counts 16-bit tensors
-    per_layer = s * h * 34 + (5 * a * s * s if shape.attention == "eager" else 0)
-    if shape.gradient_checkpointing:
-        per_sample = (2 * s * h * L + per_layer) * scale
-    else:
-        per_sample = per_layer * L * scale
-    if spec.causal_lm and spec.vocab_size:
-        per_sample += 12 * s * spec.vocab_size  # fp32 logits, their gradient and the softmax
-    return per_sample * b
+        if self.method == "full":
+            return [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer),
+                    ("fp32 master weights", self.master_weights), ("communication buffers", self.comm_buffers),
+                    ("gathered parameters", self.gathered_params), ("activations", self.activations),
+                    ("CUDA context", self.context)]
+        base = ([("frozen base weights", self.weights)] if self.method == "lora" else
+                [("4-bit base weights (NF4)", self.quantized_weights), ("unquantized weights (fp32)", self.weights)])
+        return base + [("adapter weights (fp32)", self.adapter_weights), ("adapter gradients", self.gradients),
+                       ("adapter optimizer states", self.optimizer), ("communication buffers", self.comm_buffers),
+                       ("16-bit working copies", self.working_copies), ("activations", self.activations),
+                       ("CUDA context", self.context)]
 
 
 def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBreakdown:
-    """Bytes per GPU for one strategy."""
+    """Bytes per GPU for one strategy (``shape.method`` full, lora or qlora)."""
+    if shape.method not in METHODS:
+        raise ValueError(f"unknown method {shape.method!r}; one of {METHODS}")
+    opt = OPTIMIZER_BYTES_PER_PARAM[shape.optimizer]
+    if shape.method != "full":
+        parts = estimate_peft(spec, shape, strategy, opt)
+        return MemoryBreakdown(strategy=strategy, context=CUDA_CONTEXT_BYTES, method=shape.method, **parts)
     P, N = float(spec.params), max(1, shape.num_gpus)
     half = shape.precision in ("bf16", "fp16")
     w = 2.0 if half else 4.0
-    opt = OPTIMIZER_BYTES_PER_PARAM[shape.optimizer]
     layer = float(spec.largest_layer_params or P / max(1, spec.num_layers or 12))
     acts = activation_bytes(spec, shape)
     offload = strategy.endswith("-offload")

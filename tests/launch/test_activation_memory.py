@@ -1,0 +1,152 @@
+"""The Llama-family activation formula against what autograd really keeps, byte for byte.
+
+A small Llama (hidden 256, MLP 704, 8 heads, 2 key/value heads) runs one forward with
+``saved_tensors_hooks`` counting every tensor kept for the backward once (by storage) and leaving out the
+parameters. Two depths (2 and 4 layers) differ by exactly two layers, so their difference is two layers'
+activations with nothing else in it; that must equal ``gated_layer_bytes_per_token`` plus the weight copies
+autocast keeps (counted by hand below).
+"""
+
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_gpu_train.launch.activations import activation_terms, gated_layer_bytes_per_token  # noqa: E402
+from hf_gpu_train.launch.model_spec import ModelSpec, from_config  # noqa: E402
+from hf_gpu_train.launch.training_shape import TrainingShape  # noqa: E402
+
+H, INTER, HEADS, KV_HEADS, VOCAB, SEQ, BATCH, RANK = 256, 704, 8, 2, 1000, 128, 2, 8
+TOKENS = SEQ * BATCH
+# linear weights of one layer: q 256x256, k and v 256x64, o 256x256, gate/up/down 256x704
+LAYER_LINEAR_WEIGHTS = 256 * 256 * 2 + 256 * 64 * 2 + 256 * 704 * 3  # = 704,512
+# LoRA rank 8 on those seven: r(d_in + d_out) = 8 * ((256+256) + (256+64)*2 + (256+256) + (256+704)*3) = 36,352
+LAYER_ADAPTER_PARAMS = 8 * (512 + 320 * 2 + 512 + 960 * 3)
+
+
+def config(layers: int):
+    return transformers.LlamaConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=HEADS,
+                                    num_key_value_heads=KV_HEADS, vocab_size=VOCAB, tie_word_embeddings=False,
+                                    attn_implementation="sdpa")
+
+
+def saved_bytes(model, padded: bool, autocast: bool) -> int:
+    """Bytes autograd keeps for the backward of one forward (each storage once, parameters left out)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    if padded:
+        mask[1, 100:] = 0
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, attention_mask=mask, labels=ids)
+    return sum(seen.values())
+
+
+def build(method: str, layers: int, precision: str):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config(layers))
+    if method == "full":
+        return model
+    peft = pytest.importorskip("peft")
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)  # the LoRA base in the compute dtype, as the finetune loads it
+    return peft.get_peft_model(model, peft.LoraConfig(r=RANK, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def per_layer_per_token(method: str, precision: str, padded: bool) -> float:
+    autocast = precision == "bf16"
+    two, four = (saved_bytes(build(method, n, precision), padded, autocast) for n in (2, 4))
+    return (four - two) / 2 / TOKENS
+
+
+SPEC = ModelSpec(name="tiny-llama", params=0, num_layers=4, hidden_size=H, num_heads=HEADS, vocab_size=VOCAB, causal_lm=True,
+                 num_kv_heads=KV_HEADS, head_dim=H // HEADS, intermediate_size=INTER, gated_mlp=True)
+
+
+def test_the_formula_by_hand_for_one_configuration():
+    # full fine-tuning, bf16 autocast, padded batch, per token and layer:
+    # norms 2(8h+4) = 4104; five autocast input copies 2*5h = 2560; down input 2I = 1408;
+    # SDPA q, expanded k and v, output 2*(4*256) = 2048, log-sum-exp 4*8 = 32, mask 2*128 = 256; MLP 3*2I = 4224
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="full", padded=True)
+    assert gated_layer_bytes_per_token(SPEC, shape) == 4104 + 2560 + 1408 + 2048 + 32 + 256 + 4224  # 14,632
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_full_finetuning_bf16_autocast(padded):
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="full", padded=padded)
+    # autocast also keeps a bf16 copy of each fp32 weight for the backward: 2 bytes x the layer's linear weights,
+    # a weight term (the planner's 16 bytes per parameter covers it), not an activation
+    weight_copies = 2 * LAYER_LINEAR_WEIGHTS / TOKENS
+    assert per_layer_per_token("full", "bf16", padded) == gated_layer_bytes_per_token(SPEC, shape) + weight_copies
+
+
+def test_full_finetuning_fp32():
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="fp32", method="full", padded=True)
+    assert per_layer_per_token("full", "fp32", True) == gated_layer_bytes_per_token(SPEC, shape)
+
+
+@pytest.mark.parametrize("precision,padded", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_lora(precision, padded):
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision=precision, method="lora", lora_rank=RANK, padded=padded)
+    spec = replace(SPEC, adapted_linears=7 * 4, adapted_in_features=(256 * 5 + 256 + 704) * 4,
+                   adapted_out_features=(256 + 64 * 2 + 256 + 704 * 2 + 256) * 4)
+    # under autocast the fp32 adapters get a bf16 copy each (the planner's "16-bit working copies")
+    copies = 2 * LAYER_ADAPTER_PARAMS / TOKENS if precision == "bf16" else 0
+    assert per_layer_per_token("lora", precision, padded) == gated_layer_bytes_per_token(spec, shape) + copies
+
+
+def test_whole_model_within_half_a_percent_of_what_autograd_keeps():
+    """Beyond the layers: the output head and the loss (saved: the fp32 log-softmax, 4 bytes per vocabulary
+    entry; the planner's 12 is the backward's peak), plus a few small tensors (ids, rotary tables)."""
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="full", padded=True)
+    spec = replace(SPEC, num_layers=4)
+    terms = activation_terms(spec, shape)
+    predicted = terms["layers"] + terms["output head"] + 4 * VOCAB * TOKENS + 2 * LAYER_LINEAR_WEIGHTS * 4 + 2 * H * VOCAB
+    measured = saved_bytes(build("full", 4, "bf16"), padded=True, autocast=True)
+    assert abs(measured - predicted) / measured < 0.005
+    assert terms["loss"] == 12 * VOCAB * TOKENS
+
+
+def test_meta_census_matches_the_config_arithmetic():
+    spec = from_config(config(4), name="tiny")
+    assert spec.gated_mlp and spec.causal_lm
+    assert spec.adapted_linears == 7 * 4
+    assert spec.adapted_in_features + spec.adapted_out_features == LAYER_ADAPTER_PARAMS // RANK * 4
+    assert spec.quantized_params == LAYER_LINEAR_WEIGHTS * 4  # every linear weight but the output head
+    assert spec.largest_linear_params == 256 * 704
+
+
+def test_qlora_keeps_the_mlp_in_fp32(tmp_path):
+    """QLoRA as the finetune runs it: NF4 base (bitsandbytes runs 4-bit on the CPU too), then
+    prepare_model_for_kbit_training (norms and embeddings to fp32), then LoRA. Linear4bit returns its input's
+    dtype, fp32, so the MLP's gate, SiLU and up outputs are kept in fp32: 3 x 4I instead of 3 x 2I."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                            bnb_4bit_compute_dtype=torch.bfloat16)
+
+    def qlora(layers):
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config(layers)).to(torch.bfloat16).save_pretrained(tmp_path / str(layers))
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(layers), quantization_config=quant,
+                                                                  dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return peft.get_peft_model(model, peft.LoraConfig(r=RANK, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+    two, four = (saved_bytes(qlora(n), padded=True, autocast=True) for n in (2, 4))
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="qlora", lora_rank=RANK, padded=True)
+    lora = replace(shape, method="lora")
+    assert gated_layer_bytes_per_token(SPEC, shape) - gated_layer_bytes_per_token(SPEC, lora) == 3 * (4 - 2) * INTER
+    assert (four - two) / 2 / TOKENS == gated_layer_bytes_per_token(SPEC, shape) + 2 * LAYER_ADAPTER_PARAMS / TOKENS
