@@ -17,7 +17,7 @@ from ..errors import UsageError
 # what they see for `cat | head`, and nobody is told that a complete write happened when it did not.
 EXIT_CLOSED_PIPE = 141
 
-SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory", "report")
+SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory", "report", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,134 @@
+"""NAME.tune.json: the measurements of earlier `hf-gpu-train tune` runs, so a rerun reuses them.
+
+A measurement holds for one machine, one software stack, one launch and one training job. The key is a hash of
+all of them: the GPUs (model, memory, bus id), the driver, the host's CPU and cores; the versions of torch,
+transformers, accelerate, timm and hf_gpu_train; the processes, GPUs and environment the launch gives them; every
+FinetuneConfig value that changes speed or memory (model, data, lengths, sizes, task options; not the learning
+rate, the epochs or the output directory) with the size and time of local data files; and the effective batch.
+Inside one key, each candidate's result is kept by its own key. ``--fresh`` ignores the file (and replaces the
+entry). No torch here: the fingerprint reads package versions from their metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from ..errors import UsageError
+from .results import TrialResult
+
+FORMAT = "hf_gpu_train.tune_cache"
+VERSION = 1
+SUFFIX = ".tune.json"
+PACKAGES = ("torch", "transformers", "accelerate", "timm", "hf-gpu-train")
+# FinetuneConfig keys that change neither speed nor memory of a training step (or that tune decides itself).
+NOT_IN_KEY = frozenset({
+    "output_dir", "num_train_epochs", "max_steps", "learning_rate", "weight_decay", "warmup_ratio", "lr_scheduler_type",
+    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "save_total_limit", "logging_steps",
+    "resume", "report_to", "telemetry", "oom_recovery", "allow_cpu", "per_device_eval_batch_size", "max_eval_samples",
+    "validation_file", "validation_split", "validation_fraction", "per_device_train_batch_size", "global_batch_size",
+    "gradient_checkpointing", "dataloader_num_workers", "precision", "torch_compile", "packing",
+})
+FILE_KEYS = ("train_file", "dataset", "model", "pretrained_weights")
+
+
+class TuneCacheError(UsageError):
+    """NAME.tune.json is not ours or not readable: names the file and the fix."""
+
+
+def cache_path_for(config_file: str | Path) -> Path:
+    return Path(config_file).with_suffix(SUFFIX)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_fingerprint(profile) -> dict:
+    """The hardware a measurement holds for (a HardwareProfile, live or from a snapshot)."""
+    host = profile.host
+    return {"gpus": [[g.name, g.memory_total_bytes, g.pci_bus_id] for g in profile.gpus], "driver": profile.driver_version,
+            "cuda_driver": profile.cuda_driver_version, "cpu": host.cpu_model, "physical_cores": host.physical_cores,
+            "logical_cores": host.logical_cores, "ram_bytes": host.ram_total_bytes}
+
+
+def software_fingerprint() -> dict:
+    return {name: _version(name) for name in PACKAGES}
+
+
+def _file_stamp(value: object) -> object:
+    """A local file or directory named by the config: its size and modification time join the key."""
+    if not isinstance(value, str):
+        return value
+    path = Path(value).expanduser()
+    if not path.exists():
+        return value
+    stat = path.stat()
+    return [value, stat.st_size, int(stat.st_mtime)]
+
+
+def job_identity(values: Mapping[str, object]) -> dict:
+    """The training job, in FinetuneConfig's words, without what does not change a step's speed or memory."""
+    identity = {}
+    for key, value in sorted(values.items()):
+        if key in NOT_IN_KEY:
+            continue
+        identity[key] = _file_stamp(value) if key in FILE_KEYS else value
+    return identity
+
+
+def cache_key(parts: Mapping[str, object]) -> str:
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+class TuneCache:
+    """The file's entries: ``{key: {"identity": ..., "results": {candidate key: TrialResult dict}, ...}}``."""
+
+    def __init__(self, path: Path, entries: dict | None = None):
+        self.path = path
+        self.entries = entries or {}
+
+    @classmethod
+    def load(cls, path: str | Path) -> TuneCache:
+        path = Path(path)
+        if not path.exists():
+            return cls(path)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise TuneCacheError(f"{path}: not readable as JSON ({str(error).splitlines()[0]}): move it away, or pass --fresh "
+                                 "to measure again (the file is then replaced)") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise TuneCacheError(f"{path} exists and was not written by hf-gpu-train tune: move it away (tune keeps its "
+                                 "measurements in NAME.tune.json beside NAME.yaml)")
+        return cls(path, doc.get("entries", {}) if doc.get("version") == VERSION else {})
+
+    def results(self, key: str) -> dict[str, TrialResult]:
+        entry = self.entries.get(key) or {}
+        return {k: TrialResult.from_dict(v) for k, v in entry.get("results", {}).items()}
+
+    def store(self, key: str, identity: Mapping, results: list[TrialResult], fresh: bool = False) -> None:
+        """Keep every trial that ran (skipped ones are not measurements); ``fresh`` replaces the entry."""
+        entry = {} if fresh else dict(self.entries.get(key) or {})
+        kept = dict(entry.get("results", {}))
+        for result in results:
+            if result.ran and not result.from_cache:
+                kept[result.candidate.key] = result.to_dict()
+        self.entries[key] = {"identity": dict(identity), "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                             "results": kept}
+
+    def save(self) -> Path:
+        doc = {"format": FORMAT, "version": VERSION, "entries": self.entries}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        os.replace(tmp, self.path)
+        return self.path

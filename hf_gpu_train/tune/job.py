@@ -1,0 +1,136 @@
+"""Everything `hf-gpu-train tune` knows before any trial: the launch config and its plan, the recipe and its
+overrides, the processes, the candidate space and the cache key. No torch: the CLI builds it in a fraction of a
+second, and ``--machine`` / ``--dry-run`` stop here.
+
+Which keys are tuned: every axis except the keys set on the tune command line (``key=value`` after the recipe),
+which the user fixed. The recipe's own values are where the search starts when the plan has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import UsageError
+from . import test_hooks
+from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
+from .candidates import AXES, CandidateSpace, TuneInputs, plan_space
+
+
+class TuneError(UsageError):
+    """A tune command that cannot run as given: names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    config_file: Path
+    plan: object  # launch.run_plan_file.RunPlan
+    recipe: str | None
+    overrides: tuple[str, ...]
+    recipe_keys: frozenset[str]  # keys the recipe file sets
+    fixed: frozenset[str]  # keys set on the tune command line
+    values: Mapping[str, object]  # every FinetuneConfig value, with the plan's applied
+    world_size: int
+    space: CandidateSpace
+    cache_key: str
+    identity: Mapping[str, object]
+    machine: str
+
+
+def parse_script_args(script: str, script_args: list[str]) -> tuple[str | None, list[str]]:
+    """``--config recipe.yaml key=value ...`` of scripts/finetune.py."""
+    from ..finetune.run import parse_args
+
+    if Path(script).name != "finetune.py" and script != "hf_gpu_train.finetune.run":
+        raise TuneError(f"{script}: tune measures hf_gpu_train's fine-tuning (scripts/finetune.py and its recipe); for "
+                        "another training script, tune the same recipe through scripts/finetune.py")
+    try:
+        return parse_args(script_args)
+    except SystemExit:
+        raise TuneError(f"the arguments after {script} are scripts/finetune.py's: --config RECIPE.yaml key=value ...") from None
+
+
+def world_size_of(plan, launch_settings: Mapping[str, object]) -> int:
+    raw = launch_settings.get("num_processes") or plan.num_processes or 1
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise TuneError(f"--num_processes {raw}: give a whole number") from None
+
+
+def _on_cuda(plan, profile) -> bool:
+    from ..launch.decisions import accelerate_uses_cpu
+
+    if profile is not None:
+        return bool(profile.gpus)
+    return plan.gpu_ids is not None and not accelerate_uses_cpu({name: value for name, value, _ in plan.environment})
+
+
+def _for_machine(plan, profile):
+    """The plan with its memory model moved to a snapshot's GPU (a dry plan for another machine)."""
+    from ..launch.memory import usable_bytes
+
+    if plan.memory is None or not profile.gpus:
+        return plan
+    device = min(g.memory_total_bytes for g in profile.gpus)
+    return replace(plan, memory=replace(plan.memory, device_memory_bytes=device, usable_bytes=int(usable_bytes(device))))
+
+
+def load_job(config_file: str, script: str, script_args: list[str], launch_settings: Mapping[str, object],
+             axes: tuple[str, ...] = AXES, profile=None, environ: Mapping[str, str] | None = None) -> TuneJob:
+    """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected)."""
+    from ..finetune.config import load_config_and_keys, read_config_values
+    from ..launch.plan_resolution import check_memory, resolve_with_plan
+    from ..launch.run_plan_file import APPLIED_KEYS, plan_path_for, read_run_plan
+
+    environ = os.environ if environ is None else environ
+    path = Path(config_file)
+    if not path.is_file():
+        raise TuneError(f"--config-file {path} does not exist: write one with `hf-gpu-train config --output ...`")
+    if not plan_path_for(path).is_file():
+        raise TuneError(f"{plan_path_for(path)} does not exist: tune writes its winner into the plan beside {path.name}; "
+                        "regenerate the config with `hf-gpu-train config --output ...`")
+    plan = read_run_plan(plan_path_for(path), "hf-gpu-train tune")
+    if plan.num_machines > 1:
+        raise TuneError(f"{path.name} launches {plan.num_machines} machines: tune on one (a config written with "
+                        "--num-machines 1 for the same GPUs) and use its plan's values on every node")
+    recipe, overrides = parse_script_args(script, script_args)
+    cfg, explicit = load_config_and_keys(recipe, overrides)
+    recipe_keys = frozenset(read_config_values(recipe, ())) if recipe else frozenset()
+    fixed = frozenset(read_config_values(None, overrides))
+    world = world_size_of(plan, launch_settings)
+    if profile is not None:
+        plan = _for_machine(plan, profile)
+    resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit, world_size=world)
+    values = {**dataclasses.asdict(cfg), **resolution.values}
+    vision = cfg.task == "image-classification"
+    seq_len, image_size = (None, cfg.image_size) if vision else (cfg.max_length, None)
+
+    def memory_check(candidate_values: dict):
+        merged = {**values, **candidate_values}
+        return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size)
+
+    planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
+    inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),
+                        planned_micro_batch=planned_micro, planned_workers=plan.value("dataloader_num_workers"), axes=axes)
+    space = plan_space(inputs, memory_check if plan.memory is not None else None)
+    if profile is None:
+        from ..hardware.detect import detect
+
+        profile = detect()
+    identity = job_identity(values)
+    key = cache_key({"machine": machine_fingerprint(profile), "software": software_fingerprint(),
+                     "launch": {"world_size": world, "gpu_ids": launch_settings.get("gpu_ids") or plan.gpu_ids,
+                                "environment": sorted((k, v) for k, v, _ in plan.environment)},
+                     "job": identity, "effective_batch": space.effective_batch, "test": test_hooks.active(environ)})
+    return TuneJob(config_file=path, plan=plan, recipe=recipe, overrides=tuple(overrides), recipe_keys=recipe_keys, fixed=fixed,
+                   values=values, world_size=world, space=space, cache_key=key, identity=identity,
+                   machine=profile.name or profile.host.hostname)
+
+
+def recipe_wins(job: TuneJob, keys: tuple[str, ...]) -> list[str]:
+    """Tuned keys that the recipe file sets itself: at launch an explicit recipe value wins over the plan's."""
+    return sorted(k for k in keys if k in job.recipe_keys and k not in job.fixed)

@@ -1,0 +1,226 @@
+"""One training process's side of `hf-gpu-train tune`: the model and data loaded once, a new Trainer per candidate.
+
+Loading dominates (seconds to minutes), a trial is a few steps, so every trial of a launch shares the model, the
+tokenized data and the collator that ``finetune.run.prepare`` made, in the real launch setup (every process, the
+plan's environment). Each trial builds the Trainer ``scripts/finetune.py`` would build for that candidate
+(``finetune.trainer_factory.build_trainer``) with in-place OOM recovery and telemetry on, runs warm-up steps then
+measured steps, and releases what the Trainer held (optimizer states, the DDP wrapper, the recovery's gradient hooks,
+cached blocks) before the next.
+
+The model's weights are not reset between trials: a few optimizer steps move them a little, and the speed and the
+memory of a step do not depend on the values of the weights. What the user trains later starts again from the
+recipe's model: nothing tuned here is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from ..finetune.config import ConfigError, FinetuneConfig
+from .candidates import Candidate
+from .results import FAILED, OK, OOM, SKIPPED, TrialResult
+from .search import MEASURE_STEPS_RANGE, measure_steps_for
+
+
+@dataclass(frozen=True)
+class LocalMeasurement:
+    """What one process saw in one trial (gathered to rank 0 and combined by ``combine``)."""
+
+    status: str
+    reason: str = ""
+    measured_s: float | None = None
+    warmup_s: float | None = None
+    tokens: int = 0
+    step_times_s: tuple[float, ...] = ()
+    data_wait_s: float = 0.0
+    peak_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None
+    rescued_micro_batch: int | None = None
+    failed_micro_batch: int | None = None
+    measured_steps: int | None = None
+
+
+def trial_config(base: FinetuneConfig, candidate: Candidate, world_size: int, warmup_steps: int, measure_steps: int | None,
+                 output_dir: str) -> FinetuneConfig:
+    """The run's config with the candidate's values, for warm-up + measured steps (room for the most the first trial
+    may decide); no evaluation, no checkpoint, and the one log after the last step (nothing inside the window)."""
+    steps = warmup_steps + (measure_steps or MEASURE_STEPS_RANGE[1])
+    values = {k: v for k, v in candidate.config_values(world_size).items() if hasattr(base, k)}
+    return dataclasses.replace(base, **values, max_steps=steps, eval_strategy="no", save_strategy="no",
+                               logging_steps=steps + 1, report_to="none", output_dir=output_dir).validate()
+
+
+def checkpointing_off(model) -> None:
+    """Turn gradient checkpointing off again after a trial that turned it on (the next trial's Trainer only ever
+    turns it on)."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    if on if on is not None else getattr(model, "is_gradient_checkpointing", False):
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+    inner = getattr(model, "model", None)  # finetune.vision.TimmClassifier holds the timm model
+    if inner is not None and hasattr(inner, "set_grad_checkpointing"):
+        inner.set_grad_checkpointing(False)
+
+
+def device_peak(device: torch.device) -> tuple[int | None, int | None]:
+    """(peak bytes, device bytes): torch's peak reserved plus what torch does not hold (the CUDA context, other
+    processes) as seen now, against the device's total. None on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return int(torch.cuda.max_memory_reserved(device) + outside_torch), int(total)
+
+
+class TrialSession:
+    """The model, data and collator of one process, and ``run(candidate)``."""
+
+    def __init__(self, cfg: FinetuneConfig, output_dir: str, environ=None):
+        from accelerate import PartialState
+        from transformers import set_seed
+
+        from ..finetune.run import prepare
+        from ..finetune.runtime import resolve_runtime
+        from . import test_hooks
+
+        environ = os.environ if environ is None else environ
+        self.cfg = cfg
+        self.output_dir = output_dir
+        self.runtime = resolve_runtime(cfg)
+        self.state = PartialState(cpu=not self.runtime.on_cuda)  # the process group, before the first trial's Trainer
+        set_seed(cfg.seed)
+        self.model, self.train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
+        self.collator, self.notes = test_hooks.install(self.model, collator, environ)
+
+    @property
+    def rank(self) -> int:
+        return self.state.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.state.num_processes
+
+    def run(self, candidate: Candidate, warmup_steps: int, measure_steps: int | None) -> LocalMeasurement:
+        """One trial; ``measure_steps`` None: this trial decides the count (``LocalMeasurement.measured_steps``)."""
+        from transformers import Trainer
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        from ..callbacks import attach_telemetry
+        from ..finetune.runtime import resolve_runtime
+        from ..finetune.trainer_factory import build_trainer
+        from ..training import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
+        from .meter import TrialMeter
+
+        cfg = trial_config(self.cfg, candidate, self.world_size, warmup_steps, measure_steps, self.output_dir)
+        runtime = resolve_runtime(cfg, profile=self.runtime.profile)
+        device = torch.device("cuda", torch.cuda.current_device()) if runtime.on_cuda else torch.device("cpu")
+        if runtime.on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer = recovery = telemetry = meter = None
+        outcome: tuple[str, str] = (OK, "")
+        try:
+            trainer = build_trainer(cfg, runtime, self.model, self.train, self.validation, self.collator, self.processing_class,
+                                    trainer_class=Trainer)
+            recovery = enable_oom_recovery(trainer)
+            telemetry = attach_telemetry(trainer, compact_console=False, write_report=False)
+            for printer in (PrinterCallback, ProgressCallback):
+                trainer.remove_callback(printer)
+            meter = TrialMeter(warmup_steps, measure_steps, telemetry, decide=measure_steps_for)
+            trainer.add_callback(meter)
+            trainer.train()
+        except OutOfMemoryAtMicroBatchOne as error:  # every rank raises it together (the recovery's vote)
+            outcome = (OOM, f"out of memory at micro-batch 1: {str(error).splitlines()[0]}")
+        except torch.OutOfMemoryError as error:  # outside a training step (the optimizer's states): the same on every rank
+            outcome = (OOM, f"out of memory outside a step: {str(error).splitlines()[0]}")
+        except ConfigError as error:  # e.g. checkpointing on a model without it, before the first step
+            outcome = (SKIPPED, str(error))
+        except Exception as error:
+            if self.world_size > 1:
+                raise  # another rank may be inside a collective: end the launch rather than hang it
+            outcome = (FAILED, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        peak, total = device_peak(device)
+        events = list(recovery.events) if recovery is not None else []
+        failed = [e["from"] for e in events if e.get("phase") == "train"]
+        status, reason = outcome
+        if status == OK and failed:
+            status, reason = OOM, f"ran out of memory at micro-batch {min(failed)}; the OOM recovery finished at {recovery.micro_batch}"
+        measured = LocalMeasurement(
+            status=status, reason=reason, measured_s=meter.measured_s if meter else None, warmup_s=meter.warmup_s if meter else None,
+            tokens=meter.measured_tokens if meter else 0, step_times_s=tuple(meter.step_times) if meter else (),
+            data_wait_s=sum(meter.data_waits) if meter else 0.0, peak_memory_bytes=peak, device_memory_bytes=total,
+            rescued_micro_batch=recovery.micro_batch if recovery is not None and failed else None,
+            failed_micro_batch=min(failed) if failed else None, measured_steps=meter.measure_steps if meter else measure_steps)
+        self._close(trainer, recovery, telemetry, meter)
+        trainer = recovery = telemetry = meter = None  # the last references: the collection below frees them
+        gc.collect()
+        if runtime.on_cuda:
+            torch.cuda.empty_cache()
+        return measured
+
+    def _close(self, trainer, recovery, telemetry, meter) -> None:
+        """Detach what the trial's Trainer put on the shared model and let go of what it held."""
+        for closer in (meter, telemetry):
+            if closer is not None:
+                closer.close()
+        if recovery is not None and recovery.reducer is not None:
+            recovery.reducer.remove()  # its gradient hooks sit on the shared model's parameters
+        if trainer is not None:
+            trainer.accelerator.free_memory()
+            trainer.optimizer = trainer.lr_scheduler = None
+        checkpointing_off(self.model)
+        self.model.zero_grad(set_to_none=True)
+
+
+def combine(candidate: Candidate, local: list[LocalMeasurement], warmup_steps: int, seconds: float, world_size: int) -> TrialResult:
+    """Every process's measurement of one trial -> its result: throughput over all processes in the slowest one's
+    measured time, memory of the fullest process, data wait of the one that waited most."""
+    statuses = {m.status for m in local}
+    status = next((s for s in (FAILED, SKIPPED, OOM) if s in statuses), OK)
+    reason = next((m.reason for m in local if m.status == status and m.reason), "")
+    rescued = [m.rescued_micro_batch for m in local if m.rescued_micro_batch]
+    failed = [m.failed_micro_batch for m in local if m.failed_micro_batch]
+    peaks = [m.peak_memory_bytes for m in local if m.peak_memory_bytes is not None]
+    totals = [m.device_memory_bytes for m in local if m.device_memory_bytes]
+    measure_steps = local[0].measured_steps or 0
+    common = dict(peak_memory_bytes=max(peaks) if peaks else None, device_memory_bytes=min(totals) if totals else None,
+                  rescued_micro_batch=min(rescued) if rescued else None, failed_micro_batch=min(failed) if failed else None,
+                  warmup_steps=warmup_steps, measured_steps=measure_steps, seconds=round(seconds, 3))
+    times = [m.measured_s for m in local]
+    if status in (FAILED, SKIPPED) or None in times or not times:
+        return TrialResult(candidate, status, reason, **common)
+    measured_s = max(times)
+    samples = measure_steps * candidate.micro_batch * candidate.accumulation * world_size
+    steps = local[0].step_times_s
+    spread = None
+    if len(steps) > 1 and statistics.mean(steps) > 0:
+        spread = 100.0 * statistics.stdev(steps) / statistics.mean(steps) / len(steps) ** 0.5
+    tokens = sum(m.tokens for m in local)
+    step_time = measured_s / measure_steps
+    warmup = local[0].warmup_s
+    compile_s = max(0.0, warmup - warmup_steps * step_time) if candidate.torch_compile and warmup is not None else None
+    return TrialResult(candidate, status, reason, samples_per_s=samples / measured_s, tokens_per_s=tokens / measured_s if tokens else None,
+                       spread_pct=spread, step_time_s=step_time, data_wait_pct=max(100.0 * m.data_wait_s / measured_s for m in local),
+                       warmup_s=warmup, compile_s=compile_s, step_times_s=tuple(round(t, 6) for t in steps), **common)
+
+
+def trial_line(index: int, result: TrialResult) -> str:
+    """One console line per trial, from rank 0."""
+    speed = ""
+    if result.samples_per_s:
+        speed = f"{result.samples_per_s:,.1f} samples/s"
+        if result.tokens_per_s:
+            speed = f"{result.tokens_per_s:,.0f} tokens/s, " + speed
+        if result.data_wait_pct is not None:
+            speed += f", data wait {result.data_wait_pct:.0f}%"
+        if result.peak_memory_bytes:
+            speed += f", peak {result.peak_memory_bytes / 2**30:.2f} GiB"
+        speed = " " + speed + ";"
+    elapsed = f" ({result.seconds:.1f} s)" if result.seconds else ""
+    return f"tune: trial {index}{elapsed}: {result.candidate.describe()}:{speed} {result.verdict()}"
+

@@ -1,0 +1,114 @@
+"""The search on a simulated machine: what it tries, in which order, where it stops, and what wins."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hf_gpu_train.tune.results import SKIPPED, choose
+from hf_gpu_train.tune.search import run_search
+
+from .simulated import Machine, space
+
+
+def tried(machine: Machine) -> list[tuple]:
+    return [(c.micro_batch, c.gradient_checkpointing, c.dataloader_num_workers, c.precision) for c in machine.calls]
+
+
+def search(sp, machine: Machine, budget_s: float = 1000.0, **kw):
+    outcome = run_search(sp, budget_s, machine.run, **kw)
+    return outcome, choose(outcome.results, sp.metric, sp.base)
+
+
+def test_from_the_top_it_finds_the_largest_micro_batch_under_the_limit_and_never_picks_one_that_ran_out():
+    sp = space(per_process=32)  # no plan: starts at the recipe's 32
+    m = Machine(oom_above=12)
+    outcome, choice = search(sp, m)
+    # 32 ran out (the recovery failed at 32 and 16, rescued at 8): 16 is never tried; 8 fits; checkpointing at 16
+    # fits but is slower than 8 without it, so the ladder with checkpointing stops there
+    assert tried(m) == [(32, False, 0, "fp32"), (8, False, 0, "fp32"), (16, True, 0, "fp32")]
+    assert outcome.results[0].status == "oom" and outcome.results[0].samples_per_s > outcome.results[1].samples_per_s
+    assert choice.winner.candidate.micro_batch == 8 and not choice.winner.candidate.gradient_checkpointing
+    assert all(c.micro_batch * c.accumulation == 32 for c in m.calls)  # the effective batch never changes
+    assert "not eligible: micro-batch 32 x 1" in choice.reasons[-1] and "oom (rescued at 8)" in choice.reasons[-1]
+
+
+def test_it_climbs_from_the_planner_value_while_the_gain_beats_the_noise():
+    sp = space(per_process=128, start=4)
+    m = Machine(oom_above=128, half_speed_micro=1.0)  # speed m / (m + 1): +11%, +5.9%, +3.03%, +1.5% per doubling
+    outcome, choice = search(sp, m)
+    assert [c.micro_batch for c in m.calls] == [4, 8, 16, 32, 64]  # 3.03% beats the 3% floor, 1.5% does not: 128 untried
+    assert "micro-batch 64 is not faster than 32 by more than the noise" in outcome.notes[0]
+    assert choice.winner.candidate.micro_batch == 64  # the fastest measured; both fit, neither asks more
+
+    noisy = Machine(oom_above=128, half_speed_micro=1.0, jitter=0.15)  # paired noise far above 3%: it stops sooner
+    search(space(per_process=128, start=4), noisy)
+    assert [c.micro_batch for c in noisy.calls] == [4, 8]
+
+
+def test_checkpointing_is_tried_only_where_memory_stopped_the_ladder_and_kept_when_the_larger_batch_pays():
+    m = Machine(oom_above=8, ckpt_factor=4, ckpt_cost=0.1, half_speed_micro=16.0)
+    _, choice = search(space(per_process=64, start=8), m)
+    assert tried(m) == [(8, False, 0, "fp32"), (16, False, 0, "fp32"), (16, True, 0, "fp32"), (32, True, 0, "fp32"),
+                        (64, True, 0, "fp32")]
+    assert (choice.winner.candidate.micro_batch, choice.winner.candidate.gradient_checkpointing) == (32, True)
+
+    unlimited = Machine(oom_above=64, half_speed_micro=1.0)
+    outcome, _ = search(space(per_process=64, start=4), unlimited)
+    assert not any(c.gradient_checkpointing for c in unlimited.calls)
+    assert any(n.startswith("checkpointing: not tried: memory did not stop the micro-batch ladder") for n in outcome.notes)
+
+
+def test_the_planner_prunes_what_it_says_cannot_fit():
+    def planner(values):
+        limit = 32 if values["gradient_checkpointing"] else 8
+        return SimpleNamespace(fits=values["per_device_train_batch_size"] <= limit, estimate_bytes=1, usable_bytes=1)
+
+    sp = space(per_process=32, memory_check=planner)
+    m = Machine(oom_above=64, ckpt_cost=0.5)
+    outcome, choice = search(sp, m)
+    assert tried(m) == [(8, False, 0, "fp32"), (16, True, 0, "fp32")]  # the climb stops at the planner's limit
+    assert "the planner says micro-batch 16 does not fit; 8 is the largest it allows" in outcome.notes[0]
+    assert [(v.micro_batch, v.gradient_checkpointing) for v in sp.pruned()] == [(16, False), (32, False)]
+    assert choice.winner.candidate.micro_batch == 8
+
+
+def test_workers_are_tried_when_the_best_waited_for_data_and_the_faster_wins():
+    waiting = Machine(oom_above=64, data_wait=((0, 0.4), (2, 0.05)))
+    _, choice = search(space(per_process=16), waiting)
+    assert [c.dataloader_num_workers for c in waiting.calls] == [0, 2]
+    assert choice.winner.candidate.dataloader_num_workers == 2
+
+    fed = Machine(oom_above=64)
+    outcome, choice = search(space(per_process=16), fed)
+    assert [c.dataloader_num_workers for c in fed.calls] == [0]
+    assert any("workers: not tried: the best candidate waited 0.0%" in n for n in outcome.notes)
+
+
+def test_a_precision_that_is_faster_only_by_noise_does_not_win():
+    for gain, expected in ((0.02, "bf16"), (0.2, "fp16")):
+        m = Machine(oom_above=64, fp16_gain=gain)
+        sp = space(per_process=16, precision="bf16", on_cuda=True, axes=("micro_batch", "precision"))
+        _, choice = search(sp, m)
+        assert [c.precision for c in m.calls] == ["bf16", "fp16"]
+        assert choice.winner.candidate.precision == expected
+
+
+def test_the_budget_stops_trials_it_cannot_afford_and_says_so():
+    m = Machine(oom_above=4, half_speed_micro=1.0, trial_seconds=20.0)
+    outcome = run_search(space(per_process=32), 50.0, m.run)
+    assert [r.status for r in outcome.results][:3] == ["oom", "ok", SKIPPED]
+    assert outcome.results[2].reason == "budget: 10 s of 50 s left, this trial needs about 20 s (raise --budget-s)"
+    assert len(m.calls) == 2 and outcome.spent_s == 40.0
+
+
+def test_a_rerun_replays_the_saved_measurements_without_a_trial_and_a_larger_budget_asks_for_more():
+    sp = space(per_process=32)
+    m = Machine(oom_above=4, half_speed_micro=1.0, trial_seconds=20.0)
+    first = run_search(sp, 50.0, m.run)
+    saved = {r.candidate.key: r for r in first.results if r.ran}
+    again = run_search(sp, 50.0, None, saved)
+    assert not again.needs_trials
+    assert [r.candidate for r in again.results] == [r.candidate for r in first.results]
+    assert [r.from_cache for r in again.results if r.ran] == [True, True]
+    assert choose(again.results, sp.metric, sp.base).winner.candidate == choose(first.results, sp.metric, sp.base).winner.candidate
+    assert run_search(sp, 500.0, None, saved).needs_trials
