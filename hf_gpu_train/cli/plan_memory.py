@@ -1,4 +1,5 @@
-"""``hf-gpu-train plan-memory``: will the model fit? Micro-batch, accumulation, checkpointing, strategy."""
+"""``hf-gpu-train plan-memory``: will the model fit? Micro-batch, accumulation, checkpointing, strategy, and with
+``--method auto`` which of full fine-tuning, LoRA, QLoRA or sharded full fine-tuning to use."""
 
 from __future__ import annotations
 
@@ -7,63 +8,138 @@ import argparse
 from .common import add_machine_argument, resolve_profile
 from .config import add_planner_arguments, model_spec_from_args
 
+METHOD_CHOICES = ("full", "lora", "qlora", "auto")
+
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan-memory", help="per-GPU memory for DDP / FSDP / ZeRO and the batch that fits",
+    p = subparsers.add_parser("plan-memory", help="per-GPU memory for full / LoRA / QLoRA, DDP / FSDP / ZeRO, and the batch that fits",
                               description="Estimate per-GPU memory (weights, gradients, optimizer states, master weights, "
-                              "activations, CUDA context) and pick micro-batch, accumulation, checkpointing and strategy.")
+                              "activations, CUDA context) and pick micro-batch, accumulation, checkpointing and strategy; "
+                              "for LoRA and QLoRA the frozen base (16-bit or 4-bit NF4) and the adapters; with --method auto, "
+                              "compare full fine-tuning, LoRA, QLoRA and sharded full fine-tuning and recommend one.")
     add_machine_argument(p)
     add_planner_arguments(p)
     p.add_argument("--gpus", type=int, help="number of GPUs (default: all usable on the machine)")
     p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU instead of the machine's")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--method", default="full", choices=METHOD_CHOICES,
+                   help="full fine-tuning (default), LoRA adapters on a 16-bit base, QLoRA adapters on a 4-bit NF4 base, "
+                   "or auto: plan each and recommend one")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (adapters on every linear layer but the output head)")
+    p.add_argument("--prefer-full", action="store_true",
+                   help="with --method auto: rank full fine-tuning sharded over the GPUs (FSDP) above LoRA and QLoRA")
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
+def _devices(args) -> tuple[int, int, str]:
+    """(memory per process in bytes, GPU count, what they are) from --gpu-memory-gib or the machine."""
     from ..errors import UsageError
     from ..launch.gpu_selection import select_devices
-    from ..launch.memory import STRATEGIES, TrainingShape, estimate, largest_micro_batch, plan_memory
-    from ..textfmt import table
+
+    if args.gpu_memory_gib:
+        return int(args.gpu_memory_gib * 2**30), args.gpus or 1, "GPU(s)"
+    profile, _ = resolve_profile(args)
+    # the same selection as `config`: a MIG box plans one process against its instance's memory, not the GPU's
+    selection = select_devices(profile, str(args.gpus) if args.gpus else "all")
+    if not selection.gpus:
+        raise UsageError("no GPU on this machine: pass --machine NAME_OR_FILE or --gpu-memory-gib")
+    devices = "GPU(s)" if selection.mig_instance is None else f"MIG instance ({selection.mig_instance.uuid})"
+    return selection.memory_free_bytes, len(selection.gpus), devices
+
+
+def _check(args, spec) -> None:
+    from ..errors import UsageError
+    from ..launch.model_spec import adapter_shape, quantized_params
+
+    if args.lora_rank < 1:
+        raise UsageError(f"--lora-rank {args.lora_rank}: must be at least 1 (16 is a good start)")
+    if args.method in ("lora", "qlora") and (adapter_shape(spec) is None or quantized_params(spec) is None):
+        raise UsageError(f"--method {args.method} needs the model's linear layers: give --model NAME_OR_PATH (a local directory "
+                         "or config.json is enough, no weights are read) instead of --params")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..launch.memory import TrainingShape
 
     spec = model_spec_from_args(args)
     if spec is None:
         raise UsageError("give --model NAME_OR_PATH or --params N")
-    devices = "GPU(s)"
-    if args.gpu_memory_gib:
-        memory, count = int(args.gpu_memory_gib * 2**30), args.gpus or 1
-    else:
-        profile, _ = resolve_profile(args)
-        # the same selection as `config`: a MIG box plans one process against its instance's memory, not the GPU's
-        selection = select_devices(profile, str(args.gpus) if args.gpus else "all")
-        if not selection.gpus:
-            raise UsageError("no GPU on this machine: pass --machine NAME_OR_FILE or --gpu-memory-gib")
-        memory, count = selection.memory_free_bytes, len(selection.gpus)
-        if selection.mig_instance is not None:
-            devices = f"MIG instance ({selection.mig_instance.uuid})"
+    _check(args, spec)
+    memory, count, devices = _devices(args)
     shape = TrainingShape(seq_len=args.seq_len, image_size=args.image_size, precision=args.precision,
-                          optimizer=args.optimizer, num_gpus=count)
+                          optimizer=args.optimizer, num_gpus=count, method="full" if args.method == "auto" else args.method,
+                          lora_rank=args.lora_rank)
+    adapters = f", LoRA r{args.lora_rank}" if args.method != "full" else ""
     print(f"{spec.name}: {spec.params / 1e6:.1f}M parameters; {count} {devices} x {memory / 2**30:.1f} GiB; "
-          f"{args.precision}, {args.optimizer}, seq {args.seq_len}, image {args.image_size}")
+          f"{args.precision}, {args.optimizer}, seq {args.seq_len}, image {args.image_size}{adapters}")
+    if args.method == "auto":
+        return _run_auto(args, spec, shape, memory, count)
+    return _run_one(args, spec, shape, memory, count)
+
+
+def _run_one(args, spec, shape, memory, count) -> int:
+    from dataclasses import replace
+
+    from ..launch.memory import STRATEGIES, estimate, largest_micro_batch, plan_memory
+    from ..textfmt import table
+
     rows = [["Strategy", "Fixed (GiB)", "Act./sample (GiB)", "Max micro-batch", "With checkpointing"]]
-    for strategy in STRATEGIES:
-        if count == 1 and strategy != "ddp":
-            continue
+    if shape.method == "full":
+        strategies = ("single",) if count == 1 else STRATEGIES
+    else:
+        strategies = ("single",) if count == 1 else ("ddp",)  # adapters on a whole base per GPU
+    for strategy in strategies:
         fixed = estimate(spec, shape, strategy)
         rows.append([strategy if count > 1 else "single", f"{(fixed.total - fixed.activations) / 2**30:.2f}",
                      f"{fixed.activations / 2**30:.3f}", largest_micro_batch(spec, shape, strategy, memory),
                      largest_micro_batch(spec, replace(shape, gradient_checkpointing=True), strategy, memory)])
     print(table(rows))
-    order = ("single",) if count == 1 else ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
+    if shape.method != "full":
+        order = strategies
+    else:
+        order = ("single",) if count == 1 else ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
     plan = plan_memory(spec, memory, count, shape, args.global_batch, strategies=order)
     if plan is None:
-        print("\nDoes not fit even at micro-batch 1 with checkpointing: more GPUs, a lighter optimizer, or a shorter sequence.")
+        print("\nDoes not fit even at micro-batch 1 with checkpointing: more GPUs, a lighter optimizer, a shorter sequence"
+              + (", or --method auto to compare LoRA and QLoRA" if shape.method != "qlora" and spec.causal_lm else "") + ".")
         return 1
+    _print_plan(plan, count, args.global_batch, memory)
+    return 0
+
+
+def _print_plan(plan, count, global_batch, memory) -> None:
     print(f"\nPlan: {plan.strategy}, micro-batch {plan.micro_batch} x accumulation {plan.gradient_accumulation} x {count} GPU(s) "
-          f"= {plan.effective_batch} (target {args.global_batch}), gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}")
+          f"= {plan.effective_batch} (target {global_batch}), gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}")
     for name, value in plan.breakdown.rows():
-        print(f"  {name:<22} {value / 2**30:8.2f} GiB")
-    print(f"  {'total':<22} {plan.breakdown.total / 2**30:8.2f} GiB of {memory / 2**30:.1f} GiB (8% kept as headroom)")
+        print(f"  {name:<26} {value / 2**30:8.2f} GiB")
+    print(f"  {'total':<26} {plan.breakdown.total / 2**30:8.2f} GiB of {memory / 2**30:.1f} GiB (8% kept as headroom)")
+
+
+def _run_auto(args, spec, shape, memory, count) -> int:
+    from ..launch.memory import BREAKDOWN_ROWS, usable_bytes
+    from ..launch.method_choice import recommend_method
+    from ..textfmt import table
+
+    rec = recommend_method(spec, memory, count, shape, args.global_batch, prefer_full=args.prefer_full)
+    shown = [c for c in rec.candidates if c.available]
+    rows = [["GiB per GPU"] + [c.label for c in shown]]
+    for name in BREAKDOWN_ROWS:
+        values = [dict(c.breakdown.rows()).get(name) for c in shown]
+        if any(values):
+            rows.append([name] + ["" if v is None else f"{v / 2**30:.2f}" for v in values])
+    rows.append(["total"] + [f"{c.breakdown.total / 2**30:.2f}" for c in shown])
+    rows.append(["at micro-batch"] + [(f"{c.plan.micro_batch}" + (" (ckpt)" if c.plan.gradient_checkpointing else ""))
+                                      if c.fits else "1 (ckpt): does not fit" for c in shown])
+    rows.append(["largest micro-batch"] + [c.largest_micro_batch for c in shown])
+    print(f"\nCandidates, in the order of preference{' (--prefer-full)' if args.prefer_full else ''}; useful micro-batch: "
+          f"{rec.useful_micro_batch} ({usable_bytes(memory) / 2**30:.1f} GiB usable per GPU):")
+    print(table(rows))
+    for c in rec.candidates:
+        if not c.available:
+            print(f"  {c.label}: not a candidate: {c.note}")
+    print(f"\nRecommended: {rec.reason}")
+    if rec.chosen is None:
+        return 1
+    _print_plan(rec.chosen.plan, count, args.global_batch, memory)
     return 0

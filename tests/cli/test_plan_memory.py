@@ -1,7 +1,11 @@
-"""`hf-gpu-train plan-memory`: the planner table and plan, against the memory one process really has."""
+"""`hf-gpu-train plan-memory`: the planner table and plan, against the memory one process really has; --method
+auto|full|lora|qlora on a Llama-3-8B config directory (no weights), as a user's local model directory."""
+
+import pytest
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine
+from tests.launch.test_peft_memory import LLAMA3_8B
 
 
 def test_plan_memory_on_a_mig_box_plans_against_the_instance(capsys):
@@ -21,3 +25,50 @@ def test_plan_memory_on_whole_gpus_uses_the_free_memory_of_the_selection(capsys)
     box = load_machine("2x-a100-one-busy")
     free = max(g.memory_free_bytes for g in box.gpus)  # the idle GPU, not the busy one
     assert f"1 GPU(s) x {free / 2**30:.1f} GiB" in out.splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama3-8b")
+    config = {k: v for k, v in LLAMA3_8B.items() if k != "model_type"}
+    LlamaConfig(architectures=["LlamaForCausalLM"], **config).save_pretrained(path)
+    return str(path)
+
+
+def row(out: str, name: str) -> list[str]:
+    """The cells of a table row, split on the two-space column gaps."""
+    line = next(line for line in out.splitlines() if line.startswith(name + "  "))
+    return [cell.strip() for cell in line[len(name):].split("  ") if cell.strip()]
+
+
+def test_auto_compares_every_method_and_recommends_lora_on_24gb_cards(llama3_dir, capsys):
+    assert main(["plan-memory", "--machine", "2x-rtx4090", "--model", llama3_dir, "--seq-len", "2048", "--method", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert row(out, "GiB per GPU") == ["full, DDP x2", "LoRA r16, DDP x2", "QLoRA r16, DDP x2", "full, FSDP x2"]
+    # the totals of tests/launch: full 16 bytes/param + DDP buckets; LoRA 20.07 + 0.16 adapter buckets; QLoRA at micro-batch 2
+    assert row(out, "total") == ["154.58", "20.23", "18.87", "67.27"]
+    assert row(out, "frozen base weights") == ["14.96"]  # 2 bytes x 8,030,261,248
+    assert row(out, "4-bit base weights (NF4)") == ["3.35"]  # 6,979,321,856 x 4.127 bits
+    assert row(out, "at micro-batch") == ["1 (ckpt): does not fit", "1 (ckpt)", "2 (ckpt)", "1 (ckpt): does not fit"]
+    assert "\nRecommended: LoRA r16, DDP x2: LoRA keeps the base in the compute dtype" in out
+    assert "Plan: ddp, micro-batch 1 x accumulation 16 x 2 GPU(s) = 32 (target 32), gradient checkpointing on" in out
+
+
+def test_qlora_alone_on_a_t4(llama3_dir, capsys):
+    args = ["plan-memory", "--machine", "1x-t4", "--model", llama3_dir, "--seq-len", "1024", "--precision", "fp16", "--method", "qlora"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("fp16, adamw, seq 1024, image 224, LoRA r16")
+    assert row(out, "single") == ["9.56", "11.182", "0", "1"]  # fixed GiB, activations per sample, largest without / with checkpointing
+    assert "  4-bit base weights (NF4)       3.35 GiB" in out and "  unquantized weights (fp32)     3.92 GiB" in out
+    assert main(args[:-1] + ["lora"]) == 1  # a 15 GiB bf16 base on a 15 GiB card
+    assert "or --method auto to compare LoRA and QLoRA" in capsys.readouterr().out
+
+
+def test_adapters_need_the_model_layers(capsys):
+    assert main(["plan-memory", "--gpu-memory-gib", "24", "--params", "8e9", "--method", "lora"]) == 2
+    assert "--method lora needs the model's linear layers: give --model" in capsys.readouterr().err
+    assert main(["plan-memory", "--gpu-memory-gib", "24", "--params", "1e8", "--method", "auto", "--lora-rank", "0"]) == 2
+    assert "--lora-rank 0: must be at least 1" in capsys.readouterr().err
