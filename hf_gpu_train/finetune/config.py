@@ -19,7 +19,8 @@ import yaml
 
 from ..errors import UsageError
 
-TASKS = ("text-classification", "image-classification")
+TASKS = ("text-classification", "image-classification", "causal-lm")
+METHODS = ("auto", "full", "lora", "qlora")  # auto: lora for causal-lm, full for the classifiers
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes of training, and at the end
 # learning_rate when the user sets none. Fine-tuning moves pretrained weights a little: 5e-5 (BERT's fine-tuning
@@ -28,6 +29,11 @@ STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes 
 # EfficientNet-Lite0 from scratch (recipes/efficientnet_lite0_digits.yaml): see the README's vision figures.
 FINETUNE_LEARNING_RATE = 5e-5
 SCRATCH_LEARNING_RATE = 1e-3
+# Causal language models. Full fine-tuning: 2e-5, TRL SFTConfig's default (a pretrained LM moves less than an encoder
+# with a fresh head). LoRA/QLoRA: 2e-4, the QLoRA paper's rate for 7B-13B models (Dettmers et al. 2023, table 9);
+# the adapters start at zero and have few parameters, so they take larger steps.
+CAUSAL_LM_FULL_LEARNING_RATE = 2e-5
+ADAPTER_LEARNING_RATE = 2e-4
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -104,6 +110,22 @@ class FinetuneConfig:
     telemetry: bool = True
     oom_recovery: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to TrainingArguments as they are
+    # causal language models (task=causal-lm; hf_gpu_train/finetune/causal_lm/)
+    method: str = "auto"  # auto (lora for causal-lm, full otherwise) | full | lora | qlora (4-bit NF4 base, CUDA only)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0  # peft's default; 0 skips the dropout copy of every adapted layer's input
+    lora_target_modules: str = "all-linear"  # every linear layer but the output head, or names: q_proj,v_proj
+    merge_adapter: bool = False  # also save the base model with the adapter merged in, in output_dir/merged
+    messages_column: str = "messages"  # chat data: a list of {role, content}, rendered with the tokenizer's chat template
+    prompt_column: str = "prompt"  # prompt + completion data; plain text data uses text_column
+    completion_column: str = "completion"
+    completion_only_loss: bool = True  # loss on the completion / assistant turns only; false: on every token
+    chat_template: str | None = None  # a Jinja file replacing (or supplying) the tokenizer's chat template
+    packing: bool | str = "auto"  # auto: padding-free packing where the model's attention keeps examples apart
+    attn_implementation: str | None = None  # None: transformers' default (sdpa); eager, flash_attention_2, ...
+    generation_samples: int = 3  # held-out prompts generated before and after training (0: none)
+    generation_max_new_tokens: int = 64
 
     def validate(self) -> FinetuneConfig:
         def bad(key: str, fix: str) -> ConfigError:
@@ -129,8 +151,11 @@ class FinetuneConfig:
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise bad("learning_rate", "must be positive")
         self._check_pretrained()
+        self._check_causal_lm()
         if self.learning_rate is None:  # resolved here, once: everything after validation reads a number
             self.learning_rate = SCRATCH_LEARNING_RATE if self.trains_from_scratch else FINETUNE_LEARNING_RATE
+            if self.task == "causal-lm":
+                self.learning_rate = ADAPTER_LEARNING_RATE if self.method in ("lora", "qlora") else CAUSAL_LM_FULL_LEARNING_RATE
         if not 0 <= self.warmup_ratio < 1:
             raise bad("warmup_ratio", "must be in [0, 1)")
         for key in ("eval_strategy", "save_strategy"):
@@ -155,6 +180,40 @@ class FinetuneConfig:
     @property
     def trains_from_scratch(self) -> bool:
         return self.task == "image-classification" and not self.pretrained
+
+    def _check_causal_lm(self) -> None:
+        """The causal-LM keys; ``method=auto`` is resolved here, so the run record holds what trains."""
+        def bad(key: str, fix: str) -> ConfigError:
+            return ConfigError(f"{key}={getattr(self, key)!r}: {fix}")
+
+        if self.method not in METHODS:
+            raise bad("method", f"use one of {', '.join(METHODS)}")
+        if self.method == "auto":
+            self.method = "lora" if self.task == "causal-lm" else "full"
+        if self.task != "causal-lm":
+            if self.method != "full":
+                raise bad("method", "LoRA and QLoRA are for task=causal-lm; classifiers train fully (method=full)")
+            return
+        if self.model in ("builtin:minilm", "builtin:efficientnet_lite0"):
+            raise bad("model", "task=causal-lm needs a causal language model: model=builtin:smollm2, a local directory or a hub id")
+        if self.lora_r < 1:
+            raise bad("lora_r", "must be at least 1 (16 is a good start)")
+        if self.lora_alpha <= 0:
+            raise bad("lora_alpha", "must be positive (commonly 2 x lora_r)")
+        if not 0 <= self.lora_dropout < 1:
+            raise bad("lora_dropout", "must be in [0, 1)")
+        if not self.lora_target_modules.strip():
+            raise bad("lora_target_modules", "use all-linear or comma-separated module names such as q_proj,v_proj")
+        if self.merge_adapter and self.method == "full":
+            raise bad("merge_adapter", "method=full trains the model itself, there is no adapter to merge: drop merge_adapter")
+        if self.packing not in (True, False, "auto"):
+            raise bad("packing", "use auto, true or false")
+        if self.generation_samples < 0:
+            raise bad("generation_samples", "must be >= 0 (0: no samples)")
+        if self.generation_max_new_tokens < 1:
+            raise bad("generation_max_new_tokens", "must be at least 1")
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise bad("chat_template", "give the path of a Jinja chat template file that exists")
 
     def _check_pretrained(self) -> None:
         vision = self.task == "image-classification"

@@ -65,6 +65,11 @@ def prepare(cfg: FinetuneConfig, runtime):
             for note in notes:
                 print(f"hf_gpu_train: {note}", flush=True)
 
+    if cfg.task == "causal-lm":
+        from .causal_lm.prepare import prepare_causal_lm
+
+        lm = prepare_causal_lm(cfg, runtime, say)
+        return lm.model, lm.train, lm.validation, lm.collator, lm.tokenizer, lm.data
     if cfg.task == "text-classification":
         from .checkpoints import check_label_map
         from .preflight import check_text_model
@@ -128,6 +133,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from transformers import Trainer, set_seed
 
     from .checkpoints import is_main_process, write_label_map
+    from .fsdp import save_full_model
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
@@ -155,11 +161,17 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     if trainer.is_world_process_zero():
         for line in launch_plan.lines if launch_plan else ():
             print(f"hf_gpu_train: {line}", flush=True)
-        print(f"hf_gpu_train: {cfg.task}, {len(data.train)} train / {len(data.validation)} validation examples, "
-              f"{len(data.label_names)} classes; {'CUDA' if runtime.on_cuda else 'CPU'} x{runtime.world_size}, "
+        print(f"hf_gpu_train: {cfg.task}, {len(data.train)} train / {len(data.validation)} validation examples"
+              f"{f', {len(data.label_names)} classes' if data.label_names else ''}; {'CUDA' if runtime.on_cuda else 'CPU'} x{runtime.world_size}, "
               f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
               f"x {runtime.world_size} = {effective}; workers {runtime.dataloader_workers}"
               + (f"; resuming from {resume}" if resume else ""), flush=True)
+    samples = None
+    if cfg.task == "causal-lm":
+        from .causal_lm.generation import GenerationSamples
+
+        samples = GenerationSamples(cfg, data.generation_prompts, processing_class)
+        samples.generate_before(trainer)
     if cfg.oom_recovery:
         from ..training import enable_oom_recovery
 
@@ -173,8 +185,12 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     train_seconds = time.perf_counter() - start
     trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations
     metrics = final_metrics(trainer)
+    if cfg.task == "causal-lm":
+        from .causal_lm.outputs import with_perplexity
+
+        metrics = with_perplexity(metrics)
     trainer.save_metrics("eval", metrics)
-    trainer.save_model()
+    save_full_model(trainer)
     if trainer.is_world_process_zero():
         summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
                    "train_samples_per_second": result.metrics.get("train_samples_per_second"),
@@ -187,6 +203,12 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
             render_report(cfg.output_dir)  # again, now with the plan next to what was measured
         print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
+    if cfg.task == "causal-lm":
+        from .causal_lm.model import compute_dtype
+        from .causal_lm.outputs import merge_and_save
+
+        samples.generate_after(trainer)  # generations.json, and a section of report.md
+        merge_and_save(cfg, trainer, processing_class, data.model_path, compute_dtype(runtime))
     write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
     return metrics
 

@@ -1,0 +1,163 @@
+"""A few held-out prompts answered before and after training: what the loss curve means, in words.
+
+The prompts are the first ``generation_samples`` rows of the validation split, cut where the model should take
+over: a conversation before its last assistant turn (rendered with the generation prompt), a prompt without its
+completion, or a text's first half (at most 32 tokens). Greedy decoding, ``generation_max_new_tokens`` new tokens,
+with the KV cache; the same token ids as training would see (chat rendered by the template, no special tokens
+added; a plain prompt tokenized as in training). The reference answer is kept beside them.
+
+Written to ``output_dir/generations.json`` and as a section of ``report.md``. Generated on the main process only,
+with the unwrapped model; skipped under FSDP and DeepSpeed, where every process holds only a shard of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .chat import render
+from .data import CHAT, TEXT, CausalLMData
+
+log = logging.getLogger("hf_gpu_train.finetune")
+GENERATIONS = "generations.json"
+SECTION = "## Generation samples"
+TEXT_PROMPT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Prompt:
+    input_ids: list[int]
+    shown: str  # what the report shows as the prompt
+    reference: str  # the held-out answer
+
+
+def _conversation_prompt(messages: list[dict], tokenizer, max_length: int) -> Prompt | None:
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if not last:  # no assistant turn, or only one that opens the conversation
+        return None
+    ids = tokenizer(render(tokenizer, messages[:last], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    return Prompt(ids, str(messages[last - 1]["content"]), str(messages[last]["content"])) if len(ids) < max_length else None
+
+
+def pick_prompts(data: CausalLMData, tokenizer, cfg) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for row in data.validation:
+        if len(prompts) >= cfg.generation_samples:
+            break
+        form = data.form
+        if form.kind == CHAT:
+            prompt = _conversation_prompt(list(row[cfg.messages_column]), tokenizer, cfg.max_length)
+        elif form.conversational:
+            prompt = _conversation_prompt(list(row[cfg.prompt_column]) + list(row[cfg.completion_column])[:1], tokenizer,
+                                          cfg.max_length)
+        elif form.kind == TEXT:
+            ids = tokenizer(str(row[cfg.text_column] or ""))["input_ids"]
+            cut = min(len(ids) // 2, TEXT_PROMPT_TOKENS)
+            prompt = Prompt(ids[:cut], tokenizer.decode(ids[:cut], skip_special_tokens=True),
+                            tokenizer.decode(ids[cut:cut + cfg.generation_max_new_tokens], skip_special_tokens=True)) if cut else None
+        else:
+            ids = tokenizer(str(row[cfg.prompt_column]))["input_ids"]
+            prompt = Prompt(ids, str(row[cfg.prompt_column]), str(row[cfg.completion_column])) if len(ids) < cfg.max_length else None
+        if prompt is not None:
+            prompts.append(prompt)
+    return prompts
+
+
+def generate(model, tokenizer, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+    """Greedy answers to ``prompts`` in one left-padded batch."""
+    import copy
+
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(p.input_ids) for p in prompts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p.input_ids)) + p.input_ids for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p.input_ids)) + [1] * len(p.input_ids) for p in prompts], device=device)
+    config = copy.deepcopy(model.generation_config)
+    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_new_tokens,
+                  pad_token_id=pad, use_cache=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.train(was_training)
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+
+
+class GenerationSamples:
+    """The prompts, and what the model said to them before and after training."""
+
+    def __init__(self, cfg, prompts: list[Prompt], tokenizer):
+        self.cfg = cfg
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.before: list[str] | None = None
+        self.after: list[str] | None = None
+
+    def _runs_here(self, trainer) -> bool:
+        from ..fsdp import is_sharded
+
+        if not self.prompts or not trainer.is_world_process_zero():
+            return False
+        if is_sharded(trainer) or trainer.is_deepspeed_enabled:
+            log.warning("hf_gpu_train: generation samples are skipped: the weights are sharded across processes")
+            return False
+        return True
+
+    def _generate(self, trainer) -> list[str] | None:
+        if not self._runs_here(trainer):
+            return None
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        return generate(model, self.tokenizer, self.prompts, self.cfg.generation_max_new_tokens)
+
+    def generate_before(self, trainer) -> None:
+        self.before = self._generate(trainer)
+
+    def generate_after(self, trainer) -> Path | None:
+        """The answers after training, written with the earlier ones to generations.json and report.md."""
+        self.after = self._generate(trainer)
+        if self.after is None:
+            return None
+        records = [{"prompt": p.shown, "reference": p.reference, "before": b, "after": a}
+                   for p, b, a in zip(self.prompts, self.before or [None] * len(self.prompts), self.after)]
+        out = Path(self.cfg.output_dir)
+        path = out / GENERATIONS
+        path.write_text(json.dumps({"max_new_tokens": self.cfg.generation_max_new_tokens, "decoding": "greedy",
+                                    "samples": records}, indent=2, ensure_ascii=False))
+        add_to_report(out, records)
+        return path
+
+
+def render_markdown(records: list[dict]) -> list[str]:
+    lines = [SECTION, "", "Held-out prompts from the validation split, greedy decoding (`generations.json`).", ""]
+    for i, r in enumerate(records, 1):
+        lines += [f"### Sample {i}", "", "**Prompt:**", "", _quote(r["prompt"]), "", "**Reference:**", "", _quote(r["reference"]),
+                  "", "**Before training:**", "", _quote(r["before"]), "", "**After training:**", "", _quote(r["after"]), ""]
+    return lines
+
+
+def _quote(text: str | None) -> str:
+    return "\n".join(f"> {line}" for line in (text if text is not None else "(not generated)").splitlines() or [""])
+
+
+def add_to_report(output_dir: Path, records: list[dict]) -> None:
+    """Replace (or append) the generation section of report.md, when the run wrote one (telemetry on)."""
+    report = output_dir / "report.md"
+    if not report.is_file():
+        return
+    text = report.read_text()
+    kept = text.split(SECTION)[0].rstrip("\n")
+    report.write_text(kept + "\n\n" + "\n".join(render_markdown(records)) + "\n")
+
+
+def samples_for(cfg, data: CausalLMData, tokenizer) -> GenerationSamples:
+    return GenerationSamples(cfg, data.generation_prompts, tokenizer)
+
+
+def as_dicts(prompts: list[Prompt]) -> list[dict]:
+    return [asdict(p) for p in prompts]

@@ -1,0 +1,73 @@
+"""``method=``: ``full`` (every weight trains), ``lora`` (peft adapters on a frozen base), ``qlora`` (adapters on a
+base quantized to 4-bit NF4 by bitsandbytes, CUDA only).
+
+LoRA targets every linear layer but the output head by default (peft's ``"all-linear"``): adapting the attention
+projections alone learns less per step (QLoRA paper, Dettmers et al. 2023, section 4). QLoRA is the paper's recipe:
+NF4 with double quantization, compute in bf16 (fp16 on GPUs without bf16), and
+``peft.prepare_model_for_kbit_training`` (norms in fp32, input gradients on for checkpointing).
+
+What can fail is checked before the model loads: peft or bitsandbytes missing, QLoRA without CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ..config import ConfigError, FinetuneConfig
+
+INSTALL_LLM = "pip install -e '.[llm]'  (or: pip install peft bitsandbytes)"
+
+
+def check_method(cfg: FinetuneConfig, runtime) -> None:
+    if cfg.method == "full":
+        return
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"method={cfg.method} needs the peft package: {INSTALL_LLM}")
+    if cfg.method != "qlora":
+        return
+    if not runtime.on_cuda:
+        raise ConfigError("method=qlora needs an NVIDIA GPU with CUDA (bitsandbytes' 4-bit kernels run there), and this run "
+                          "has none: use method=lora on this machine, or run on a CUDA machine (hf-gpu-train doctor checks it)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"method=qlora quantizes the base model with bitsandbytes, which is not installed: {INSTALL_LLM}")
+
+
+def quantization_config(cfg: FinetuneConfig, runtime):
+    """bitsandbytes' 4-bit NF4 config for QLoRA, else None."""
+    if cfg.method != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    from .model import compute_dtype
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype(runtime))
+
+
+def target_modules(spec: str):
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def apply_method(model, cfg: FinetuneConfig):
+    """The model to train: itself for ``full``, a PeftModel with fresh adapters for ``lora``/``qlora``."""
+    if cfg.method == "full":
+        return model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    elif cfg.gradient_checkpointing:
+        model.enable_input_require_grads()  # a frozen embedding gives checkpointed layers no input that needs gradients
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # target modules not found in the model
+        raise ConfigError(f"lora_target_modules={cfg.lora_target_modules!r}: {str(error).splitlines()[0]}") from None
+
+
+def trainable_summary(model) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable / 1e6:.2f}M of {total / 1e6:.1f}M parameters train ({trainable / max(1, total):.2%})"

@@ -1,0 +1,80 @@
+"""Which causal LM, and how it is loaded: path, tokenizer (chat template, padding token), dtype and attention.
+
+Weights are loaded in the dtype that trains them: full fine-tuning keeps fp32 master weights (mixed precision
+computes in bf16/fp16 and updates in fp32); LoRA freezes the base, so it is loaded in the compute dtype (half the
+memory of fp32, and no cast per step), while peft keeps the adapters in fp32; QLoRA loads it in 4 bits
+(``methods.quantization_config``), on this process's GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import ConfigError, FinetuneConfig
+from . import smollm2
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def check_model(cfg: FinetuneConfig) -> None:
+    """The cheap check, before the data is read: the builtin is installed, a local directory holds a model."""
+    if cfg.model == smollm2.BUILTIN_NAME:
+        smollm2.check_available()
+        return
+    from ..preflight import check_text_model
+
+    check_text_model(cfg)  # a local path must exist and hold config.json; a hub id is checked when it loads
+
+
+def model_path(cfg: FinetuneConfig, say=print) -> str:
+    """The directory or hub id to load; the builtin is converted on first use."""
+    if cfg.model == smollm2.BUILTIN_NAME:
+        return str(smollm2.ensure_converted(say))
+    from ..text import resolve_model_path
+
+    return resolve_model_path(cfg.model)
+
+
+def load_tokenizer(cfg: FinetuneConfig, path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as error:
+        raise ConfigError(f"model={cfg.model!r}: cannot load its tokenizer ({str(error).splitlines()[0]})") from None
+    if cfg.chat_template:
+        tokenizer.chat_template = Path(cfg.chat_template).expanduser().read_text()
+    if tokenizer.pad_token_id is None:  # Llama 3 and others ship none; padding is masked out of attention and loss
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def compute_dtype(runtime):
+    import torch
+
+    return getattr(torch, DTYPES[runtime.precision])
+
+
+def load_model(cfg: FinetuneConfig, path: str, runtime, quantization=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+        kwargs["dtype"] = compute_dtype(runtime)
+    elif cfg.method == "lora":
+        kwargs["dtype"] = compute_dtype(runtime)
+    else:
+        kwargs["dtype"] = torch.float32
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as error:
+        raise ConfigError(f"model={cfg.model!r}: cannot load ({str(error).splitlines()[0]})") from None
+    except ValueError as error:  # an architecture without a causal-LM head, an unknown attn_implementation
+        raise ConfigError(f"model={cfg.model!r}: {str(error).splitlines()[0]}") from None

@@ -1,0 +1,157 @@
+"""Padding-free packing: tokenized examples packed into rows of at most ``max_length`` tokens, each example with
+its own ``position_ids`` (0, 1, 2, ... restarting at every example), no attention mask.
+
+Why rows of ``max_length`` and not one long row per batch (``DataCollatorWithFlattening``): with SDPA or eager
+attention transformers builds a block-diagonal mask from the restarting ``position_ids``, of size rows x T x T,
+and computes attention over all of it; a batch flattened into one row of B x T tokens costs B times the mask memory
+and the attention work. A batch of rows also splits along its first dimension, which the in-place OOM recovery
+(``training/oom.py``) does: each row holds whole examples, so its micro-batches stay exact. (A single packed row,
+``per_device_train_batch_size=1``, cannot be split: the recovery then stops with its remedies.)
+
+Rows are filled best-fit-decreasing (longest example first, into the fullest row it still fits), once, over the
+tokenized split: rows come out nearly full, so little is padded, and the same rows serve every epoch and any number
+of processes. ``per_device_train_batch_size`` then counts rows.
+
+Whether attention keeps examples apart is proven, not assumed: ``packing_support`` runs the model on two packed
+examples and checks that changing the first does not change the logits of the second. (It does not, for Llama with
+sdpa and eager attention, as long as ``use_cache=False``: with a cache, transformers skips the packed-sequence
+detection and the second example attends to the first; the collators pass ``use_cache=False``.
+tests/finetune/causal_lm/test_packing.py proves each packed example's logits equal the example's alone.)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from .encode import IGNORE
+
+# attention implementations whose transformers mask (or varlen kernel) follows restarting position_ids
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PROBE_PARAMS_ON_CPU = 2_000_000_000  # above this, a model still on the CPU is not run for the probe (minutes in bf16)
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins of at most ``capacity``; each length must be <= capacity.
+
+    Bins are kept by free space (a sorted list of the free-space values that have bins, at most ``capacity`` of them),
+    so each placement is a bisection: O(n log capacity) for n examples."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free_values: list[int] = []  # sorted free-space values that have at least one bin
+    bins_with: dict[int, list[int]] = {}  # free space -> bins with exactly that much
+    bins: list[list[int]] = []
+    for i in order:
+        need = lengths[i]
+        if need > capacity:
+            raise ValueError(f"example {i} has {need} tokens, more than the row capacity {capacity}")
+        k = bisect.bisect_left(free_values, need)
+        if k < len(free_values):
+            free = free_values[k]
+            target = bins_with[free].pop()
+            if not bins_with[free]:
+                del bins_with[free]
+                free_values.pop(k)
+        else:
+            free, target = capacity, len(bins)
+            bins.append([])
+        bins[target].append(i)
+        left = free - need
+        if left > 0:
+            if left not in bins_with:
+                bisect.insort(free_values, left)
+                bins_with[left] = []
+            bins_with[left].append(target)
+    return bins
+
+
+@dataclass(frozen=True)
+class PackingReport:
+    examples: int
+    rows: int
+    tokens: int
+    capacity: int
+
+    @property
+    def fill(self) -> float:
+        return self.tokens / (self.rows * self.capacity) if self.rows else 0.0
+
+    def note(self, split: str) -> str:
+        return (f"packed {self.examples} {split} examples into {self.rows} rows of up to {self.capacity} tokens "
+                f"({self.fill:.1%} filled, {self.tokens} tokens)")
+
+
+def pack_dataset(ds, capacity: int):
+    """(dataset of packed rows: ``input_ids``, ``labels``, ``position_ids``; PackingReport).
+
+    Each example's first label becomes -100: in a row it would be the target of the previous example's last token."""
+    from datasets import Dataset
+
+    ids, labels = ds["input_ids"], ds["labels"]
+    lengths = [len(x) for x in ids]
+    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in best_fit_decreasing(lengths, capacity):
+        row_ids, row_labels, positions = [], [], []
+        for i in members:
+            row_ids.extend(ids[i])
+            row_labels.append(IGNORE)
+            row_labels.extend(labels[i][1:])
+            positions.extend(range(lengths[i]))
+        rows["input_ids"].append(row_ids)
+        rows["labels"].append(row_labels)
+        rows["position_ids"].append(positions)
+    report = PackingReport(examples=len(lengths), rows=len(rows["input_ids"]), tokens=sum(lengths), capacity=capacity)
+    return Dataset.from_dict(rows), report
+
+
+@dataclass(frozen=True)
+class PackingVerdict:
+    supported: bool
+    reason: str
+
+
+def _base(model):
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def packing_support(model, pad_token_id: int) -> PackingVerdict:
+    """Can this model train on packed rows? The attention implementation must follow restarting ``position_ids``, and,
+    where running the model is cheap, it is run: two examples packed in one row, then the first replaced by other
+    tokens; the second example's logits must not move (within 1e-3 of their scale: exact zeros in the softmax make
+    them equal in practice, while an example that sees its neighbour moves by far more)."""
+    import torch
+
+    from .collate import PackedCollator
+
+    base = _base(model)
+    implementation = getattr(base.config, "_attn_implementation", None) or "eager"
+    if implementation not in PACKING_ATTENTION and "flash" not in implementation:
+        return PackingVerdict(False, f"attn_implementation={implementation!r} is not known to keep packed examples apart")
+    parameters = list(base.parameters())
+    if any(p.device.type == "meta" for p in parameters):
+        return PackingVerdict(True, f"{implementation} attention with restarting position_ids (weights not loaded on this "
+                                    "process, so not run)")
+    device = parameters[0].device
+    if device.type == "cpu" and sum(p.numel() for p in parameters) > PROBE_PARAMS_ON_CPU:
+        return PackingVerdict(True, f"{implementation} attention with restarting position_ids (too large to run on the CPU "
+                                    "for the check)")
+    vocab = base.get_input_embeddings().num_embeddings
+    first, other, second = ([(7 * k + offset) % vocab for k in range(n)] for offset, n in ((11, 5), (23, 5), (37, 6)))
+    collate = PackedCollator(pad_token_id)
+    rows = [{"input_ids": a + second, "labels": a + second, "position_ids": list(range(5)) + list(range(6))} for a in (first, other)]
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            logits = [base(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in collate([row]).items()
+                              if k != "labels"}).logits[0, 5:].float() for row in rows]
+    except (TypeError, ValueError, RuntimeError) as error:  # a model that takes no position_ids, or cannot run here
+        return PackingVerdict(False, f"the model cannot run packed rows ({type(error).__name__}: {str(error).splitlines()[0]})")
+    finally:
+        base.train(was_training)
+    moved = float((logits[0] - logits[1]).abs().max())
+    scale = max(1.0, float(logits[0].abs().max()))
+    if moved > 1e-3 * scale:
+        return PackingVerdict(False, f"with attn_implementation={implementation!r} a packed example's logits change with the "
+                                     f"example before it (by {moved:.3g}): attention crosses example boundaries")
+    return PackingVerdict(True, f"{implementation} attention keeps packed examples apart (checked on this model)")

@@ -1,0 +1,74 @@
+"""The causal-LM branch of ``run.prepare``: the classification task's order, for whoever made a mistake.
+
+1. What needs no data and no model: peft/bitsandbytes installed, QLoRA on CUDA, the model directory or builtin there.
+2. The data: files, splits, columns, form (seconds).
+3. The tokenizer (converting ``builtin:smollm2`` on first use) and, for chat data, its chat template.
+4. The model, then the method (LoRA adapters, 4-bit base).
+5. The passes over every row: tokenizing, truncating and counting, then packing where the model's attention keeps
+   packed examples apart (``packing.packing_support``), else dynamic padding, with the reason said.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError, FinetuneConfig
+from .collate import PackedCollator, PaddingCollator
+from .data import CausalLMData, open_causal_lm_data
+
+
+@dataclass
+class PreparedCausalLM:
+    model: object
+    train: object  # tokenized (and packed) datasets.Dataset
+    validation: object
+    collator: object
+    tokenizer: object
+    data: CausalLMData
+
+
+def _with_lengths(ds):
+    """A ``length`` column for the Trainer's length-grouped sampler (it would otherwise read every row)."""
+    return ds.add_column("length", [len(ids) for ids in ds["input_ids"]])
+
+
+def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
+    from . import model as lm_model
+    from .chat import require_chat_template
+    from .encode import encode_split
+    from .generation import pick_prompts
+    from .methods import apply_method, check_method, quantization_config, trainable_summary
+    from .packing import pack_dataset, packing_support
+
+    check_method(cfg, runtime)
+    lm_model.check_model(cfg)
+    data = open_causal_lm_data(cfg)
+    data.model_path = lm_model.model_path(cfg, say=lambda line: say([line]))
+    tokenizer = lm_model.load_tokenizer(cfg, data.model_path)
+    if data.form.uses_chat_template:
+        require_chat_template(tokenizer, cfg.model, f"the data is {data.form.describe()}")
+    model = lm_model.load_model(cfg, data.model_path, runtime, quantization_config(cfg, runtime))
+    verdict = packing_support(model, tokenizer.pad_token_id) if cfg.packing is not False else None
+    if cfg.packing is True and not verdict.supported:
+        raise ConfigError(f"packing=true, but {verdict.reason}: packing=auto (or false) to pad instead, or "
+                          "attn_implementation=sdpa")
+    model = apply_method(model, cfg)
+    train, train_report = encode_split(data.train, tokenizer, data.form, cfg, "train")
+    validation, validation_report = encode_split(data.validation, tokenizer, data.form, cfg, "validation")
+    notes = [f"{data.form.describe()} from {data.source}; {trainable_summary(model)} ({cfg.method})", *data.notes,
+             *train_report.notes("train", cfg.max_length), *validation_report.notes("validation", cfg.max_length)]
+    multiple = 8 if runtime.on_cuda else None  # tensor cores like multiples of 8
+    if verdict is not None and verdict.supported:
+        train, packed = pack_dataset(train, cfg.max_length)
+        validation, validation_packed = pack_dataset(validation, cfg.max_length)
+        notes += [f"packing on: {verdict.reason}", packed.note("train"), validation_packed.note("validation")]
+        collator = PackedCollator(tokenizer.pad_token_id, multiple)
+    else:
+        why = "packing=false" if verdict is None else verdict.reason
+        notes.append(f"packing off ({why}): examples padded to the longest in each batch, grouped by length")
+        train, validation = _with_lengths(train), _with_lengths(validation)
+        collator = PaddingCollator(tokenizer.pad_token_id, multiple)
+    data.generation_prompts = pick_prompts(data, tokenizer, cfg) if cfg.generation_samples else []
+    data.notes = notes
+    say(notes)
+    return PreparedCausalLM(model, train, validation, collator, tokenizer, data)
