@@ -166,7 +166,7 @@ def _tune(job, opts, options: list[str], started: float) -> int:
     from ..tune.results import TrialResult, choose
     from ..tune.search import run_search
 
-    cache = TuneCache.load(cache_path_for(job.config_file))
+    cache = TuneCache.load(cache_path_for(job.config_file), opts.fresh, datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     saved = {} if opts.fresh else cache.results(job.cache_key)
     replay = run_search(job.space, opts.budget_s, None, saved, opts.warmup_steps, opts.measure_steps)
     startup_s, notes = None, list(replay.notes)

@@ -258,6 +258,18 @@ def plan_from_env_file(config_file: Path, command: str, source: str, environ: Ma
                    launched=LaunchedAs.from_environ(environ or {}), launcher_environ=launcher_environ, document=None)
 
 
+def plan_before_tune(plan: RunPlan) -> RunPlan:
+    """The plan as `hf-gpu-train config` wrote it: the values tune replaced put back (tune starts from them, so a
+    rerun asks for what the first run asked, whatever that run wrote)."""
+    from dataclasses import replace
+
+    replaced = ((plan.document or {}).get(TUNED) or {}).get("replaced") or {}
+    if not replaced:
+        return plan
+    values = {**plan.values, **{k: PlanValue(v.get("value"), v.get("reason", "")) for k, v in replaced.items()}}
+    return replace(plan, values=values)
+
+
 def recipe_identity(recipe: str | Path | None) -> dict | None:
     """The recipe file a tuned plan was measured for: its absolute path and a hash of its text (None: no recipe)."""
     import hashlib
@@ -283,7 +295,8 @@ def tuned_keys_for(plan: RunPlan, recipe: str | Path | None) -> frozenset[str]:
 
 def write_measured_values(path: str | Path, values: Mapping[str, PlanValue], tuned: Mapping) -> None:
     """Replace some of NAME.plan.json's values (each with its reason) and record what measured them under
-    ``TUNED``; everything else in the document stays as it was. The caller keeps a backup of the file first."""
+    ``TUNED``, with the values they replaced (``TUNED.replaced``: the plan's own, from before the first tune, kept
+    across later tunes); everything else in the document stays as it was. The caller keeps a backup first."""
     import os
 
     path = Path(path)
@@ -293,9 +306,11 @@ def write_measured_values(path: str | Path, values: Mapping[str, PlanValue], tun
         raise _bad(path, f"not readable as JSON ({str(error).splitlines()[0]})", None) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("values"), dict):
         raise _bad(path, "not a plan written by hf-gpu-train", None)
+    earlier = (doc.get(TUNED) or {}).get("replaced") or {}
+    replaced = {k: doc["values"].get(k, {"value": None, "reason": "not in the plan before hf-gpu-train tune"}) for k in values}
     for key, item in values.items():
         doc["values"][key] = {"value": item.value, "reason": item.reason}
-    doc[TUNED] = dict(tuned)
+    doc[TUNED] = {**tuned, "replaced": {**replaced, **earlier}}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, path)

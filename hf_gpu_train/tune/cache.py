@@ -98,15 +98,22 @@ class TuneCache:
         self.entries = entries or {}
 
     @classmethod
-    def load(cls, path: str | Path) -> TuneCache:
+    def load(cls, path: str | Path, fresh: bool = False, stamp: str = "") -> TuneCache:
+        """The saved measurements. A file that is not JSON stops the command, or with ``fresh`` is kept as
+        NAME.bak-STAMP and replaced; a JSON file of anyone else's always stops it."""
+        from .writeback import backup
+
         path = Path(path)
         if not path.exists():
             return cls(path)
         try:
             doc = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            if fresh:
+                backup(path, stamp or "unreadable")
+                return cls(path)
             raise TuneCacheError(f"{path}: not readable as JSON ({str(error).splitlines()[0]}): move it away, or pass --fresh "
-                                 "to measure again (the file is then replaced)") from None
+                                 "to measure again (the file is then kept as a .bak and replaced)") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise TuneCacheError(f"{path} exists and was not written by hf-gpu-train tune: move it away (tune keeps its "
                                  "measurements in NAME.tune.json beside NAME.yaml)")

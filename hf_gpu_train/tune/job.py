@@ -84,7 +84,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected)."""
     from ..finetune.config import load_config_and_keys, read_config_values
     from ..launch.plan_resolution import check_memory, resolve_with_plan
-    from ..launch.run_plan_file import APPLIED_KEYS, plan_path_for, read_run_plan
+    from ..launch.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
     path = Path(config_file)
@@ -93,7 +93,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     if not plan_path_for(path).is_file():
         raise TuneError(f"{plan_path_for(path)} does not exist: tune writes its winner into the plan beside {path.name}; "
                         "regenerate the config with `hf-gpu-train config --output ...`")
-    plan = read_run_plan(plan_path_for(path), "hf-gpu-train tune")
+    plan = plan_before_tune(read_run_plan(plan_path_for(path), "hf-gpu-train tune"))
     if plan.num_machines > 1:
         raise TuneError(f"{path.name} launches {plan.num_machines} machines: tune on one (a config written with "
                         "--num-machines 1 for the same GPUs) and use its plan's values on every node")

@@ -1,0 +1,90 @@
+"""The candidate space: micro-batches that keep the effective batch, the options of every axis, what the command
+line fixes, and the planner's pruning, from a real plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hf_gpu_train.cli import main
+from hf_gpu_train.launch.plan_resolution import check_memory
+from hf_gpu_train.launch.run_plan_file import read_run_plan
+from hf_gpu_train.tune.candidates import CPU_COMPILE_NOTE, Candidate, CandidateSpace
+from hf_gpu_train.tune.job import load_job
+
+from .simulated import space
+
+
+def test_micro_batches_divide_the_samples_per_process_and_the_accumulation_keeps_the_effective_batch():
+    sp = space(per_process=24, world=2, start=16)
+    assert sp.micro_batches == (1, 2, 3, 4, 6, 8, 12, 24)
+    assert (sp.base.micro_batch, sp.base.accumulation) == (12, 2)  # the planner's 16 is not a divisor: the largest below
+    assert sp.effective_batch == 48
+    for micro in sp.micro_batches:
+        c = sp.base.with_micro_batch(micro)
+        assert c.micro_batch * c.accumulation * sp.world_size == 48
+        assert c.config_values(2)["global_batch_size"] == 48
+
+
+def test_without_a_global_batch_the_micro_batch_is_the_whole_step_and_the_note_says_how_to_go_larger():
+    sp = space(per_process=16, global_batch_size=None)
+    assert sp.micro_batches == (1, 2, 4, 8, 16) and sp.base.accumulation == 1
+    assert any("at most 16 (no global_batch_size" in note for note in sp.notes)
+
+
+def test_axis_options_start_with_the_runs_own_setting():
+    gpu = space(per_process=16, workers=8, precision="bf16", on_cuda=True)
+    assert gpu.workers == (8, 16, 0) and gpu.precisions == ("bf16", "fp16") and gpu.compile == (False, True)
+    assert gpu.checkpointing == (False, True) and gpu.packing == (None,) and gpu.metric == "tokens/s"
+    cpu = space(per_process=16, workers=0)
+    assert cpu.workers == (0, 2) and cpu.precisions == ("fp32",) and cpu.compile == (False,)
+    assert f"compile: {CPU_COMPILE_NOTE}" in cpu.notes
+    t4 = space(per_process=16, precision="fp16", on_cuda=True)
+    assert t4.precisions == ("fp16",) and "precision: fp16 is the only fast one here" in t4.notes
+    lm = space(per_process=16, packing=True)
+    assert lm.packing == (True, False) and lm.base.packing is True
+
+
+def test_keys_set_on_the_command_line_are_not_tuned():
+    sp = space(per_process=32, start=8, fixed=frozenset({"per_device_train_batch_size", "dataloader_num_workers"}))
+    assert sp.micro_batches == (8,) and (sp.base.micro_batch, sp.base.accumulation) == (8, 4)
+    assert sp.workers == (0,)
+    assert "micro_batch: kept at per_device_train_batch_size=8 (set on the command line)" in sp.notes
+    narrowed = space(per_process=32, axes=("micro_batch",))
+    assert narrowed.checkpointing == (False,) and "checkpointing: not tuned (--axes)" in narrowed.notes
+
+
+def test_the_space_travels_as_json():
+    sp = space(per_process=24, world=2, workers=4, precision="bf16", on_cuda=True, packing=False)
+    again = CandidateSpace.from_dict(json.loads(json.dumps(sp.to_dict())))
+    assert again == sp
+    c = sp.base.with_micro_batch(6)
+    assert Candidate.from_dict(json.loads(json.dumps(c.to_dict()))) == c and c.key == "mb6xga4|ckpt0|w4|bf16|compile0|pack0"
+
+
+def planned_t4(tmp_path: Path) -> Path:
+    """A T4 plan whose memory model is a BERT-large-shaped transformer (what `config --model` writes)."""
+    assert main(["config", "--machine", "1x-t4", "--params", "3.35e8", "--seq-len", "512", "--global-batch", "64",
+                 "--output", str(tmp_path / "t4")]) == 0
+    plan_file = tmp_path / "t4.plan.json"
+    doc = json.loads(plan_file.read_text())
+    doc["memory"]["planned_for"]["model"].update(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=30522)
+    plan_file.write_text(json.dumps(doc))
+    return tmp_path / "t4.yaml"
+
+
+def test_the_planner_prunes_exactly_what_it_says_does_not_fit(tmp_path):
+    config = planned_t4(tmp_path)
+    job = load_job(str(config), "scripts/finetune.py", ["max_length=512", "global_batch_size=64"], {})
+    plan = read_run_plan(tmp_path / "t4.plan.json", "test")
+    verdicts = {(v.micro_batch, v.gradient_checkpointing, v.precision): v for v in job.space.verdicts}
+    assert set(verdicts) == {(m, c, "fp16") for m in job.space.micro_batches for c in (False, True)}
+    for (micro, ckpt, _), v in verdicts.items():
+        check = check_memory(plan, {"per_device_train_batch_size": micro, "gradient_checkpointing": ckpt, "precision": "fp16"},
+                             world_size=1, seq_len=512)
+        assert (v.fits, v.estimate_bytes) == (check.fits, check.estimate_bytes)
+    largest = check_memory(plan, {"per_device_train_batch_size": 1, "gradient_checkpointing": False, "precision": "fp16"},
+                           world_size=1, seq_len=512).largest_micro_batch
+    assert [m for m in job.space.micro_batches if verdicts[(m, False, "fp16")].fits] == [m for m in job.space.micro_batches
+                                                                                          if m <= largest]
+    assert any(not v.fits for v in verdicts.values()) and any(v.fits for v in verdicts.values())

@@ -1,0 +1,77 @@
+"""`hf-gpu-train tune` for real: 2 gloo processes through a generated CPU launch config, a tiny BERT, the OOM
+injector as the memory limit and a collate function that sleeps (so loading in the main process is slower than in
+workers). One launch; the rerun reuses the saved measurements without one."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from hf_gpu_train.tune.results import TrialResult
+from hf_gpu_train.tune.test_hooks import OOM_ENV, SLOW_COLLATE_ENV
+
+from ..launching import ROOT, cpu_config, hf_gpu_train
+from ..scaling.finetune_cases import text_case
+
+pytestmark = pytest.mark.slow
+
+
+def tune(config, case, env) -> tuple:
+    start = time.perf_counter()
+    run = hf_gpu_train("tune", "--axes", "micro_batch,workers", "--budget-s", "600", "--config-file", str(config),
+                       "scripts/finetune.py", *case, "global_batch_size=16", cwd=ROOT, env=env, timeout=600)
+    return run, time.perf_counter() - start
+
+
+def text_case_with_rows(tmp_path, rows: int) -> list[str]:
+    """The scaling tests' tiny BERT, with enough training rows that the measured steps stay inside one epoch (on the
+    CPU the loader's worker processes start again at every epoch)."""
+    import csv
+
+    from hf_gpu_train.finetune.builtin import make_text_examples
+
+    case = text_case(tmp_path)
+    with open(tmp_path / "train.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["text", "label"])
+        writer.writeheader()
+        writer.writerows(make_text_examples(rows, seed=7))
+    return case
+
+
+def test_tune_finds_the_largest_micro_batch_under_the_limit_and_the_faster_workers_and_keeps_the_effective_batch(tmp_path):
+    import os
+
+    case = text_case_with_rows(tmp_path, 320)
+    config = cpu_config(tmp_path, processes=2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), OOM_ENV: "5", SLOW_COLLATE_ENV: "0.25"}
+    run, _ = tune(config, case, env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "model and data loaded in" in run.stdout and "on 2 process(es)" in run.stdout
+
+    plan = json.loads(config.with_suffix(".plan.json").read_text())
+    trials = [TrialResult.from_dict(t) for t in plan["tuned"]["trials"]]
+    tried = [(t.candidate.micro_batch, t.candidate.dataloader_num_workers, t.status) for t in trials]
+    # 8 per process ran out of memory above 5 (the recovery failed at 8, finished at 4); 4 is the largest that fits;
+    # loading waited for the sleeping collate, so 2 workers were tried, and are faster
+    assert tried == [(8, 0, "oom"), (4, 0, "ok"), (4, 2, "ok")], run.stdout[-3000:]
+    assert trials[0].rescued_micro_batch == 4 and trials[1].data_wait_pct > 20.0
+    assert all(t.candidate.micro_batch * t.candidate.accumulation * 2 == 16 for t in trials)
+    assert all(t.measured_steps == trials[0].measured_steps >= 3 for t in trials)  # the same steps in every trial
+    assert trials[2].samples_per_s > trials[1].samples_per_s * 1.03
+    values = {k: v["value"] for k, v in plan["values"].items()}
+    assert (values["per_device_train_batch_size"], values["gradient_accumulation_steps"], values["global_batch_size"],
+            values["dataloader_num_workers"]) == (4, 2, 16, 2)
+    assert plan["values"]["per_device_train_batch_size"]["reason"].startswith("measured by hf-gpu-train tune")
+    assert len(list(tmp_path.glob("cpu.plan.json.bak-*"))) == 1 and len(list(tmp_path.glob("cpu.yaml.bak-*"))) == 1
+    assert "# --- hf-gpu-train tune" in config.read_text()
+    report = config.with_suffix(".tune_report.md").read_text()
+    assert "**micro-batch 4 x 2, checkpointing off, 2 worker(s), fp32**" in report
+    assert config.with_suffix(".tune.png").is_file()
+
+    again, seconds = tune(config, case, env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "no trial run" in again.stdout and "model and data loaded" not in again.stdout
+    assert "fastest that fits: " in again.stdout and "micro-batch 4 x 2, checkpointing off, 2 worker(s), fp32" in again.stdout
+    assert seconds < 30

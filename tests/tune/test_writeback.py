@@ -1,0 +1,65 @@
+"""The winner into NAME.plan.json and NAME.yaml: backups first, the plan still reads, accelerate still loads the
+YAML, the next run takes the tuned values, and they count as measured for this recipe only."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hf_gpu_train.cli import main
+from hf_gpu_train.launch.plan_resolution import resolve_with_plan
+from hf_gpu_train.launch.run_plan_file import APPLIED_KEYS, generating_command, read_run_plan, tuned_keys_for
+from hf_gpu_train.tune.job import load_job
+from hf_gpu_train.tune.results import OK, OOM, TrialResult, choose
+from hf_gpu_train.tune.writeback import BLOCK_BEGIN, write_winner
+
+
+def tuned_box(tmp_path):
+    assert main(["config", "--machine", "1x-h200", "--output", str(tmp_path / "box")]) == 0
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("per_device_train_batch_size: 32\nglobal_batch_size: 64\nmax_length: 128\n")
+    job = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {})
+    base = job.space.base
+    winner = replace(base.with_micro_batch(16), precision="fp16", torch_compile=True)
+    results = [TrialResult(base.with_micro_batch(64), OOM, rescued_micro_batch=32, samples_per_s=90.0),
+               TrialResult(base, OK, samples_per_s=100.0, tokens_per_s=3000.0, peak_memory_bytes=20 * 2**30,
+                           device_memory_bytes=140 * 2**30),
+               TrialResult(winner, OK, samples_per_s=130.0, tokens_per_s=3900.0, peak_memory_bytes=12 * 2**30,
+                           device_memory_bytes=140 * 2**30)]
+    return job, recipe, results, choose(results, job.space.metric, base)
+
+
+def test_backups_first_then_the_plan_holds_the_measured_values_and_the_next_run_takes_them(tmp_path):
+    job, recipe, results, choice = tuned_box(tmp_path)
+    before = {p: p.read_text() for p in (tmp_path / "box.plan.json", tmp_path / "box.yaml")}
+    written = write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "box.tune_report.md", 60.0)
+    assert {b.name for b in written.backups} == {"box.plan.json.bak-S", "box.yaml.bak-S"}
+    for original, text in before.items():
+        assert (tmp_path / f"{original.name}.bak-S").read_text() == text
+    plan = read_run_plan(tmp_path / "box.plan.json", "test")
+    assert plan.value("per_device_train_batch_size") == 16 and plan.value("gradient_accumulation_steps") == 4
+    assert plan.value("global_batch_size") == 64 and plan.value("precision") == "fp16" and plan.value("torch_compile") is True
+    assert plan.values["per_device_train_batch_size"].reason.startswith("measured by hf-gpu-train tune (now): fastest that fits: "
+                                                                        "3,900 tokens/s with micro-batch 16 x 4")
+    resolved = resolve_with_plan(plan, {k: None for k in APPLIED_KEYS}, explicit_keys=(), world_size=1)
+    assert {k: resolved.values[k] for k in ("per_device_train_batch_size", "global_batch_size", "torch_compile", "precision")} == {
+        "per_device_train_batch_size": 16, "global_batch_size": 64, "torch_compile": True, "precision": "fp16"}
+    assert tuned_keys_for(plan, recipe) == {"per_device_train_batch_size", "global_batch_size", "gradient_checkpointing",
+                                            "dataloader_num_workers", "precision", "torch_compile"}
+    again = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {})
+    assert again.space == job.space and again.cache_key == job.cache_key  # a rerun starts where the first run started
+    recipe.write_text(recipe.read_text() + "learning_rate: 1.0e-4\n")
+    assert tuned_keys_for(plan, recipe) == frozenset()  # another recipe text: the recipe's own values win again
+
+
+def test_the_yaml_keeps_its_header_gets_one_block_and_the_winners_precision(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    job, recipe, results, choice = tuned_box(tmp_path)
+    command = generating_command(tmp_path / "box.yaml")
+    for stamp in ("S1", "S2"):  # twice: the block is replaced, not added again
+        write_winner(job.config_file, choice, results, job.space, stamp, "now", str(recipe), [], "box.tune_report.md", 60.0)
+    text = (tmp_path / "box.yaml").read_text()
+    assert text.count(BLOCK_BEGIN) == 1 and "#     micro-batch 64 x 1, checkpointing off, 8 worker(s), bf16" in text
+    assert text.splitlines()[0].startswith("# accelerate config for 1x-h200")
+    assert command is not None and generating_command(tmp_path / "box.yaml") == command  # the launcher still knows it is ours
+    assert load_config_from_file(str(tmp_path / "box.yaml")).mixed_precision == "fp16"
