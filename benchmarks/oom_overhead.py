@@ -1,9 +1,12 @@
 """What OOM recovery costs when nothing runs out of memory: 2 gloo DDP processes, with and without it.
 
-With recovery, every step adds one small all-reduce (the OOM flag) and the gradients are all-reduced
-by us after backward instead of by DDP during it. Alternating launches; prints the steps/s ratio.
+Both arms are ``scripts/finetune.py``'s ``finetune()`` with its defaults (MiniLM on the built-in text set, the
+loss-scaling fix, length grouping, fused AdamW); the only difference is ``oom_recovery``. Without it DDP's reducer
+all-reduces the gradient buckets during backward; with it our ``GradientReducer`` does the same from
+post-accumulate-grad hooks, plus one small vote per optimizer step and DDP's buffer broadcast done by us.
+Alternating launches; prints the steps/s (training time of the run summary) and the ratio. Goal: >= 0.98.
 
-    python benchmarks/oom_overhead.py [--rounds 2] [--steps 30]
+    python benchmarks/oom_overhead.py [--rounds 3] [--steps 40]
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     results: dict[str, list[float]] = {"plain": [], "recovery": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -38,13 +41,14 @@ def main() -> int:
             for mode in (("plain", "recovery") if r % 2 == 0 else ("recovery", "plain")):
                 subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{cfg}.yaml",
                                 str(ROOT / "benchmarks" / "oom_overhead_probe.py"), tmp, mode, str(args.steps)],
-                               check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+                               check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
                 results[mode].append(json.loads((Path(tmp) / f"{mode}.json").read_text())["steps_per_second"])
     plain, recovery = statistics.median(results["plain"]), statistics.median(results["recovery"])
+    per_round = [r / p for r, p in zip(results["recovery"], results["plain"])]
     print(f"MiniLM-L6, 2 gloo DDP processes on the CPU, {args.steps} steps, {args.rounds} round(s), no OOM")
-    print(f"steps/s without recovery: {results['plain']} (median {plain:.3f})")
-    print(f"steps/s with recovery:    {results['recovery']} (median {recovery:.3f})")
-    print(f"ratio (with / without): {recovery / plain:.3f}")
+    print(f"steps/s without recovery: {[round(x, 3) for x in results['plain']]} (median {plain:.3f})")
+    print(f"steps/s with recovery:    {[round(x, 3) for x in results['recovery']]} (median {recovery:.3f})")
+    print(f"ratio (with / without): {recovery / plain:.3f}; per round {[round(x, 3) for x in per_round]} (goal >= 0.98)")
     return 0
 
 

@@ -1,19 +1,21 @@
-"""One DDP training run for oom_overhead.py: MiniLM on the built-in text set, with or without recovery."""
+"""One run for oom_overhead.py, launched on 2 gloo processes: ``scripts/finetune.py``'s ``finetune()`` as shipped
+(MiniLM on the built-in text set), with ``oom_recovery`` on or off and nothing else different."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry_overhead import build  # noqa: E402
-
-from hf_gpu_train.training import enable_oom_recovery  # noqa: E402
+from hf_gpu_train.finetune.config import load_config  # noqa: E402
+from hf_gpu_train.finetune.run import finetune  # noqa: E402
 
 out, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-trainer = build(f"{out}/{mode}", steps, logging_steps=10, on_cuda=False)
-if mode == "recovery":
-    enable_oom_recovery(trainer)
-result = trainer.train()
-if trainer.is_world_process_zero():
-    Path(out, f"{mode}.json").write_text(json.dumps({"steps_per_second": result.metrics["train_steps_per_second"]}))
+cfg = load_config(None, [f"output_dir={out}/{mode}", f"max_steps={steps}", "per_device_train_batch_size=16", "max_length=64",
+                         "logging_steps=10", "eval_strategy=no", "save_strategy=no", "telemetry=false", "resume=never",
+                         f"oom_recovery={'true' if mode == 'recovery' else 'false'}"])
+finetune(cfg)
+if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary
+    summary = json.loads(Path(out, mode, "run_summary.json").read_text())
+    Path(out, f"{mode}.json").write_text(json.dumps({"steps_per_second": summary["global_step"] / summary["train_seconds"]}))

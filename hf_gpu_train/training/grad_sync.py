@@ -88,7 +88,7 @@ class GradientReducer:
             return
         self._fired = [False] * len(self.params)
         for bucket in self.buckets:
-            bucket.ready, bucket.flat, bucket.work = 0, None, None
+            bucket.ready, bucket.work = 0, None
         self._next = 0
         self._stale = False
         self._open = True
@@ -114,7 +114,9 @@ class GradientReducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        flat = torch.empty(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+        if bucket.flat is None:  # allocated once and kept, as DDP keeps its buckets
+            bucket.flat = torch.empty(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+        flat = bucket.flat
         offset = 0
         for p in bucket.params:
             view = flat[offset:offset + p.numel()]
@@ -123,7 +125,6 @@ class GradientReducer:
             else:
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
-        bucket.flat = flat
         bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._next = b + 1
 
@@ -163,7 +164,7 @@ class GradientReducer:
 
     def discard(self) -> None:
         for bucket in self.buckets:
-            bucket.flat, bucket.work = None, None
+            bucket.work = None
 
 
 def _make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
