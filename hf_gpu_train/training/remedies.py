@@ -31,20 +31,34 @@ def remedies(args, model, inputs, failure: str | None) -> str:
 
 
 def planner_estimate(args, model, inputs) -> str | None:
-    from ..launch.memory import TrainingShape, estimate
-    from ..launch.model_spec import ModelSpec
+    from ..launch.memory import estimate
+    from ..launch.model_spec import ModelSpec, from_config
+    from ..launch.training_shape import TrainingShape
 
     try:
-        config = getattr(getattr(model, "module", model), "config", None)
-        spec = ModelSpec(name="this model", params=sum(p.numel() for p in model.parameters()),
-                         num_layers=getattr(config, "num_hidden_layers", None), hidden_size=getattr(config, "hidden_size", None),
-                         num_heads=getattr(config, "num_attention_heads", None))
+        inner = getattr(model, "module", model)
+        config = getattr(inner, "config", None)
+        method = _peft_method(inner)
+        if config is not None and hasattr(config, "to_dict"):
+            spec = from_config(config, name="this model")
+        else:
+            spec = ModelSpec(name="this model", params=sum(p.numel() for p in model.parameters()))
         seq = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 512
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        breakdown = estimate(spec, TrainingShape(micro_batch=1, seq_len=seq, precision=precision), "single")
-        total = f"{breakdown.total / 2**30:.1f} GiB per GPU at micro-batch 1"
+        shape = TrainingShape(micro_batch=1, seq_len=seq, precision=precision, method=method,
+                              gradient_checkpointing=bool(args.gradient_checkpointing))
+        breakdown = estimate(spec, shape, "single")
+        total = f"{breakdown.total / 2**30:.1f} GiB per GPU at micro-batch 1 ({method})"
         if torch.cuda.is_available():
             total += f" of {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB"
-        return total + " (run `hf-gpu-train plan-memory --params N` for each strategy)"
+        return total + " (run `hf-gpu-train plan-memory --model PATH --method auto` for each method and strategy)"
     except (ImportError, AttributeError, TypeError, ValueError, KeyError, RuntimeError):
         return None
+
+
+def _peft_method(model) -> str:
+    """lora for a peft model, qlora when its base is 4-bit (bitsandbytes), else full."""
+    if not hasattr(model, "peft_config"):
+        return "full"
+    quantized = getattr(getattr(model, "config", None), "quantization_config", None)
+    return "qlora" if quantized is not None else "lora"

@@ -1,0 +1,25 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_gpu_train.training.remedies import planner_estimate
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+ARGS = SimpleNamespace(bf16=False, fp16=False, gradient_checkpointing=False)
+INPUTS = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
+
+
+def test_the_estimate_follows_the_method_the_model_trains_with():
+    assert "(full)" in planner_estimate(ARGS, tiny_llama(), INPUTS)
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    text = planner_estimate(ARGS, lora, INPUTS)
+    assert "(lora)" in text and "--method auto" in text
