@@ -166,3 +166,13 @@ def test_max_train_samples_draws_from_every_class_of_a_sorted_file(tmp_path):
                                                       "max_eval_samples=4"]))
     assert len(data.train) == 10 and set(class_counts(data.train, data.label_names)) == {"neg", "pos"}
     assert len(data.validation) == 4 and set(class_counts(data.validation, data.label_names)) == {"neg", "pos"}
+
+
+def test_too_small_to_carve_exits_2_with_one_line_before_anything_is_written(tmp_path, capsys):
+    from hf_gpu_train.finetune.run import main
+
+    train = write(tmp_path / "t.csv", rows_of({"neg": 3, "pos": 1}), "csv")
+    assert main(["dataset=none", f"train_file={train}", f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "class 'pos' has 1 row" in err and "at least 2 rows in every class" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
