@@ -251,3 +251,29 @@ def run_search(space: CandidateSpace, budget_s: float, run_trial: RunTrial | Non
         except StopIteration:
             candidate = None
     return SearchOutcome(tuple(results), tuple(search.notes), spent, needs_trials=False)
+
+
+def grid(space: CandidateSpace) -> list[Candidate]:
+    """Every candidate of the space the planner allows, micro-batch fastest-varying: the exhaustive search that
+    ``benchmarks/tune_vs_grid.py`` sets against ``Search``."""
+    found = []
+    for precision in space.precisions:
+        for compiled in space.compile:
+            for packing in space.packing:
+                for ckpt in space.checkpointing:
+                    for workers in space.workers:
+                        for micro in space.micro_batches:
+                            c = replace(space.base.with_micro_batch(micro), gradient_checkpointing=ckpt, dataloader_num_workers=workers,
+                                        precision=precision, torch_compile=compiled, packing=packing)
+                            if space.planner_allows(c):
+                                found.append(c)
+    return found
+
+
+def run_grid(space: CandidateSpace, run_trial: RunTrial, warmup_steps: int = WARMUP_STEPS,
+             measure_steps: int | None = None) -> SearchOutcome:
+    """Run every candidate (no budget, no early stop), with the same trial runner and step count as the search."""
+    results: list[TrialResult] = []
+    for candidate in grid(space):
+        results.append(run_trial(candidate, warmup_steps, measure_steps or measure_steps_of(results)))
+    return SearchOutcome(tuple(results), (f"grid: {len(results)} candidate(s)",), sum(r.seconds for r in results), False)

@@ -6,7 +6,8 @@ measurement, and writes the results to the file the spec names after every trial
 still leaves what it measured. The spec is written by ``cli/tune.py``::
 
     {"recipe": "recipes/x.yaml" | null, "overrides": ["key=value", ...], "space": CandidateSpace, "budget_s": 60,
-     "warmup_steps": 2, "measure_steps": null, "cached": [TrialResult, ...], "results_path": ..., "output_dir": ...}
+     "warmup_steps": 2, "measure_steps": null, "cached": {candidate key: TrialResult}, "results_path": ...,
+     "output_dir": ..., "search": "tune" | "grid"}
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def run(spec: dict, started: float) -> int:
     _quiet_libraries()
     from .candidates import Candidate, CandidateSpace
     from .results import TrialResult
-    from .search import run_search
+    from .search import run_grid, run_search
     from .trials import TrialSession, combine, trial_line
 
     space = CandidateSpace.from_dict(spec["space"])
@@ -99,7 +100,10 @@ def run(spec: dict, started: float) -> int:
         return result
 
     cached = {k: TrialResult.from_dict(v) for k, v in spec.get("cached", {}).items()}
-    outcome = run_search(space, spec["budget_s"], run_trial, cached, spec["warmup_steps"], spec.get("measure_steps"))
+    if spec.get("search") == "grid":  # benchmarks/tune_vs_grid.py: every candidate, for comparison
+        outcome = run_grid(space, run_trial, spec["warmup_steps"], spec.get("measure_steps"))
+    else:
+        outcome = run_search(space, spec["budget_s"], run_trial, cached, spec["warmup_steps"], spec.get("measure_steps"))
     _broadcast(None, world)  # the others leave their loop (after an error every process stops instead)
     _write(results_path, {**doc, "trials": [r.to_dict() for r in outcome.results], "notes": list(outcome.notes),
                           "spent_s": round(outcome.spent_s, 2), "complete": True})

@@ -112,3 +112,15 @@ def test_a_rerun_replays_the_saved_measurements_without_a_trial_and_a_larger_bud
     assert [r.from_cache for r in again.results if r.ran] == [True, True]
     assert choose(again.results, sp.metric, sp.base).winner.candidate == choose(first.results, sp.metric, sp.base).winner.candidate
     assert run_search(sp, 500.0, None, saved).needs_trials
+
+
+def test_the_grid_is_every_candidate_the_planner_allows_with_the_same_trial_runner():
+    from hf_gpu_train.tune.search import grid, run_grid
+
+    sp = space(per_process=8, workers=0)
+    candidates = grid(sp)
+    assert len(candidates) == 4 * 2 * 2 == len({c.key for c in candidates})  # micro 1,2,4,8 x checkpointing x workers 0,2
+    assert all(c.micro_batch * c.accumulation == 8 for c in candidates)
+    m = Machine(oom_above=4)
+    outcome = run_grid(sp, m.run)
+    assert [r.candidate for r in outcome.results] == candidates == m.calls
