@@ -35,12 +35,12 @@ class Candidate:
     dataloader_num_workers: int
     precision: str
     torch_compile: bool = False
-    packing: bool | None = None
+    packing: bool | str | None = None
 
     @property
     def key(self) -> str:
         """Stable text key (cache, de-duplication)."""
-        packing = "-" if self.packing is None else int(self.packing)
+        packing = "-" if self.packing is None else str(self.packing).lower()
         return (f"mb{self.micro_batch}xga{self.accumulation}|ckpt{int(self.gradient_checkpointing)}|w{self.dataloader_num_workers}"
                 f"|{self.precision}|compile{int(self.torch_compile)}|pack{packing}")
 
@@ -51,7 +51,7 @@ class Candidate:
         if self.torch_compile:
             parts.append("torch.compile")
         if self.packing is not None:
-            parts.append("packing" if self.packing else "no packing")
+            parts.append({True: "packing", False: "no packing"}.get(self.packing, f"packing {self.packing}"))
         return ", ".join(parts)
 
     def config_values(self, world_size: int) -> dict:
@@ -104,7 +104,7 @@ class CandidateSpace:
     workers: tuple[int, ...]
     precisions: tuple[str, ...]
     compile: tuple[bool, ...]
-    packing: tuple[bool | None, ...]
+    packing: tuple[bool | str | None, ...]
     metric: str  # "tokens/s" (text: tokens are counted) or "samples/s"
     on_cuda: bool
     verdicts: tuple[PlannerVerdict, ...] = ()  # empty: no memory plan, nothing pruned
@@ -211,7 +211,7 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     precision = {"fp8": "bf16"}.get(precision, precision)
     base = Candidate(micro_batch=start, accumulation=per_process // start, gradient_checkpointing=bool(v.get("gradient_checkpointing")),
                      dataloader_num_workers=_base_workers(v, inputs, notes), precision=precision,
-                     torch_compile=bool(v.get("torch_compile")), packing=v.get("packing") if _has_packing(v) else None)
+                     torch_compile=bool(v.get("torch_compile")), packing=v.get("packing") if inputs.task == "causal-lm" else None)
     checkpointing = _options(base.gradient_checkpointing, (not base.gradient_checkpointing,),
                              open_axis("checkpointing", "gradient_checkpointing"))
     workers = _options(base.dataloader_num_workers, _worker_options(base.dataloader_num_workers, inputs.planned_workers),
@@ -225,8 +225,8 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
         notes.append(f"compile: {CPU_COMPILE_NOTE}")
     compile_options = _options(base.torch_compile, (not base.torch_compile,), compile_open and inputs.on_cuda)
     packing = (None,)
-    if base.packing is not None:
-        packing = _options(base.packing, (not base.packing,), open_axis("packing", "packing"))
+    if base.packing is not None:  # packed rows where the model's attention allows (auto, true), or padded examples
+        packing = _options(base.packing, (False,) if base.packing in (True, "auto") else ("auto",), open_axis("packing", "packing"))
     verdicts = _verdicts(rungs, checkpointing, precisions, memory_check)
     if memory_check is not None and not verdicts:
         notes.append("memory: the plan has no memory model (`hf-gpu-train config` without --model): the planner prunes nothing")
@@ -234,11 +234,6 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     return CandidateSpace(base=base, world_size=inputs.world_size, micro_batches=rungs, checkpointing=checkpointing,
                           workers=workers, precisions=precisions, compile=compile_options, packing=packing, metric=metric,
                           on_cuda=inputs.on_cuda, verdicts=verdicts, notes=tuple(notes))
-
-
-def _has_packing(values: Mapping[str, object]) -> bool:
-    """Packing is an axis only where the config has it (the causal-LM task): a bool value, not None."""
-    return isinstance(values.get("packing"), bool)
 
 
 def _base_workers(values: Mapping[str, object], inputs: TuneInputs, notes: list) -> int:

@@ -28,7 +28,8 @@ def active(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class SlowCollate:
-    """A collate function that sleeps first (a module-level class: DataLoader workers may pickle it)."""
+    """A collate function that sleeps first (a module-level class: DataLoader workers may pickle it); the wrapped
+    collator's attributes (``packs_examples``) show through."""
 
     def __init__(self, collate, seconds: float):
         self.collate = collate
@@ -38,11 +39,17 @@ class SlowCollate:
         time.sleep(self.seconds)
         return self.collate(batch)
 
+    def __getattr__(self, name: str):
+        if name == "collate":
+            raise AttributeError(name)
+        return getattr(self.collate, name)
 
-def install(model, collator, environ: Mapping[str, str]) -> tuple[object, list[str]]:
-    """(the collator to use, what was installed) for the variables set in ``environ``."""
+
+def install(model, collator, environ: Mapping[str, str], collate_only: bool = False) -> tuple[object, list[str]]:
+    """(the collator to use, what was installed) for the variables set in ``environ``; ``collate_only``: leave the
+    model alone (it has its injector already)."""
     notes = []
-    if environ.get(OOM_ENV):
+    if environ.get(OOM_ENV) and not collate_only:
         from ..training import OOMFaultInjector
 
         limit = int(environ[OOM_ENV])

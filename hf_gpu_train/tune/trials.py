@@ -18,12 +18,13 @@ import dataclasses
 import gc
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..finetune.config import ConfigError, FinetuneConfig
 from .candidates import Candidate
+from .lm_layouts import Layout, prepared_layout
 from .results import FAILED, OK, OOM, SKIPPED, TrialResult
 from .search import MEASURE_STEPS_RANGE, measure_steps_for
 
@@ -93,18 +94,26 @@ class TrialSession:
         self.cfg = cfg
         self.output_dir = output_dir
         self.runtime = resolve_runtime(cfg)
-        self.state = PartialState(cpu=not self.runtime.on_cuda)  # the process group, before the first trial's Trainer
+        state = PartialState(cpu=not self.runtime.on_cuda)  # the process group, before the first trial's Trainer
+        self.rank, self.world_size = state.process_index, state.num_processes
         set_seed(cfg.seed)
-        self.model, self.train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
-        self.collator, self.notes = test_hooks.install(self.model, collator, environ)
+        self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
+        collator, self.notes = test_hooks.install(self.model, collator, environ)
+        self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
 
-    @property
-    def rank(self) -> int:
-        return self.state.process_index
+    def layout(self, packing) -> Layout:
+        """The data of a candidate: as prepared, or (causal LM) the other packing layout, built once."""
+        if packing is None or packing == self.cfg.packing:
+            return self.layouts[None]
+        if packing not in self.layouts:
+            from . import test_hooks
+            from .lm_layouts import build_layout
 
-    @property
-    def world_size(self) -> int:
-        return self.state.num_processes
+            built = build_layout(packing, self.cfg, self.model, self.processing_class, self.data, self.runtime.on_cuda)
+            if built.collator is not None:
+                built = replace(built, collator=test_hooks.install(None, built.collator, os.environ, collate_only=True)[0])
+            self.layouts[packing] = built
+        return self.layouts[packing]
 
     def run(self, candidate: Candidate, warmup_steps: int, measure_steps: int | None) -> LocalMeasurement:
         """One trial; ``measure_steps`` None: this trial decides the count (``LocalMeasurement.measured_steps``)."""
@@ -117,6 +126,9 @@ class TrialSession:
         from ..training import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
         from .meter import TrialMeter
 
+        layout = self.layout(candidate.packing)
+        if layout.train is None:
+            return LocalMeasurement(SKIPPED, layout.reason)
         cfg = trial_config(self.cfg, candidate, self.world_size, warmup_steps, measure_steps, self.output_dir)
         runtime = resolve_runtime(cfg, profile=self.runtime.profile)
         device = torch.device("cuda", torch.cuda.current_device()) if runtime.on_cuda else torch.device("cpu")
@@ -125,7 +137,7 @@ class TrialSession:
         trainer = recovery = telemetry = meter = None
         outcome: tuple[str, str] = (OK, "")
         try:
-            trainer = build_trainer(cfg, runtime, self.model, self.train, self.validation, self.collator, self.processing_class,
+            trainer = build_trainer(cfg, runtime, self.model, layout.train, self.validation, layout.collator, self.processing_class,
                                     trainer_class=Trainer)
             recovery = enable_oom_recovery(trainer)
             telemetry = attach_telemetry(trainer, compact_console=False, write_report=False)
@@ -158,6 +170,8 @@ class TrialSession:
             failed_micro_batch=min(failed) if failed else None, measured_steps=meter.measure_steps if meter else measure_steps)
         self._close(trainer, recovery, telemetry, meter)
         trainer = recovery = telemetry = meter = None  # the last references: the collection below frees them
+        if candidate.torch_compile:
+            torch.compiler.reset()  # the compiled graphs of this trial are not needed again
         gc.collect()
         if runtime.on_cuda:
             torch.cuda.empty_cache()

@@ -52,10 +52,11 @@ class Machine:
         return TrialResult(c, OOM, "injected", rescued_micro_batch=rescued, failed_micro_batch=failed, **common)
 
 def space(per_process: int = 32, start: int | None = None, world: int = 1, workers: int = 0, precision: str = "fp32",
-          fixed: frozenset = frozenset(), on_cuda: bool = False, memory_check=None, axes=None, **values) -> CandidateSpace:
+          fixed: frozenset = frozenset(), on_cuda: bool = False, memory_check=None, axes=None, task: str = "text-classification",
+          **values) -> CandidateSpace:
     v = {"per_device_train_batch_size": start or per_process, "global_batch_size": per_process * world,
          "gradient_checkpointing": False, "dataloader_num_workers": workers, "precision": precision, "torch_compile": False, **values}
-    inputs = TuneInputs(values=v, fixed=fixed, task="text-classification", world_size=world, on_cuda=on_cuda,
+    inputs = TuneInputs(values=v, fixed=fixed, task=task, world_size=world, on_cuda=on_cuda,
                         planned_micro_batch=start, planned_workers=workers)
     if axes is not None:
         inputs = replace(inputs, axes=axes)

@@ -41,8 +41,10 @@ def test_axis_options_start_with_the_runs_own_setting():
     assert f"compile: {CPU_COMPILE_NOTE}" in cpu.notes
     t4 = space(per_process=16, precision="fp16", on_cuda=True)
     assert t4.precisions == ("fp16",) and "precision: fp16 is the only fast one here" in t4.notes
-    lm = space(per_process=16, packing=True)
-    assert lm.packing == (True, False) and lm.base.packing is True
+    lm = space(per_process=16, task="causal-lm", packing="auto")
+    assert lm.packing == ("auto", False) and lm.base.describe().endswith("packing auto")
+    assert space(per_process=16, task="causal-lm", packing=False).packing == (False, "auto")
+    assert space(per_process=16, packing="auto").packing == (None,)  # classifiers have no packing
 
 
 def test_keys_set_on_the_command_line_are_not_tuned():
@@ -55,11 +57,11 @@ def test_keys_set_on_the_command_line_are_not_tuned():
 
 
 def test_the_space_travels_as_json():
-    sp = space(per_process=24, world=2, workers=4, precision="bf16", on_cuda=True, packing=False)
+    sp = space(per_process=24, world=2, workers=4, precision="bf16", on_cuda=True, task="causal-lm", packing=False)
     again = CandidateSpace.from_dict(json.loads(json.dumps(sp.to_dict())))
     assert again == sp
     c = sp.base.with_micro_batch(6)
-    assert Candidate.from_dict(json.loads(json.dumps(c.to_dict()))) == c and c.key == "mb6xga4|ckpt0|w4|bf16|compile0|pack0"
+    assert Candidate.from_dict(json.loads(json.dumps(c.to_dict()))) == c and c.key == "mb6xga4|ckpt0|w4|bf16|compile0|packfalse"
 
 
 def planned_t4(tmp_path: Path) -> Path:
