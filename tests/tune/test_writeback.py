@@ -63,3 +63,19 @@ def test_the_yaml_keeps_its_header_gets_one_block_and_the_winners_precision(tmp_
     assert text.splitlines()[0].startswith("# accelerate config for 1x-h200")
     assert command is not None and generating_command(tmp_path / "box.yaml") == command  # the launcher still knows it is ours
     assert load_config_from_file(str(tmp_path / "box.yaml")).mixed_precision == "fp16"
+
+
+def test_the_gpu_check_sets_the_planner_estimate_beside_every_measured_peak(tmp_path):
+    from hf_gpu_train.tune.gpu_check import planner_errors
+
+    from .test_candidates import planned_t4
+
+    config = planned_t4(tmp_path)
+    args = ["max_length=512", "global_batch_size=64"]
+    job = load_job(str(config), "scripts/finetune.py", args, {})
+    c = job.space.base.with_micro_batch(8)
+    estimate = job.space.verdict(c).estimate_bytes
+    results = [TrialResult(c, OK, samples_per_s=10.0, peak_memory_bytes=int(estimate * 1.25), device_memory_bytes=16 * 2**30)]
+    write_winner(config, choose(results, job.space.metric, job.space.base), results, job.space, "S", "now", None, args, "r.md", 60.0)
+    rows = planner_errors(config, args)
+    assert rows[1] == [c.describe(), f"{estimate * 1.25 / 2**30:.2f}", f"{estimate / 2**30:.2f}", "+25.0"]
