@@ -1,9 +1,10 @@
 """`hf-gpu-train tune`: the fastest settings that fit, measured on the real model in about a minute.
 
-Modules, one concern each (only ``trials``, ``meter`` and ``worker`` import torch, and only in the training
-processes): ``candidates`` (what may be tried, what the planner rules out), ``search`` (order, early stopping, the
-time budget), ``results`` (a trial's measurements, the winner), ``trials`` / ``meter`` / ``worker`` (the trials in
-the launched processes), ``cache`` (NAME.tune.json), ``writeback`` (the winner into NAME.plan.json and NAME.yaml, with
-backups), ``report`` / ``plot`` (NAME.tune_report.md and its PNG), ``test_hooks`` (a memory limit for CPU tests),
-``gpu_check`` (for scripts/gpu_check.py).
+Modules, one concern each (only ``trials``, ``meter``, ``lm_layouts`` and ``worker`` import torch, and only in the
+training processes): ``job`` (the config, plan, recipe and processes, read without torch), ``candidates`` (what may be
+tried, what the planner rules out), ``search`` (order, early stopping, the time budget), ``results`` (a trial's
+measurements, the winner), ``trials`` / ``meter`` / ``lm_layouts`` / ``worker`` (the trials in the launched
+processes), ``cache`` (NAME.tune.json), ``writeback`` (the winner into NAME.plan.json and NAME.yaml, with backups),
+``report`` / ``plot`` (NAME.tune_report.md and its PNG), ``test_hooks`` (a memory limit and slow loading for CPU
+tests), ``gpu_check`` (for scripts/gpu_check.py). The command is ``cli/tune.py``.
 """
