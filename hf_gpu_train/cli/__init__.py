@@ -7,15 +7,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
+from ..closed_pipe import EXIT_CLOSED_PIPE, until_the_pipe_closes  # noqa: F401 (EXIT_CLOSED_PIPE: the status, see closed_pipe)
 from ..errors import UsageError
-
-# A reader that stops early (`hf-gpu-train machines | head -1`) closes the pipe. C tools die of SIGPIPE there,
-# which a shell reports as 128 + 13 = 141; we exit with the same status, quietly, so `set -o pipefail` scripts see
-# what they see for `cat | head`, and nobody is told that a complete write happened when it did not.
-EXIT_CLOSED_PIPE = 141
 
 SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory", "report", "tune")
 
@@ -49,27 +44,8 @@ def _run(argv: list[str] | None) -> int:
         return 130
 
 
-def _stdout_to_devnull() -> None:
-    """Point fd 1 at /dev/null, so the interpreter's last flush at exit cannot fail again (Python docs, signal module,
-    "Note on SIGPIPE"). Under pytest's capture stdout has no file descriptor, and there is nothing to redirect."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        try:
-            return _run(argv)
-        finally:
-            sys.stdout.flush()  # a closed pipe surfaces here, inside the try, not as a traceback at interpreter exit
-    except BrokenPipeError:
-        _stdout_to_devnull()
-        return EXIT_CLOSED_PIPE
+    return until_the_pipe_closes(lambda: _run(argv))
 
 
 def entry_point() -> None:

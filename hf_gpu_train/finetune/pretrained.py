@@ -92,9 +92,14 @@ def create_timm_model(cfg: FinetuneConfig, weights: VisionWeights, num_classes: 
     if weights.source == "scratch":
         return timm.create_model(weights.timm_name, num_classes=num_classes)
     if weights.source == "file":
+        overlay = {"file": str(weights.file)}
+        if classes_in_file(weights.file, weights.timm_name) == num_classes:
+            # timm drops the classifier of a file whose class count differs from the model's pretrained_cfg
+            # (1000 for ImageNet names), even when it matches this run's: say the file's count, so a fine-tuned
+            # checkpoint of the same classes starts with its own head, not a random one
+            overlay["num_classes"] = num_classes
         try:
-            return timm.create_model(weights.timm_name, num_classes=num_classes, pretrained=True,
-                                     pretrained_cfg_overlay={"file": str(weights.file)})
+            return timm.create_model(weights.timm_name, num_classes=num_classes, pretrained=True, pretrained_cfg_overlay=overlay)
         except (RuntimeError, ValueError, KeyError, OSError) as error:  # wrong architecture, not a weights file
             raise ConfigError(f"pretrained_weights={cfg.pretrained_weights!r} cannot be loaded into timm model {weights.timm_name} "
                               f"({type(error).__name__}: {_first_line(error)}): give weights saved from that model, or pretrained=false "
@@ -104,6 +109,33 @@ def create_timm_model(cfg: FinetuneConfig, weights: VisionWeights, num_classes: 
     except OSError as error:  # offline, hub unreachable, no such file on the hub (huggingface_hub and urllib errors are OSErrors)
         raise ConfigError(f"model={cfg.model!r} with pretrained=true: its weights cannot be fetched from the Hugging Face hub "
                           f"({type(error).__name__}: {_first_line(error)}): {_both_fixes(weights.timm_name)}") from None
+
+
+def classes_in_file(path: Path, timm_model: str) -> int | None:
+    """Rows of the classifier weight in a weights file (read lazily where the format allows), or None."""
+    from timm.models import get_pretrained_cfg
+
+    classifier = get_pretrained_cfg(timm_model).classifier
+    names = [classifier] if isinstance(classifier, str) else list(classifier or ())
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                shapes = {k: f.get_slice(k).get_shape() for k in f.keys() if k.endswith(".weight")}
+        else:
+            import torch
+
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state) if isinstance(state, dict) else state
+            shapes = {k: list(v.shape) for k, v in state.items() if k.endswith(".weight") and hasattr(v, "shape")}
+    except (OSError, RuntimeError, ValueError, KeyError, AttributeError):
+        return None  # the load below names the problem
+    for name in names:
+        shape = shapes.get(f"{name}.weight")
+        if shape:
+            return int(shape[0])
+    return None
 
 
 def _first_line(error: BaseException) -> str:

@@ -223,6 +223,12 @@ def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..closed_pipe import until_the_pipe_closes
+
+    return until_the_pipe_closes(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -248,8 +248,17 @@ def from_timm(name: str, image_size: int, num_classes: int = 1000) -> ModelSpec:
     return ModelSpec(name=f"timm/{name}", activation_bytes_per_sample_fp32=saved or None, **census)
 
 
+BUILTIN_MODELS = {"builtin:efficientnet_lite0": "timm/tf_efficientnet_lite0"}  # finetune/pretrained.py: the shipped weights
+
+
 def resolve_model(name_or_path: str, image_size: int = 224) -> ModelSpec:
-    """``timm/NAME`` or a timm model name -> timm; anything else -> a Hugging Face config."""
+    """``timm/NAME`` or a timm model name -> timm; ``builtin:minilm`` -> the shipped MiniLM's config; anything
+    else -> a Hugging Face config (local directory or hub id)."""
+    if name_or_path == "builtin:minilm":
+        from ..finetune.builtin import minilm_path
+
+        return from_hf_config(minilm_path())
+    name_or_path = BUILTIN_MODELS.get(name_or_path, name_or_path)
     if name_or_path.startswith("timm/"):
         return from_timm(name_or_path.split("/", 1)[1], image_size)
     if not Path(name_or_path).exists():

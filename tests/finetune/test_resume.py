@@ -113,3 +113,20 @@ def test_another_number_of_processes_with_the_same_effective_batch_resumes_at_th
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "CPU x2" in resumed.stdout
     assert_same_params(load_file(out / "model.safetensors"), load_file(whole / "model.safetensors"))
+
+
+def test_scripts_finetune_into_a_closed_pipe_ends_quietly(tmp_path, case):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    assert main(args(case, out)) == 0  # a finished run: the rerun only prints its results
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, str(SCRIPT), *args(case, out)], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=300)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141 and "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr

@@ -159,5 +159,6 @@ def test_unreadable_image_exits_2(tmp_path, capsys):
         for i in range(4):
             Image.new("RGB", (8, 8)).save(root / label / f"{i}.png")
     (root / "a" / "bad.jpg").write_bytes(b"\x00garbage")
-    assert main(["task=image-classification", "model=timm/test_resnet", f"dataset=imagefolder:{root}", f"output_dir={tmp_path / 'o'}"]) == 2
+    assert main(["task=image-classification", "model=timm/test_resnet", "pretrained=false", f"dataset=imagefolder:{root}",
+                 f"output_dir={tmp_path / 'o'}"]) == 2
     assert "bad.jpg" in capsys.readouterr().err

@@ -50,6 +50,20 @@ def test_pretrained_weights_file_gives_the_backbone_and_a_new_head(tmp_path):
     assert model.model.fc.out_features == 3
 
 
+@pytest.mark.parametrize("suffix", ["safetensors", "pth"])
+def test_a_fine_tuned_checkpoint_of_the_same_classes_keeps_its_head(tmp_path, suffix):
+    """timm drops a file's classifier when its class count differs from the ImageNet default, even when it is this
+    run's: a warm start from our own 3-class fine-tune would begin with a random head."""
+    torch.manual_seed(1)
+    source = timm.create_model("test_resnet", num_classes=3)
+    path = tmp_path / f"mine.{suffix}"
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    save_file(state, str(path)) if suffix == "safetensors" else torch.save(state, path)
+    model = load_vision_model(load_config(None, [*VISION, "model=timm/test_resnet", f"pretrained_weights={path}"]), ["a", "b", "c"])
+    assert torch.equal(model.model.fc.weight, source.fc.weight) and torch.equal(model.model.fc.bias, source.fc.bias)
+    assert torch.equal(model.model.conv1[0].weight, source.conv1[0].weight)
+
+
 def test_weights_of_another_architecture_are_a_config_error(tmp_path):
     _, path = weights_file(tmp_path, "test_efficientnet")
     cfg = load_config(None, [*VISION, "model=timm/test_resnet", f"pretrained_weights={path}"])

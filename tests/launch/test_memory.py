@@ -97,3 +97,12 @@ def test_real_model_config_read_without_weights():
     assert spec.layer_class == "BertLayer"
     with pytest.raises(Exception, match="cannot read a model config"):
         resolve_model("/no/such/model/dir")
+
+
+def test_the_shipped_builtin_models_are_known_to_the_planner():
+    from hf_gpu_train.launch.model_spec import resolve_model
+
+    lite0 = resolve_model("builtin:efficientnet_lite0", image_size=64)
+    assert "tf_efficientnet_lite0" in lite0.name and 4.5e6 < lite0.params < 5e6  # EfficientNet-Lite0: 4.65M parameters
+    minilm = resolve_model("builtin:minilm")
+    assert 22e6 < minilm.params < 23.5e6 and minilm.num_layers == 6 and minilm.hidden_size == 384
