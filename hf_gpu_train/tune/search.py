@@ -5,7 +5,8 @@ the axis that matters most first and stops each axis as soon as it stops paying:
 
 1. micro-batch, from the planner's (or the recipe's) value: up by roughly doubling while throughput improves by
    more than the noise and the candidate fits; down (to below the smallest micro-batch known to fail, which the
-   OOM recovery reports) when the start does not fit. Micro-batches the planner rules out are never tried.
+   OOM recovery reports) when the start does not fit; then, where nothing smaller was measured, about half the best
+   once (followed down while faster). Micro-batches the planner rules out are never tried.
 2. gradient checkpointing, only where memory stopped the climb: it is slower per sample and pays only when it
    lets a larger micro-batch fit (or, when the run has it on, off at the best micro-batch).
 3. dataloader workers, only when the best candidate waited for data (``DATA_WAIT_GATE_PCT``): with no data wait,
@@ -68,6 +69,8 @@ class Search:
         base = self.space.base
         best_micro, failing, why = yield from self._ladder(base, base.micro_batch)
         self.notes.append(f"micro-batch: {why}")
+        if best_micro is not None:
+            best_micro = yield from self._below(base, best_micro)
         yield from self._checkpointing(failing, best_micro)
         top = self.fastest()
         if top is None:
@@ -146,6 +149,23 @@ class Search:
             if not self._faster(trial, result):
                 return micro, None, f"micro-batch {nxt} is not faster than {micro} by more than the noise: stopped climbing"
             micro, result = nxt, trial
+
+    def _below(self, template: Candidate, micro: int) -> Steps:
+        """Where the ladder never rose above its start, or the descent stopped at the first fit, the micro-batch about
+        half as large is unmeasured: tried once, and followed down while it is faster (a micro-batch at the edge of
+        memory can be slower than a smaller one: allocator retries, fragmentation)."""
+        best = self.results[template.with_micro_batch(micro).key]
+        while True:
+            lower = [m for m in self.space.micro_batches if m <= micro // 2]
+            if not lower or template.with_micro_batch(max(lower)).key in self.results:
+                return micro
+            below = max(lower)
+            trial = yield from self._try(template.with_micro_batch(below))
+            if trial is None or not trial.fits or not self._faster(trial, best):
+                self.notes.append(f"micro-batch {below}: {self._outcome(trial, best)} than {micro}: {micro} stays")
+                return micro
+            self.notes.append(f"micro-batch {below} is faster than {micro}: going down")
+            micro, best = below, trial
 
     def _checkpointing(self, failing: int | None, best_micro: int | None) -> Generator[Candidate, TrialResult, None]:
         if len(self.space.checkpointing) < 2:

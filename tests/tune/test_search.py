@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from hf_gpu_train.tune.results import SKIPPED, choose
@@ -23,9 +24,9 @@ def test_from_the_top_it_finds_the_largest_micro_batch_under_the_limit_and_never
     sp = space(per_process=32)  # no plan: starts at the recipe's 32
     m = Machine(oom_above=12)
     outcome, choice = search(sp, m)
-    # 32 ran out (the recovery failed at 32 and 16, rescued at 8): 16 is never tried; 8 fits; checkpointing at 16
-    # fits but is slower than 8 without it, so the ladder with checkpointing stops there
-    assert tried(m) == [(32, False, 0, "fp32"), (8, False, 0, "fp32"), (16, True, 0, "fp32")]
+    # 32 ran out (the recovery failed at 32 and 16, rescued at 8): 16 is never tried; 8 fits; 4 (half) is slower;
+    # checkpointing at 16 fits but is slower than 8 without it, so the ladder with checkpointing stops there
+    assert tried(m) == [(32, False, 0, "fp32"), (8, False, 0, "fp32"), (4, False, 0, "fp32"), (16, True, 0, "fp32")]
     assert outcome.results[0].status == "oom" and outcome.results[0].samples_per_s > outcome.results[1].samples_per_s
     assert choice.winner.candidate.micro_batch == 8 and not choice.winner.candidate.gradient_checkpointing
     assert all(c.micro_batch * c.accumulation == 32 for c in m.calls)  # the effective batch never changes
@@ -42,14 +43,30 @@ def test_it_climbs_from_the_planner_value_while_the_gain_beats_the_noise():
 
     noisy = Machine(oom_above=128, half_speed_micro=1.0, jitter=0.15)  # paired noise far above 3%: it stops sooner
     search(space(per_process=128, start=4), noisy)
-    assert [c.micro_batch for c in noisy.calls] == [4, 8]
+    assert [c.micro_batch for c in noisy.calls] == [4, 8, 2]  # 8 is not surely faster: 4 stays, and half of it is tried
+
+
+def test_below_the_start_it_goes_down_while_a_smaller_micro_batch_is_faster():
+    @dataclass
+    class Thrashing(Machine):
+        def run(self, c, warmup=2, measure=4):  # near the memory limit the allocator retries: 32 and 16 are slow
+            result = Machine.run(self, c, warmup, measure)
+            slow = {32: 0.5, 16: 0.8}.get(c.micro_batch, 1.0)
+            return replace(result, samples_per_s=result.samples_per_s * slow, tokens_per_s=result.tokens_per_s * slow,
+                           step_times_s=tuple(t / slow for t in result.step_times_s))
+
+    m = Thrashing(oom_above=32, half_speed_micro=1.0)
+    outcome, choice = search(space(per_process=32, start=32), m)
+    assert [c.micro_batch for c in m.calls][:4] == [32, 16, 8, 4]  # 16 and 8 faster each time; 4 is not
+    assert choice.winner.candidate.micro_batch == 8
+    assert "micro-batch 16 is faster than 32: going down" in outcome.notes
 
 
 def test_checkpointing_is_tried_only_where_memory_stopped_the_ladder_and_kept_when_the_larger_batch_pays():
     m = Machine(oom_above=8, ckpt_factor=4, ckpt_cost=0.1, half_speed_micro=16.0)
     _, choice = search(space(per_process=64, start=8), m)
-    assert tried(m) == [(8, False, 0, "fp32"), (16, False, 0, "fp32"), (16, True, 0, "fp32"), (32, True, 0, "fp32"),
-                        (64, True, 0, "fp32")]
+    assert tried(m) == [(8, False, 0, "fp32"), (16, False, 0, "fp32"), (4, False, 0, "fp32"), (16, True, 0, "fp32"),
+                        (32, True, 0, "fp32"), (64, True, 0, "fp32")]
     assert (choice.winner.candidate.micro_batch, choice.winner.candidate.gradient_checkpointing) == (32, True)
 
     unlimited = Machine(oom_above=64, half_speed_micro=1.0)
@@ -66,7 +83,7 @@ def test_the_planner_prunes_what_it_says_cannot_fit():
     sp = space(per_process=32, memory_check=planner)
     m = Machine(oom_above=64, ckpt_cost=0.5)
     outcome, choice = search(sp, m)
-    assert tried(m) == [(8, False, 0, "fp32"), (16, True, 0, "fp32")]  # the climb stops at the planner's limit
+    assert tried(m) == [(8, False, 0, "fp32"), (4, False, 0, "fp32"), (16, True, 0, "fp32")]  # no climb past the planner
     assert "the planner says micro-batch 16 does not fit; 8 is the largest it allows" in outcome.notes[0]
     assert [(v.micro_batch, v.gradient_checkpointing) for v in sp.pruned()] == [(16, False), (32, False)]
     assert choice.winner.candidate.micro_batch == 8
@@ -75,12 +92,12 @@ def test_the_planner_prunes_what_it_says_cannot_fit():
 def test_workers_are_tried_when_the_best_waited_for_data_and_the_faster_wins():
     waiting = Machine(oom_above=64, data_wait=((0, 0.4), (2, 0.05)))
     _, choice = search(space(per_process=16), waiting)
-    assert [c.dataloader_num_workers for c in waiting.calls] == [0, 2]
+    assert [(c.micro_batch, c.dataloader_num_workers) for c in waiting.calls] == [(16, 0), (8, 0), (16, 2)]
     assert choice.winner.candidate.dataloader_num_workers == 2
 
     fed = Machine(oom_above=64)
     outcome, choice = search(space(per_process=16), fed)
-    assert [c.dataloader_num_workers for c in fed.calls] == [0]
+    assert [c.dataloader_num_workers for c in fed.calls] == [0, 0]
     assert any("workers: not tried: the best candidate waited 0.0%" in n for n in outcome.notes)
 
 
@@ -89,7 +106,7 @@ def test_a_precision_that_is_faster_only_by_noise_does_not_win():
         m = Machine(oom_above=64, fp16_gain=gain)
         sp = space(per_process=16, precision="bf16", on_cuda=True, axes=("micro_batch", "precision"))
         _, choice = search(sp, m)
-        assert [c.precision for c in m.calls] == ["bf16", "fp16"]
+        assert [c.precision for c in m.calls] == ["bf16", "bf16", "fp16"]
         assert choice.winner.candidate.precision == expected
 
 
