@@ -220,8 +220,10 @@ def _write_and_print(job, opts, results, notes, choice, spent, startup_s, starte
     print()
     for reason in choice.reasons:
         print(f"hf-gpu-train tune: {reason}")
-    print(f"hf-gpu-train tune: {time.perf_counter() - started:.1f} s in all ({spent:.1f} s of trials"
-          + (f", model and data loaded in {startup_s:.1f} s" if startup_s is not None else "") + ")")
+    now = [r for r in results if r.ran and not r.from_cache]
+    print(f"hf-gpu-train tune: {time.perf_counter() - started:.1f} s in all: {len(now)} trial(s) run now in "
+          f"{sum(r.seconds for r in now):.1f} s" + (f", model and data loaded in {startup_s:.1f} s" if startup_s is not None else "")
+          + f"; {len(results) - len(now)} result(s) saved or skipped; {spent:.1f} s of the {opts.budget_s:.0f} s budget counted")
     print("Wrote " + ", ".join([str(written.config), str(written.plan), str(report_path)] + ([str(plot)] if plot else []))
           + (f" (your earlier {report_path.name} kept as {kept.name})" if kept else ""))
     if choice.winner is None:

@@ -80,8 +80,9 @@ def render_report(facts: RunFacts, space: CandidateSpace, choice: Choice, result
     lines = [MARK, f"# hf-gpu-train tune: {facts.config_file}", "",
              f"- machine: {facts.machine}; {space.world_size} process(es); {'CUDA' if space.on_cuda else 'CPU'}",
              f"- command: `{facts.command}`",
-             f"- {facts.when}; budget {facts.budget_s:.0f} s of trials, {facts.spent_s:.1f} s spent ({len(ran)} trial(s) run now); "
-             f"{startup}; {facts.wall_s:.1f} s in all",
+             f"- {facts.when}; budget {facts.budget_s:.0f} s of trials, {facts.spent_s:.1f} s counted (saved trials count what they "
+             f"cost when measured); {len(ran)} trial(s) run now in {sum(r.seconds for r in ran):.1f} s; {startup}; "
+             f"{facts.wall_s:.1f} s in all",
              f"- effective batch {space.effective_batch} = micro-batch x accumulation x {space.world_size}, the same for every "
              f"candidate; compared by {space.metric} over the measured steps (warm-up steps not counted)",
              f"- fits: no out-of-memory at any point (one the OOM recovery rescued at a smaller micro-batch is not eligible) and "

@@ -5,6 +5,8 @@ workers). One launch; the rerun reuses the saved measurements without one."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,16 +14,20 @@ import pytest
 from hf_gpu_train.tune.results import TrialResult
 from hf_gpu_train.tune.test_hooks import OOM_ENV, SLOW_COLLATE_ENV
 
-from ..launching import ROOT, cpu_config, hf_gpu_train
+from ..launching import ROOT, cpu_config
 from ..scaling.finetune_cases import text_case
 
 pytestmark = pytest.mark.slow
 
 
 def tune(config, case, env) -> tuple:
+    """The tune command, in a Python that checks, after it, that the command itself never imported torch."""
+    argv = ["tune", "--axes", "micro_batch,workers", "--budget-s", "600", "--config-file", str(config), "scripts/finetune.py",
+            *case, "global_batch_size=16"]
+    code = (f"import sys; from hf_gpu_train.cli import main; rc = main({argv!r}); "
+            "assert 'torch' not in sys.modules, 'the tune command imported torch'; sys.exit(rc)")
     start = time.perf_counter()
-    run = hf_gpu_train("tune", "--axes", "micro_batch,workers", "--budget-s", "600", "--config-file", str(config),
-                       "scripts/finetune.py", *case, "global_batch_size=16", cwd=ROOT, env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     return run, time.perf_counter() - start
 
 
