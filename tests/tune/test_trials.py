@@ -55,3 +55,45 @@ def test_a_causal_lm_trains_both_packing_layouts_from_one_loaded_model(tmp_path)
     assert session.layout(False) is session.layout(False)  # built once
     assert len(session.layout("auto").train) < len(session.layout(False).train) == 64  # rows hold several examples
     assert all(r.status == "ok" and r.tokens_per_s > 0 and r.measured_steps == 3 for r in results.values())
+
+
+@pytest.mark.slow
+def test_trials_share_one_model_and_leave_nothing_behind(tmp_path):
+    """After a trial with checkpointing the model has it off again, no Trainer (and so no optimizer state) survives,
+    and the gradient hooks the OOM recovery put on the shared parameters are gone."""
+    import gc
+    import warnings
+
+    import torch
+    from transformers import Trainer
+
+    from hf_gpu_train.tune.trials import TrialSession
+
+    from ..scaling.finetune_cases import text_case
+
+    cfg = load_config(None, [*text_case(tmp_path), "global_batch_size=16", f"output_dir={tmp_path / 'out'}"])
+    session = TrialSession(cfg, str(tmp_path / "trials"), environ={})
+
+    def hooks() -> int:  # post-accumulate-grad hooks on the shared parameters (the recovery's gradient reducer adds one each)
+        counted = 0
+        for p in session.model.parameters():
+            p.grad = None
+            counted += len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+        return counted
+
+    before = hooks()
+    checkpointed = combine(C, [session.run(replace_ckpt(C), 1, 3)], 1, 1.0, 1)
+    assert checkpointed.status == "ok" and not session.model.is_activation_checkpointing
+    plain = combine(C, [session.run(C, 1, 3)], 1, 1.0, 1)
+    gc.collect()
+    assert plain.status == "ok" and hooks() == before
+    with warnings.catch_warnings():  # isinstance over every object touches torch's deprecated aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        survivors = [o for o in gc.get_objects() if isinstance(o, (Trainer, torch.optim.Optimizer))]
+    assert not survivors
+
+
+def replace_ckpt(candidate: Candidate) -> Candidate:
+    from dataclasses import replace
+
+    return replace(candidate, gradient_checkpointing=True)
