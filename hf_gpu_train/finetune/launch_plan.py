@@ -29,7 +29,10 @@ class AppliedPlan:
         return plan_record(self.plan, self.resolution, self.memory, measured_peak_bytes, measured_what)
 
 
-def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=None) -> tuple[FinetuneConfig, AppliedPlan | None]:
+def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=None, recipe=None,
+                      command_line_keys: frozenset = frozenset()) -> tuple[FinetuneConfig, AppliedPlan | None]:
+    """``explicit_keys``: what the recipe file or the command line set; they win over the plan, except that values
+    `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line)."""
     from ..launch.run_plan import (
         APPLIED_KEYS,
         apply_run_environment,
@@ -38,13 +41,17 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         override_lines,
         resolve_with_plan,
     )
+    from ..launch.run_plan_file import tuned_keys_for
 
     environ = os.environ if environ is None else environ
     plan = load_run_plan(environ)
     if plan is None:
         return cfg, None
     lines = [f"launch plan {plan.path} ({plan.source})", *apply_run_environment(plan, environ).lines()]
-    resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit_keys)
+    tuned = (tuned_keys_for(plan, recipe) - command_line_keys) & explicit_keys
+    lines += [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
+              for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
+    resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit_keys - tuned)
     values = dict(resolution.values)
     if values.get("precision") == "fp8":  # the plan allows it; this entry point trains in bf16 at most
         values["precision"] = "bf16"

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
-from .config import ConfigError, FinetuneConfig, load_config_and_keys, save_resolved
+from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -236,7 +236,8 @@ def _main(argv: list[str] | None) -> int:
 
         config_path, overrides = parse_args(argv)
         cfg, explicit = load_config_and_keys(config_path, overrides)
-        cfg, plan = apply_launch_plan(cfg, explicit)  # before torch: NCCL and CUDA read their variables once
+        # before torch: NCCL and CUDA read their variables once
+        cfg, plan = apply_launch_plan(cfg, explicit, recipe=config_path, command_line_keys=frozenset(read_config_values(None, overrides)))
         finetune(cfg, launch_plan=plan)
     except UsageError as error:
         report_usage_error(f"finetune: error: {error}")

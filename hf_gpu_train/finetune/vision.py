@@ -31,6 +31,10 @@ class TimmClassifier(nn.Module):
             raise ConfigError(f"gradient_checkpointing=true: timm model {type(self.model).__name__} does not support it")
         self.model.set_grad_checkpointing(True)
 
+    def gradient_checkpointing_disable(self):
+        if self.supports_gradient_checkpointing:
+            self.model.set_grad_checkpointing(False)
+
 
 def load_vision_model(cfg: FinetuneConfig, label_names: list[str], weights: VisionWeights | None = None) -> TimmClassifier:
     """The timm model with its starting weights (see ``pretrained``) and a classifier for ``label_names``."""

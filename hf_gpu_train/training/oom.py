@@ -78,6 +78,10 @@ class _RecoveryHooks(TrainerCallback):
         self._check_thrash()
         return control
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self.recovery.train_ends()
+        return control
+
     def on_evaluate(self, args, state, control, **kwargs):
         self.recovery.agree_on_eval_micro_batch()
         return control
@@ -145,6 +149,12 @@ class InPlaceOOMRecovery:
         if self.state.micro_batch:
             log.info("OOM recovery: resuming with micro-batch %s recorded in the checkpoint", self.state.micro_batch)
         self.fresh = True
+
+    def train_ends(self) -> None:
+        """Take the gradient hooks off the parameters: a later Trainer on the same model must not carry them."""
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
 
     def _warn_once(self, key: str, message: str, *args) -> None:
         if key not in self._warned:

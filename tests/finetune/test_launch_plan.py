@@ -39,3 +39,22 @@ def test_the_plan_fills_what_the_recipe_leaves_open_and_an_explicit_key_wins(tmp
     assert record["values"]["global_batch_size"] == {"plan": 16, "used": 16, "reason": "test plan: global_batch_size=16"}
     assert record["values"]["per_device_train_batch_size"]["used"] == 4
     assert [o["key"] for o in record["overridden"]] == ["per_device_train_batch_size"]
+
+
+def test_values_tune_measured_for_a_recipe_win_over_that_recipe_not_over_the_command_line(tmp_path):
+    from hf_gpu_train.launch.run_plan_file import TUNED, recipe_identity
+
+    case = text_case(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("per_device_train_batch_size: 16\nglobal_batch_size: 16\n")
+    config = cpu_config(tmp_path)
+    plan_batch(config, micro=4, global_batch=16)
+    path = config.with_suffix(".plan.json")
+    plan = json.loads(path.read_text())
+    plan[TUNED] = {"recipe": recipe_identity(recipe), "keys": ["per_device_train_batch_size"]}
+    path.write_text(json.dumps(plan))
+    out = tmp_path / "out"
+    run = launch(config, SCRIPT, "--config", str(recipe), *case, *COMMON, "telemetry=false", f"output_dir={out}", timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "per_device_train_batch_size=4 measured by hf-gpu-train tune for this recipe, over the recipe's 16" in run.stdout
+    assert "batch 4 x 2 x 2 = 16" in run.stdout

@@ -1,4 +1,5 @@
-"""The tiny models and data every scaling run shares: deterministic, dropout-free, no BatchNorm.
+"""The tiny models and data every scaling run shares: deterministic, dropout-free, no BatchNorm: a BERT classifier
+(a per-batch mean loss), a timm ViT, and a Llama causal LM (a loss normalised by the number of label tokens).
 
 No dropout, because split batches would draw other random masks than the whole batch; no BatchNorm,
 because its batch statistics depend on the micro-batch (2 x 4 samples normalise differently from 8):
@@ -12,7 +13,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from hf_gpu_train.finetune.vision import TimmClassifier
 
-KINDS = ("text", "vision")
+KINDS = ("text", "vision", "causal")
 NUM_SAMPLES = 96
 
 
@@ -22,6 +23,15 @@ def text_model() -> torch.nn.Module:
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         classifier_dropout=0.0))
+
+
+def causal_model() -> torch.nn.Module:
+    """A tiny Llama: its loss is a sum over label tokens divided by the batch's token count (num_items_in_batch)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
 
 
 def vision_model() -> torch.nn.Module:
@@ -48,6 +58,16 @@ class TextData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i] * mask, "attention_mask": mask, "labels": self.labels[i]}
 
 
+class CausalData(TextData):
+    """Right-padded token sequences of varying length; padding is not predicted (label -100), so every batch has
+    its own number of label tokens and a per-micro-batch mean would weigh them wrongly."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        labels = item["input_ids"].masked_fill(item["attention_mask"] == 0, -100)
+        return {"input_ids": item["input_ids"], "attention_mask": item["attention_mask"], "labels": labels}
+
+
 class ImageData(torch.utils.data.Dataset):
     def __init__(self, n: int = NUM_SAMPLES):
         g = torch.Generator().manual_seed(0)
@@ -64,4 +84,6 @@ class ImageData(torch.utils.data.Dataset):
 def model_and_data(kind: str):
     if kind == "text":
         return text_model(), TextData()
+    if kind == "causal":
+        return causal_model(), CausalData()
     return vision_model(), ImageData()

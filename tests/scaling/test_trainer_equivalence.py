@@ -1,7 +1,8 @@
 """A plain Trainer with hf_gpu_train's guard or OOM recovery trains the same model whether the batch of 8
 runs as one batch, as 2 x 4 accumulated, on 2 gloo processes of 4 (or 2 x 2 accumulated), split by the
 OOM recovery after an out-of-memory error (in forward or in backward, on one rank only): same logged
-losses, same gradient norms, same weights. Tolerances: tests/scaling/equivalence.py."""
+losses, same gradient norms, same weights. For a classifier with a per-batch mean loss (BERT), a timm ViT, and
+a causal LM whose loss is normalised by the batch's label-token count (Llama). Tolerances: tests/scaling/equivalence.py."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def runs(tmp_path_factory) -> dict:
             results[(kind, name)] = record(out, file_name(kind, name), kind=kind, **run)
     plan = {file_name(kind, name): dict(kind=kind, **run) for kind in KINDS for name, run in TWO_PROCESSES.items()}
     plan["text-plain_Trainer"] = dict(kind="text", per_device=4, guard=False)
+    plan["causal-plain_Trainer"] = dict(kind="causal", per_device=4, guard=False)
     done = launch(cpu_config(out), Path(__file__).with_name("trainer_probe.py"), str(out), json.dumps(plan), timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     for kind in KINDS:
@@ -64,7 +66,8 @@ def runs(tmp_path_factory) -> dict:
             rank1 = torch.load(out / f"{file_name(kind, name)}.rank1.pt")
             results[(kind, name)] = rank0
             results[(kind, name, "rank 1")] = rank1
-    results[("text", "plain Trainer")] = torch.load(out / "text-plain_Trainer.rank0.pt")
+    for kind in ("text", "causal"):
+        results[(kind, "plain Trainer")] = torch.load(out / f"{kind}-plain_Trainer.rank0.pt")
     return results
 
 
@@ -93,6 +96,11 @@ def test_both_ranks_end_with_the_same_weights_and_micro_batch(runs, kind, name):
         assert torch.equal(rank0["params"][key], rank1["params"][key]), key
     if TWO_PROCESSES[name].get("oom"):
         assert rank1["ooms_raised"] >= 1 and rank0["ooms_raised"] == 0
+
+
+def test_the_plain_trainer_is_right_for_a_token_normalised_loss(runs):
+    """transformers 5's num_items_in_batch machinery is right for the losses it was made for: the guard leaves it alone."""
+    assert_same_run(runs[("causal", "plain Trainer")], runs[("causal", "reference")])
 
 
 def test_the_plain_trainer_logs_n_times_the_loss_on_n_processes(runs):

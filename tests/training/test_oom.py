@@ -178,3 +178,12 @@ def test_allocator_retries_climbing_warn_before_the_crash(monkeypatch, caplog):
             state._check_thrash()
     warnings = [r for r in caplog.records if "memory thrash" in r.getMessage()]
     assert len(warnings) == 1 and "expandable_segments:True" in warnings[0].getMessage()
+
+
+def test_the_gradient_hooks_leave_the_parameters_at_train_end(tmp_path):
+    model = exact_bert()
+    trainer = Trainer(model=model, args=oom_args(tmp_path, max_steps=2), train_dataset=TokenDataset(n=32))
+    recovery = enable_oom_recovery(trainer)
+    trainer.train()
+    assert recovery.reducer is None
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if p.requires_grad)
