@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from ..config import ConfigError, FinetuneConfig
-from .chat import assistant_spans, labels_from_spans
+from .chat import assistant_spans, labels_from_spans, render
 from .data import CHAT, TEXT, Form
 
 IGNORE = -100
@@ -67,26 +67,42 @@ def _messages(row: dict, form: Form, cfg: FinetuneConfig) -> tuple[list[dict], l
     return messages, trained
 
 
-def encode_row(row: dict, tokenizer, form: Form, cfg: FinetuneConfig) -> dict:
-    """One row -> ids, labels (untruncated) and whether its completion is empty."""
+def _chat_batch(rows: list[dict], tokenizer, form: Form, cfg: FinetuneConfig) -> list[dict]:
+    conversations = [_messages(row, form, cfg) for row in rows]
+    empty = [not trained or any(not str(messages[i]["content"] or "").strip() for i in trained)
+             for messages, trained in conversations]
+    if not cfg.completion_only_loss:  # every token: no spans to find
+        texts = [render(tokenizer, messages) for messages, _ in conversations]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [{"input_ids": x, "labels": list(x), "empty": e} for x, e in zip(ids, empty)]
+    rendered = [assistant_spans(tokenizer, messages, trained) for messages, trained in conversations]
+    encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for ids, offsets, (_, spans), e in zip(encoded["input_ids"], encoded["offset_mapping"], rendered, empty):
+        labels = [t if keep else IGNORE for t, keep in zip(ids, labels_from_spans(offsets, spans))]
+        out.append({"input_ids": ids, "labels": labels, "empty": e})
+    return out
+
+
+def encode_rows(rows: list[dict], tokenizer, form: Form, cfg: FinetuneConfig) -> list[dict]:
+    """Rows -> ids, labels (untruncated) and whether each completion is empty; the tokenizer runs once per batch."""
     if form.uses_chat_template:
-        messages, trained = _messages(row, form, cfg)
-        empty = not trained or any(not str(messages[i]["content"] or "").strip() for i in trained)
-        text, spans = assistant_spans(tokenizer, messages, trained)
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
-        learnt = labels_from_spans(encoded["offset_mapping"], spans) if cfg.completion_only_loss else [True] * len(ids)
-        labels = [t if keep else IGNORE for t, keep in zip(ids, learnt)]
-        return {"input_ids": ids, "labels": labels, "empty": empty}
+        return _chat_batch(rows, tokenizer, form, cfg)
+    eos = _eos(tokenizer)
     if form.kind == TEXT:
-        text = str(row[cfg.text_column] or "")
-        ids = tokenizer(text)["input_ids"] + _eos(tokenizer) if text.strip() else []
-        return {"input_ids": ids, "labels": list(ids), "empty": not text.strip()}
-    prompt, completion = str(row[cfg.prompt_column] or ""), str(row[cfg.completion_column] or "")
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + _eos(tokenizer)
-    prompt_labels = [IGNORE] * len(prompt_ids) if cfg.completion_only_loss else list(prompt_ids)
-    return {"input_ids": prompt_ids + completion_ids, "labels": prompt_labels + completion_ids, "empty": not completion.strip()}
+        texts = [str(row[cfg.text_column] or "") for row in rows]
+        ids = tokenizer([t if t.strip() else "" for t in texts])["input_ids"]
+        return [{"input_ids": x + eos if t.strip() else [], "labels": x + eos if t.strip() else [], "empty": not t.strip()}
+                for x, t in zip(ids, texts)]
+    prompts = tokenizer([str(row[cfg.prompt_column] or "") for row in rows])["input_ids"]
+    completions = [str(row[cfg.completion_column] or "") for row in rows]
+    answers = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    out = []
+    for prompt_ids, answer_ids, completion in zip(prompts, answers, completions):
+        prompt_labels = [IGNORE] * len(prompt_ids) if cfg.completion_only_loss else list(prompt_ids)
+        out.append({"input_ids": prompt_ids + answer_ids + eos, "labels": prompt_labels + answer_ids + eos,
+                    "empty": not completion.strip()})
+    return out
 
 
 def truncate(encoded: dict, max_length: int) -> dict:
@@ -110,9 +126,8 @@ def encode_split(ds, tokenizer, form: Form, cfg: FinetuneConfig, split: str):
 
     def encode(batch):
         out = {"input_ids": [], "labels": [], "empty": [], "truncated": [], "learnable": [], "prompt_tokens": []}
-        for i in range(len(batch[form.columns[0]])):
-            row = {name: batch[name][i] for name in form.columns}
-            encoded = encode_row(row, tokenizer, form, cfg)
+        rows = [{name: batch[name][i] for name in form.columns} for i in range(len(batch[form.columns[0]]))]
+        for encoded in encode_rows(rows, tokenizer, form, cfg):
             cut = truncate(encoded, cfg.max_length)
             for key in out:
                 out[key].append(encoded["empty"] if key == "empty" else cut[key])

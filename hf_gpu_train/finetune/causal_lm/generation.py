@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from .chat import render
@@ -153,11 +153,3 @@ def add_to_report(output_dir: Path, records: list[dict]) -> None:
     text = report.read_text()
     kept = text.split(SECTION)[0].rstrip("\n")
     report.write_text(kept + "\n\n" + "\n".join(render_markdown(records)) + "\n")
-
-
-def samples_for(cfg, data: CausalLMData, tokenizer) -> GenerationSamples:
-    return GenerationSamples(cfg, data.generation_prompts, tokenizer)
-
-
-def as_dicts(prompts: list[Prompt]) -> list[dict]:
-    return [asdict(p) for p in prompts]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..config import ConfigError, FinetuneConfig
 from .collate import PackedCollator, PaddingCollator
 from .data import CausalLMData, open_causal_lm_data
+from .packing import lengths_of
 
 
 @dataclass
@@ -29,7 +30,7 @@ class PreparedCausalLM:
 
 def _with_lengths(ds):
     """A ``length`` column for the Trainer's length-grouped sampler (it would otherwise read every row)."""
-    return ds.add_column("length", [len(ids) for ids in ds["input_ids"]])
+    return ds.add_column("length", lengths_of(ds))
 
 
 def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:

@@ -149,8 +149,43 @@ def test_chat_data_without_a_chat_template_names_the_fixes():
         require_chat_template(tiny_tokenizer(template=None), "my-base-model", "the data is messages data (messages)")
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+def test_a_template_that_rewrites_earlier_turns_is_refused_and_the_named_fix_works(tokenizer):
     rewriting = tiny_tokenizer(template="{% for m in messages %}{{ m['role'] + ':' + m['content'] + '|' + (messages|length|string) }}"
                                         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
     with pytest.raises(ConfigError, match="cannot be told apart: completion_only_loss=false"):
         encode(rewriting, [{"messages": CONVERSATION}])
+    encoded, _ = encode(rewriting, [{"messages": CONVERSATION}], "completion_only_loss=false")
+    assert encoded[0]["labels"] == encoded[0]["input_ids"] == rewriting(
+        rewriting.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet", "directory"])
+def test_every_source_gives_the_same_rows_and_a_seeded_carve(tmp_path, kind):
+    import json
+
+    import pandas as pd
+
+    from hf_gpu_train.finetune.causal_lm.data import open_causal_lm_data
+
+    rows = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(20)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    if kind == "jsonl":
+        source = ["dataset=none", f"train_file={folder / 'train.jsonl'}"]
+        (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "json":
+        source = ["dataset=none", f"train_file={folder / 'train.json'}"]
+        (folder / "train.json").write_text(json.dumps(rows))
+    elif kind in ("csv", "parquet"):
+        source = ["dataset=none", f"train_file={folder / f'train.{kind}'}"]
+        frame = pd.DataFrame(rows)
+        frame.to_csv(folder / "train.csv", index=False) if kind == "csv" else frame.to_parquet(folder / "train.parquet")
+    else:  # a local datasets directory, as load_dataset reads it
+        source = [f"dataset={folder}"]
+        pd.DataFrame(rows).to_json(folder / "train.jsonl", orient="records", lines=True)
+    cfg = load_config(None, ["task=causal-lm", "model=unused", "validation_fraction=0.25", *source])
+    data = open_causal_lm_data(cfg)
+    assert data.form.kind == PROMPT_COMPLETION and len(data.train) == 15 and len(data.validation) == 5
+    assert sorted([*data.train["prompt"], *data.validation["prompt"]]) == sorted(r["prompt"] for r in rows)
+    assert data.notes == ["validation carved from the training data at random: 5 of 20 rows (validation_fraction=0.25)"]
+    assert list(open_causal_lm_data(cfg).validation["prompt"]) == list(data.validation["prompt"])  # seeded
