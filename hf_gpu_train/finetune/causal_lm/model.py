@@ -45,6 +45,9 @@ def load_tokenizer(cfg: FinetuneConfig, path: str):
         raise ConfigError(f"model={cfg.model!r}: cannot load its tokenizer ({str(error).splitlines()[0]})") from None
     if cfg.chat_template:
         tokenizer.chat_template = Path(cfg.chat_template).expanduser().read_text()
+    if tokenizer.eos_token is None:
+        raise ConfigError(f"model={cfg.model!r}: its tokenizer has no end-of-sequence token, so a trained model could not "
+                          "learn to stop: use a model whose tokenizer defines eos_token")
     if tokenizer.pad_token_id is None:  # Llama 3 and others ship none; padding is masked out of attention and loss
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"

@@ -74,3 +74,22 @@ def test_perplexity_is_exp_of_the_eval_loss():
     assert with_perplexity({"eval_loss": 2.5, "epoch": 1.0}) == {"eval_loss": 2.5, "epoch": 1.0, "eval_perplexity": math.exp(2.5)}
     assert with_perplexity({"eval_loss": 1e4})["eval_perplexity"] == math.inf
     assert with_perplexity({"epoch": 1.0}) == {"epoch": 1.0}
+
+
+def test_lora_with_gradient_checkpointing_gives_the_adapters_the_gradients_they_get_without_it():
+    import torch
+
+    def adapter_grads(checkpointing: bool) -> dict:
+        model = apply_method(tiny_llama(300), load_config(None, [*LM, f"gradient_checkpointing={str(checkpointing).lower()}"]))
+        if checkpointing:
+            model.gradient_checkpointing_enable()  # what the Trainer does for gradient_checkpointing=true
+        model.train()
+        ids = torch.arange(3, 19).unsqueeze(0)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = adapter_grads(False), adapter_grads(True)
+    assert plain.keys() == checkpointed.keys() and len(plain) == 2 * 7 * 2  # A and B, 7 linears, 2 layers
+    for name, grad in plain.items():
+        assert torch.allclose(checkpointed[name], grad, atol=1e-7), name
+    assert all(float(g.abs().sum()) > 0 for n, g in plain.items() if "lora_B" in n)  # A's is zero while B starts at zero
