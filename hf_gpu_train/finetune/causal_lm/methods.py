@@ -70,4 +70,8 @@ def apply_method(model, cfg: FinetuneConfig):
 def trainable_summary(model) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return f"{trainable / 1e6:.2f}M of {total / 1e6:.1f}M parameters train ({trainable / max(1, total):.2%})"
+    return f"{_count(trainable)} of {_count(total)} parameters train ({trainable / max(1, total):.2%})"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
