@@ -317,9 +317,12 @@ def attach_telemetry(trainer, compact_console: bool = True, **kwargs) -> Telemet
     """Add telemetry to a Trainer in one line; the thread also stops if ``trainer.train`` raises.
 
     ``compact_console`` (default): the Trainer's printer is swapped for one compact line per log step
-    (``console.py``); the full metric set still goes to every ``report_to`` sink and the run report."""
+    (``console.py``); the full metric set still goes to every ``report_to`` sink and the run report. The loss-scaling
+    guard comes with it (``training/loss_scaling.py``): the losses telemetry reports are right on N processes."""
+    from ..training.loss_scaling import guard_loss_scaling
     from .console import use_compact_console
 
+    guard_loss_scaling(trainer)
     callback = TelemetryCallback(trainer=trainer, **kwargs)
     trainer.add_callback(callback)
     if compact_console:

@@ -235,3 +235,12 @@ def test_compact_line_with_gpu_memory_and_mfu():
                      telemetry_parts(metrics, "healthy, at power limit"))
     assert line == ("step 40/500 | loss 0.41 | lr 3.00e-05 | mean_token_accuracy 0.71 | 812 samples/s | 52.3k tok/s | MFU 38% | "
                     "mem 12.1/79.7 GiB | healthy, at power limit")
+
+
+def test_attach_telemetry_brings_the_loss_scaling_guard(tmp_path):
+    """A BERT classifier's mean loss must not be taken for a num_items-normalised one (tests/scaling)."""
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=1), train_dataset=TokenDataset())
+    assert trainer.model_accepts_loss_kwargs  # what transformers 5 concludes from BERT's **kwargs
+    attach_telemetry(trainer, write_report=False)
+    trainer.train()
+    assert trainer.model_accepts_loss_kwargs is False
