@@ -51,7 +51,7 @@ def _builder_for(path: str) -> str:
     return FILE_BUILDERS[suffix]
 
 
-def _load_raw(cfg: FinetuneConfig):
+def load_raw(cfg: FinetuneConfig):
     import datasets
 
     if cfg.train_file:
@@ -88,7 +88,7 @@ def _load_raw(cfg: FinetuneConfig):
         raise ConfigError(f"dataset={name!r}: cannot load ({type(error).__name__}: {str(error).splitlines()[0]})") from None
 
 
-def _split(raw, cfg: FinetuneConfig):
+def find_splits(raw, cfg: FinetuneConfig):
     splits = list(raw.keys())
     if cfg.train_split not in raw:
         raise ConfigError(f"train_split={cfg.train_split!r} not in the dataset; it has {splits}")
@@ -188,8 +188,8 @@ def verify_images(ds, column: str, split: str) -> None:
 
 def open_classification_data(cfg: FinetuneConfig) -> OpenedData:
     """Load the data and run every check that needs no pass over the rows' contents."""
-    raw, source = _load_raw(cfg)
-    train, validation, needs_carve = _split(raw, cfg)
+    raw, source = load_raw(cfg)
+    train, validation, needs_carve = find_splits(raw, cfg)
     _check_columns(train, cfg, "train")
     if validation is not None:
         _check_columns(validation, cfg, "validation")

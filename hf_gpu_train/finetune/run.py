@@ -123,7 +123,7 @@ def final_metrics(trainer) -> dict:
 def _report_finished(cfg: FinetuneConfig, results: dict) -> dict:
     if os.environ.get("RANK", "0") == "0":
         print(f"hf_gpu_train: output_dir={cfg.output_dir!r} already holds this run, finished: "
-              f"{json.dumps({k: v for k, v in results.items() if k in ('eval_accuracy', 'eval_f1', 'eval_loss', 'epoch')})}. "
+              f"{json.dumps({k: v for k, v in results.items() if k in ('eval_accuracy', 'eval_f1', 'eval_loss', 'eval_perplexity', 'epoch')})}. "
               "Nothing was trained (output_dir=NEW_DIR to train again).", flush=True)
     return results
 
@@ -194,7 +194,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     if trainer.is_world_process_zero():
         summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
                    "train_samples_per_second": result.metrics.get("train_samples_per_second"),
-                   **{k: metrics[k] for k in ("eval_accuracy", "eval_f1", "eval_loss") if k in metrics}}
+                   **{k: metrics[k] for k in ("eval_accuracy", "eval_f1", "eval_loss", "eval_perplexity") if k in metrics}}
         if launch_plan is not None:
             summary["plan"] = launch_plan.record(*measured_peak_memory(runtime))
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))

@@ -62,6 +62,7 @@ def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
 
 def render_report(output_dir) -> list[Path]:
     """(Re)draw the plots and report.md from the files already in output_dir."""
+    from .generations import generations_section
     from .plots import draw_all
 
     out = Path(output_dir)
@@ -73,6 +74,7 @@ def render_report(output_dir) -> list[Path]:
         plan = json.loads(run_summary.read_text()).get("plan")
         lines += render_plan_section(plan) if plan else []
     lines += [f"![{p.stem}]({p.name})" for p in plots]
+    lines += ["", *generations_section(out)]
     (out / REPORT).write_text("\n".join(lines) + "\n")
     return plots
 

@@ -91,10 +91,10 @@ def _sample(ds, limit: int | None, seed: int):
 
 def open_causal_lm_data(cfg: FinetuneConfig) -> CausalLMData:
     """Load, split and sample the rows and recognise their form: no pass over the rows' contents."""
-    from ..data import _load_raw, _split  # the classification task's sources and split rules, shared
+    from ..data import find_splits, load_raw  # the classification task's sources and split rules, shared
 
-    raw, source = _load_raw(cfg)
-    train, validation, needs_carve = _split(raw, cfg)
+    raw, source = load_raw(cfg)
+    train, validation, needs_carve = find_splits(raw, cfg)
     if len(train) == 0:
         raise ConfigError("the train split is empty")
     form = detect_form(train, cfg, "train")

@@ -17,12 +17,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...report.generations import GENERATIONS, SECTION, render_generations  # noqa: F401 (names used by tests and callers)
 from .chat import render
 from .data import CHAT, TEXT, CausalLMData
 
 log = logging.getLogger("hf_gpu_train.finetune")
-GENERATIONS = "generations.json"
-SECTION = "## Generation samples"
 TEXT_PROMPT_TOKENS = 32
 
 
@@ -129,27 +128,8 @@ class GenerationSamples:
         path = out / GENERATIONS
         path.write_text(json.dumps({"max_new_tokens": self.cfg.generation_max_new_tokens, "decoding": "greedy",
                                     "samples": records}, indent=2, ensure_ascii=False))
-        add_to_report(out, records)
+        if (out / "report.md").is_file():  # telemetry wrote a report: draw it again with this section
+            from ...report.writer import render_report
+
+            render_report(out)
         return path
-
-
-def render_markdown(records: list[dict]) -> list[str]:
-    lines = [SECTION, "", "Held-out prompts from the validation split, greedy decoding (`generations.json`).", ""]
-    for i, r in enumerate(records, 1):
-        lines += [f"### Sample {i}", "", "**Prompt:**", "", _quote(r["prompt"]), "", "**Reference:**", "", _quote(r["reference"]),
-                  "", "**Before training:**", "", _quote(r["before"]), "", "**After training:**", "", _quote(r["after"]), ""]
-    return lines
-
-
-def _quote(text: str | None) -> str:
-    return "\n".join(f"> {line}" for line in (text if text is not None else "(not generated)").splitlines() or [""])
-
-
-def add_to_report(output_dir: Path, records: list[dict]) -> None:
-    """Replace (or append) the generation section of report.md, when the run wrote one (telemetry on)."""
-    report = output_dir / "report.md"
-    if not report.is_file():
-        return
-    text = report.read_text()
-    kept = text.split(SECTION)[0].rstrip("\n")
-    report.write_text(kept + "\n\n" + "\n".join(render_markdown(records)) + "\n")
