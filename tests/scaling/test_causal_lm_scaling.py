@@ -1,0 +1,59 @@
+"""Causal-LM fine-tuning through scripts/finetune.py scales as an equality: LoRA on 2 gloo DDP processes trains the
+adapter 1 process trains, and full fine-tuning with FSDP2 on 2 processes (a config from `hf-gpu-train config
+--strategy fsdp`) trains the model 1 process trains: the same logged losses and gradient norms at every step, the
+same saved weights. Packed rows (best-fit decreasing, per-example position ids) and a loss normalised by the label
+tokens of the whole global batch (transformers 5's num_items_in_batch), as shipped. Tolerances: equivalence.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from hf_gpu_train.finetune.run import main
+
+from ..finetune.causal_lm.tiny import chat_rows, save_tiny_model, write_jsonl
+from ..launching import cpu_config, launch
+from .equivalence import assert_same_params, assert_same_series
+from .test_fsdp_equivalence import fsdp_config
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
+ROWS_PER_STEP = 4  # packed rows per optimizer step, over every process
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("lm-scaling")
+    model = save_tiny_model(root / "model")
+    return [f"model={model}", f"train_file={write_jsonl(root / 'train.jsonl', chat_rows(48))}",
+            f"validation_file={write_jsonl(root / 'validation.jsonl', chat_rows(8, offset=100))}", "task=causal-lm",
+            "max_length=160", "num_train_epochs=2", "learning_rate=1e-3", "warmup_ratio=0", "logging_steps=1",
+            "generation_samples=0", "extra={adam_epsilon: 1.0e-6}", f"global_batch_size={ROWS_PER_STEP}"]
+
+
+def history(out: Path, key: str) -> list[float]:
+    return [h[key] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if key in h]
+
+
+def assert_same_training(got: Path, expected: Path, weights: str) -> None:
+    assert len(history(expected, "loss")) >= 4  # several optimizer steps over several packed rows each
+    assert_same_series("logged loss", history(got, "loss"), history(expected, "loss"))
+    assert_same_series("gradient norm", history(got, "grad_norm"), history(expected, "grad_norm"))
+    assert_same_params(load_file(got / weights), load_file(expected / weights))
+
+
+@pytest.mark.parametrize("method, weights, strategy", [("lora", "adapter_model.safetensors", "ddp"),
+                                                       ("full", "model.safetensors", "fsdp")])
+def test_two_processes_train_what_one_process_trains(tmp_path, case, method, weights, strategy):
+    arguments = [*case, f"method={method}"]
+    one = tmp_path / "one"
+    assert main([*arguments, f"per_device_train_batch_size={ROWS_PER_STEP}", f"output_dir={one}"]) == 0
+    config = cpu_config(tmp_path) if strategy == "ddp" else fsdp_config(tmp_path)
+    two = tmp_path / "two"
+    run = launch(config, SCRIPT, *arguments, f"per_device_train_batch_size={ROWS_PER_STEP // 2}", f"output_dir={two}", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "CPU x2" in run.stdout and "packed" in run.stdout
+    assert_same_training(two, one, weights)
