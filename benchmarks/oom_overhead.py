@@ -28,24 +28,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--config-file", help="a launch config to run both arms with (default: 2 gloo processes on the CPU)")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"plain": [], "recovery": []}
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cfg = Path(tmp) / "cpu2"
-        subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                        "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
+        config = args.config_file
+        if config is None:
+            cfg = Path(tmp) / "cpu2"
+            subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
+                            "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
+            config = f"{cfg}.yaml"
         for r in range(args.rounds):
             for mode in (("plain", "recovery") if r % 2 == 0 else ("recovery", "plain")):
-                subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{cfg}.yaml",
+                subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config,
                                 str(ROOT / "benchmarks" / "oom_overhead_probe.py"), tmp, mode, str(args.steps)],
                                check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
                 results[mode].append(json.loads((Path(tmp) / f"{mode}.json").read_text())["steps_per_second"])
     plain, recovery = statistics.median(results["plain"]), statistics.median(results["recovery"])
     per_round = [r / p for r, p in zip(results["recovery"], results["plain"])]
-    print(f"MiniLM-L6, 2 gloo DDP processes on the CPU, {args.steps} steps, {args.rounds} round(s), no OOM")
+    print(f"MiniLM-L6, {'2 gloo DDP processes on the CPU' if args.config_file is None else args.config_file}, {args.steps} steps, "
+          f"{args.rounds} round(s), no OOM")
     print(f"steps/s without recovery: {[round(x, 3) for x in results['plain']]} (median {plain:.3f})")
     print(f"steps/s with recovery:    {[round(x, 3) for x in results['recovery']]} (median {recovery:.3f})")
     print(f"ratio (with / without): {recovery / plain:.3f}; per round {[round(x, 3) for x in per_round]} (goal >= 0.98)")

