@@ -58,3 +58,26 @@ def test_values_tune_measured_for_a_recipe_win_over_that_recipe_not_over_the_com
     assert run.returncode == 0, run.stderr[-3000:]
     assert "per_device_train_batch_size=4 measured by hf-gpu-train tune for this recipe, over the recipe's 16" in run.stdout
     assert "batch 4 x 2 x 2 = 16" in run.stdout
+
+
+def test_an_override_the_planner_predicts_will_not_fit_is_warned_about_before_the_model_loads(tmp_path):
+    """In a child process (the plan's environment is applied to os.environ there): a T4 plan for MiniLM, the user's
+    micro-batch far above what fits, no model loaded."""
+    import subprocess
+    import sys
+
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "1x-t4", "--model", "builtin:minilm",
+                           "--seq-len", "128", "--output", str(tmp_path / "t4")], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    child = ("import logging, sys, transformers; logging.basicConfig(level=logging.WARNING)\n"
+             "from hf_gpu_train.finetune.config import load_config_and_keys\n"
+             "from hf_gpu_train.finetune.launch_plan import apply_launch_plan\n"
+             "cfg, keys = load_config_and_keys(None, ['per_device_train_batch_size=4096', 'max_length=128'])\n"
+             "cfg, plan = apply_launch_plan(cfg, keys)\n"
+             "print('USED', cfg.per_device_train_batch_size, 'MODELS', 'transformers.models.bert.modeling_bert' in sys.modules)\n")
+    env = {**__import__("os").environ, "HF_GPU_TRAIN_PLAN": str(tmp_path / "t4.plan.json")}
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "USED 4096 MODELS False" in run.stdout  # the user's value wins; nothing loaded a model
+    assert "the planner predicts an out-of-memory: per_device_train_batch_size=4096" in run.stderr
+    assert "the largest micro-batch that fits is" in run.stderr and "the plan chose micro-batch 32" in run.stderr
