@@ -63,6 +63,7 @@ class GradientReducer:
         self.device = device
         self.group = group
         self.grad_events = 0  # every accumulation into a .grad, armed or not: did a backward touch the gradients?
+        self.launched_in_backward = 0  # buckets whose all-reduce left while backward was still running (the overlap)
         self.overlap = True
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self.buckets = _make_buckets(self.params, bucket_bytes)
@@ -111,6 +112,7 @@ class GradientReducer:
         self.buckets[self._bucket_of[i]].ready += 1
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
             self._launch(self._next)
+            self.launched_in_backward += 1
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]

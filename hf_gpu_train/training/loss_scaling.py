@@ -42,11 +42,12 @@ def loss_normalisation(compute_loss, model, inputs, num_items_in_batch) -> str:
             twice = float(compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch * 2))
     finally:
         model.train(was_training)
-    if once == 0.0:
+    if once == 0.0 or twice == 0.0:
         return UNKNOWN
-    if abs(once - twice) <= 1e-6 * abs(once):
+    ratio = once / twice  # 1 for a mean, 2 for a sum normalised by the count: bands, not ulps (bf16 kernels, atomics)
+    if 0.9 <= ratio <= 1.1:
         return MEAN
-    if abs(once - 2.0 * twice) <= 1e-5 * abs(once):
+    if 1.8 <= ratio <= 2.2:
         return SUM
     return UNKNOWN
 
@@ -57,7 +58,9 @@ class LossScalingGuard:
     def __init__(self, trainer):
         self.trainer = trainer
         self.compute_loss_unguarded = trainer.compute_loss
-        self.answer: str | None = None if getattr(trainer, "model_accepts_loss_kwargs", False) else MEAN
+        # the Trainer counts items (and trusts the loss to be normalised by them) for these two only
+        counted = getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None) is not None
+        self.answer: str | None = None if counted else MEAN
 
     def install(self) -> LossScalingGuard:
         self.trainer.compute_loss = self.compute_loss
@@ -70,9 +73,18 @@ class LossScalingGuard:
         return self.compute_loss_unguarded(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def decide(self, model, inputs, num_items_in_batch) -> str:
-        unwrapped = self.trainer.accelerator.unwrap_model(model)  # no DDP collectives in the probe
-        self.answer = loss_normalisation(self.compute_loss_unguarded, unwrapped, inputs, num_items_in_batch)
-        if self.answer == MEAN and self.trainer.model_accepts_loss_kwargs:
+        # DDP's forward would broadcast buffers and change its sync flags: its module answers the same question.
+        # FSDP and DeepSpeed wrappers are asked as they are (every rank probes at the same step).
+        probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self.answer = agree_across_ranks(loss_normalisation(self.compute_loss_unguarded, probed, inputs, num_items_in_batch),
+                                         self.trainer.accelerator)
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        if self.answer == MEAN and self.trainer.compute_loss_func is not None:
+            log.warning("hf_gpu_train: the compute_loss_func given to the Trainer returns a per-batch mean, but transformers "
+                        "treats a compute_loss_func's loss as normalised by num_items_in_batch (it skips the division by the "
+                        "accumulation steps and multiplies by the number of processes): return the sum of the per-item losses "
+                        "divided by num_items_in_batch, as its contract says, or the loss and gradients are off by those factors")
+        elif self.answer == MEAN and self.trainer.model_accepts_loss_kwargs:
             self.trainer.model_accepts_loss_kwargs = False
             log.warning("hf_gpu_train: %s's forward takes **kwargs, so transformers treats its loss as normalised by "
                         "num_items_in_batch, but it is a per-batch mean: set trainer.model_accepts_loss_kwargs = False, so the "
@@ -83,6 +95,17 @@ class LossScalingGuard:
                         "left as transformers decided (model_accepts_loss_kwargs=%s)", type(unwrapped).__name__,
                         self.trainer.model_accepts_loss_kwargs)
         return self.answer
+
+
+def agree_across_ranks(answer: str, accelerator) -> str:
+    """Every rank's verdict must be the same (each scales its loss by it): any disagreement is UNKNOWN everywhere."""
+    if accelerator.num_processes < 2 or not torch.distributed.is_initialized():
+        return answer
+    codes = {MEAN: 0, SUM: 1, UNKNOWN: 2}
+    votes = torch.tensor([codes[answer], -codes[answer]], dtype=torch.int64, device=accelerator.device)
+    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX)
+    highest, lowest = int(votes[0]), -int(votes[1])
+    return answer if highest == lowest else UNKNOWN
 
 
 def guard_loss_scaling(trainer) -> LossScalingGuard:

@@ -20,6 +20,9 @@ OOM_MARKERS = (
 def is_oom_error(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
+    distributed_error = getattr(torch.distributed, "DistBackendError", None)
+    if distributed_error is not None and isinstance(error, distributed_error):
+        return False  # NCCL's "Cuda failure 'out of memory'": the communicator is broken; a retry on it would hang
     return isinstance(error, RuntimeError) and any(marker in str(error) for marker in OOM_MARKERS)
 
 

@@ -36,8 +36,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .grad_sync import NO_LIMIT, GradientReducer, broadcast_buffers
-from .loss_scaling import SUM, LossScalingGuard, guard_loss_scaling
+from .grad_sync import BUCKET_BYTES, NO_LIMIT, GradientReducer, broadcast_buffers
+from .loss_scaling import LossScalingGuard, guard_loss_scaling
 from .microbatch import batch_size, describe_oom, is_oom_error, loss_items, slice_batch, split_batch
 from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
@@ -104,8 +104,10 @@ class _RecoveryHooks(TrainerCallback):
 
 
 class InPlaceOOMRecovery:
-    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = None):
+    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES):
         self.trainer = trainer
+        self.bucket_bytes = bucket_bytes
+        self.overlapped_buckets = 0  # gradient buckets reduced while backward still ran (DDP's overlap), over the runs
         self.guard = guard
         self.grow_after_steps = grow_after_steps
         self._training_step = trainer.training_step
@@ -121,6 +123,8 @@ class InPlaceOOMRecovery:
         self._last_batch = 0
         self._warned: set[str] = set()
         self.seen_items = None
+        self._earlier: list[tuple] = []  # this optimizer step's completed micro-steps (inputs, item count)
+        self._fatal: str | None = None  # an OOM at micro-batch 1 in a micro-step without sync, raised at the step's vote
 
     # -- wiring --------------------------------------------------------------------------------
     def install(self) -> InPlaceOOMRecovery:
@@ -154,6 +158,7 @@ class InPlaceOOMRecovery:
         """Take the gradient hooks off the parameters: a later Trainer on the same model must not carry them."""
         if self.reducer is not None:
             self.reducer.remove()
+            self.overlapped_buckets += self.reducer.launched_in_backward
             self.reducer = None
 
     def _warn_once(self, key: str, message: str, *args) -> None:
@@ -184,7 +189,8 @@ class InPlaceOOMRecovery:
     def _reducer_for(self, model) -> GradientReducer:
         if self.reducer is None:
             accelerator = self.trainer.accelerator
-            self.reducer = GradientReducer(model.parameters(), accelerator.num_processes, accelerator.device)
+            self.reducer = GradientReducer(model.parameters(), accelerator.num_processes, accelerator.device,
+                                           bucket_bytes=self.bucket_bytes)
             if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
                 log.warning("OOM recovery: this model has BatchNorm layers; after an OOM each micro-batch is normalised "
                             "with its own statistics, so a split step is close to, not equal to, the whole batch's")
@@ -195,7 +201,7 @@ class InPlaceOOMRecovery:
         self.seen_items = num_items_in_batch  # what the Trainer counted (and gathered) for this call
         result = self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         # a loss normalised by the whole batch's item count adds up over micro-batches as it is
-        scale = 1.0 if self.guard.answer == SUM else self.share
+        scale = 1.0 if self._loss_already_scaled(num_items_in_batch) else self.share
         if scale == 1.0:
             return result
         if return_outputs:
@@ -203,60 +209,77 @@ class InPlaceOOMRecovery:
             return loss * scale, outputs
         return result * scale
 
+    def _loss_already_scaled(self, num_items_in_batch) -> bool:
+        """The Trainer's own rule (``Trainer.training_step``): a loss normalised by the whole step's item count adds up
+        over micro-batches as it is; a per-batch mean is weighed by each micro-batch's share."""
+        t = self.trainer
+        if getattr(t, "loss_is_scaled_for_ga", None) is not None:
+            return bool(t.loss_is_scaled_for_ga)
+        return bool((t.model_accepts_loss_kwargs and num_items_in_batch is not None) or t.compute_loss_func is not None)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._supported(model):
             return self._training_step(model, inputs, num_items_in_batch)
         size = batch_size(inputs)
         self._last_batch = size
         fresh, self.fresh = self.fresh, False
+        if fresh:
+            self._earlier, self._fatal = [], None
         reducer = self._reducer_for(model)
         distributed = self._distributed(model)
         syncs = distributed and model.require_backward_grad_sync  # the last micro-step of the optimizer step
         if distributed and fresh:
             broadcast_buffers(model)  # DDP's per-step buffer sync, kept out of the guarded forwards
         done, total = 0, None  # samples of this micro-step whose gradients are in .grad, and their loss
+        replay: list[tuple] = []  # earlier micro-steps of this optimizer step to compute again
         while True:
             micro = min(self.state.micro_batch or size, size)
             failure, polluted = None, False
-            if done < size:
-                events = reducer.grad_events
+            if self._fatal is None and (replay or done < size):
+                events, replaying = reducer.grad_events, bool(replay)
                 try:
                     with model.no_sync() if distributed else contextlib.nullcontext():
+                        while replay:  # the earlier micro-steps, whole, before this one goes on
+                            self._accumulate(model, *replay[0], 0, micro, arm=False, distributed=distributed)
+                            replay.pop(0)
+                        replaying, events = False, reducer.grad_events
                         for start in range(done, size, micro):
                             stop = min(size, start + micro)
-                            if syncs and stop == size:
-                                reducer.arm()
-                            self.share = (stop - start) / size
-                            if distributed:
-                                model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
-                            loss = self._training_step(model, slice_batch(inputs, start, stop), num_items_in_batch)
+                            loss = self._chunk(model, slice_batch(inputs, start, stop), num_items_in_batch, (stop - start) / size,
+                                               arm=syncs and stop == size, distributed=distributed)
                             total = loss if total is None else total + loss
                             done, events = stop, reducer.grad_events
                 except Exception as error:  # only OOM is handled; everything else is re-raised untouched
                     if not is_oom_error(error):
                         raise
                     failure = describe_oom(error)
-                    polluted = reducer.grad_events != events  # backward had begun adding this micro-batch's gradient
+                    # backward had begun adding a micro-batch's gradient, or a replay was under way
+                    polluted = replaying or reducer.grad_events != events
                 finally:
                     self.share = 1.0
-            fatal = False
+            fatal = failure is not None and micro <= 1
             if failure is not None:
                 if polluted:
-                    self._drop_gradients(model, fresh)
-                    done, total = 0, None
+                    self._drop_gradients(model)
+                    done, total, replay = 0, None, list(self._earlier)
                 self._free_memory()
-                fatal = micro <= 1
                 if not fatal:
                     self._shrink(micro, size, failure, "train")
             if not syncs:
-                if failure is None:
-                    return total
+                if fatal and distributed:  # raise with every rank, at the step's vote, not alone in the middle of it
+                    self._fatal = failure
+                    model.zero_grad(set_to_none=True)
+                if failure is None or self._fatal is not None:
+                    if self._fatal is None:
+                        self._earlier.append((inputs, num_items_in_batch))
+                        return total
+                    return torch.zeros((), device=self.trainer.accelerator.device)
                 if fatal:
                     raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
                 continue
-            vote = reducer.finish(failed=failure is not None, fatal=fatal, micro_batch=self.state.micro_batch)
+            vote = reducer.finish(failed=failure is not None, fatal=fatal or self._fatal is not None, micro_batch=self.state.micro_batch)
             if vote.fatal:
-                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure or self._fatal))
             self._adopt(vote.micro_batch, size)
             if vote.failed:
                 reducer.discard()
@@ -270,6 +293,23 @@ class InPlaceOOMRecovery:
             reducer.apply(vote)
             return total
 
+    def _chunk(self, model, chunk, num_items_in_batch, share: float, arm: bool, distributed: bool):
+        """One micro-batch's forward and backward (its loss scaled by ``share`` where the loss is a mean)."""
+        if arm:
+            self.reducer.arm()
+        self.share = share
+        if distributed:
+            model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
+        return self._training_step(model, chunk, num_items_in_batch)
+
+    def _accumulate(self, model, inputs, num_items_in_batch, start: int, micro: int, arm: bool, distributed: bool) -> None:
+        """An earlier micro-step computed again, in micro-batches (its loss was already reported)."""
+        size = batch_size(inputs)
+        for begin in range(start, size, micro):
+            stop = min(size, begin + micro)
+            self._chunk(model, slice_batch(inputs, begin, stop), num_items_in_batch, (stop - begin) / size,
+                        arm=arm and stop == size, distributed=distributed)
+
     def _adopt(self, agreed: int | None, size: int) -> None:
         """Every rank runs the smallest micro-batch any rank needed."""
         if agreed is None or agreed >= NO_LIMIT or (self.state.micro_batch is not None and self.state.micro_batch <= agreed):
@@ -282,11 +322,13 @@ class InPlaceOOMRecovery:
         log.warning("OOM recovery (step %d): another rank ran out of memory; every rank now runs micro-batches of %d",
                     self.trainer.state.global_step, agreed)
 
-    def _drop_gradients(self, model, fresh: bool) -> None:
-        if not fresh:
-            log.warning("OOM recovery: out of memory part-way through backward in a later gradient-accumulation micro-step; "
-                        "the earlier micro-steps of this optimizer step are dropped (their inputs are gone), later steps keep "
-                        "the full batch")
+    def _drop_gradients(self, model) -> None:
+        """Part of a micro-batch's gradient is in .grad: start the optimizer step's gradients again. The earlier
+        micro-steps of this optimizer step are computed again from their inputs (the Trainer holds every micro-batch of
+        the step already, so keeping them costs no memory)."""
+        if self._earlier:
+            log.info("OOM recovery: out of memory part-way through backward; the %d earlier micro-step(s) of this optimizer "
+                     "step are computed again", len(self._earlier))
         model.zero_grad(set_to_none=True)
 
     @staticmethod
@@ -408,8 +450,19 @@ def _combine(parts, weights):
     return loss, cat([p[1] for p in parts]), cat([p[2] for p in parts])
 
 
-def enable_oom_recovery(trainer, grow_after_steps: int | None = None) -> InPlaceOOMRecovery:
+def enable_oom_recovery(trainer, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> InPlaceOOMRecovery:
     """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
-    loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum."""
+    loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum. ``bucket_bytes``:
+    the size of the gradient buckets averaged under DDP (DDP's ``bucket_cap_mb``, 25 MiB)."""
     guard = guard_loss_scaling(trainer)
-    return InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps).install()
+    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes).install()
+    train = trainer.train
+
+    def train_and_unhook(*args, **kw):
+        try:
+            return train(*args, **kw)
+        finally:
+            recovery.train_ends()  # the gradient hooks come off the parameters even when training raises
+
+    trainer.train = train_and_unhook
+    return recovery

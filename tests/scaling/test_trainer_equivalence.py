@@ -27,6 +27,9 @@ ONE_PROCESS = {
     # the second micro-step of the first optimizer step runs out of memory in forward: nothing is dropped
     "OOM in a later micro-step": dict(per_device=4, accumulation=2, recovery=True,
                                       oom=dict(max_batch=2, phase="forward", start_after=1)),
+    # ... part-way through its backward: the first micro-step is computed again from its inputs
+    "OOM in backward in a later micro-step": dict(per_device=4, accumulation=2, recovery=True,
+                                                  oom=dict(max_batch=2, phase="backward", start_after=1)),
 }
 TWO_PROCESSES = {
     "2 processes": dict(per_device=4),
@@ -36,10 +39,18 @@ TWO_PROCESSES = {
     "2 processes, OOM on rank 1 in backward": dict(per_device=4, recovery=True, oom=dict(max_batch=2, rank=1, phase="backward")),
     "2 processes, OOM on rank 1 in a later micro-step": dict(per_device=2, accumulation=2, recovery=True,
                                                             oom=dict(max_batch=1, rank=1, phase="forward", start_after=1)),
+    "2 processes, OOM on rank 1 in backward in a later micro-step": dict(
+        per_device=2, accumulation=2, recovery=True, oom=dict(max_batch=1, rank=1, phase="backward", start_after=1)),
+    # 4 KiB buckets: every model here spans several, so all-reduces leave while backward runs, and fail part-way
+    "2 processes, recovery, no OOM, small buckets": dict(per_device=4, recovery=True, bucket_bytes=4096),
+    "2 processes, OOM on rank 1 in backward, small buckets": dict(per_device=4, recovery=True, bucket_bytes=4096,
+                                                                  oom=dict(max_batch=2, rank=1, phase="backward")),
 }
 EXPECTED_MICRO_BATCH = {"OOM in forward": 4, "OOM in backward": 4, "OOM in a later micro-step": 2,
-                        "2 processes, OOM on rank 1 in forward": 2, "2 processes, OOM on rank 1 in backward": 2,
-                        "2 processes, OOM on rank 1 in a later micro-step": 1}
+                        "OOM in backward in a later micro-step": 2, "2 processes, OOM on rank 1 in forward": 2,
+                        "2 processes, OOM on rank 1 in backward": 2, "2 processes, OOM on rank 1 in a later micro-step": 1,
+                        "2 processes, OOM on rank 1 in backward in a later micro-step": 1,
+                        "2 processes, OOM on rank 1 in backward, small buckets": 2}
 
 
 def file_name(kind: str, name: str) -> str:
@@ -96,6 +107,8 @@ def test_both_ranks_end_with_the_same_weights_and_micro_batch(runs, kind, name):
         assert torch.equal(rank0["params"][key], rank1["params"][key]), key
     if TWO_PROCESSES[name].get("oom"):
         assert rank1["ooms_raised"] >= 1 and rank0["ooms_raised"] == 0
+    if TWO_PROCESSES[name].get("bucket_bytes"):
+        assert rank0["overlapped_buckets"] > 0  # all-reduces really left while backward ran
 
 
 def test_the_plain_trainer_is_right_for_a_token_normalised_loss(runs):

@@ -32,13 +32,15 @@ def training_args(out: Path, per_device: int, accumulation: int, **extra) -> Tra
 
 
 def train(out: Path, kind: str, per_device: int, accumulation: int = 1, recovery: bool = False, guard: bool = True,
-          oom: dict | None = None) -> tuple[Trainer, dict]:
+          oom: dict | None = None, bucket_bytes: int | None = None) -> tuple[Trainer, dict]:
     """One run; ``guard`` applies hf_gpu_train's loss-scaling guard alone, ``recovery`` the OOM recovery
     (which includes the guard), neither: the plain Trainer as a user has it."""
     model, data = model_and_data(kind)
     injector = OOMFaultInjector(**oom).install(model) if oom else None
     trainer = Trainer(model=model, args=training_args(out, per_device, accumulation), train_dataset=data)
-    recovery_state = enable_oom_recovery(trainer) if recovery else None
+    recovery_state = None
+    if recovery:  # small buckets: gradients leave in several all-reduces while backward still runs
+        recovery_state = enable_oom_recovery(trainer, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
     if guard and not recovery:
         guard_loss_scaling(trainer)
     trainer.train()
@@ -49,6 +51,7 @@ def train(out: Path, kind: str, per_device: int, accumulation: int = 1, recovery
         "global_step": trainer.state.global_step,
         "ooms_raised": injector.raised if injector else 0,
         "micro_batch": recovery_state.micro_batch if recovery_state else None,
+        "overlapped_buckets": recovery_state.overlapped_buckets if recovery_state else 0,
         "params": {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()},
     }
     return trainer, result

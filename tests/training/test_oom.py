@@ -187,3 +187,34 @@ def test_the_gradient_hooks_leave_the_parameters_at_train_end(tmp_path):
     trainer.train()
     assert recovery.reducer is None
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_one_rank_that_cannot_fit_one_sample_stops_every_rank_together(tmp_path):
+    """In a micro-step without sync the failing rank does not raise alone: it waits for the step's vote, where every
+    rank learns it and raises; a collective after that still matches on both ranks."""
+    run = launch(cpu_config(tmp_path), Path(__file__).with_name("fatal_probe.py"), str(tmp_path), timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results == [{"raised": True, "all_reduce_after": 2.0}] * 2
+
+
+def test_restoring_callback_states_keeps_the_recovery_wired(tmp_path):
+    """restore_callback_states_from_checkpoint=True makes the Trainer rebuild OOMRecoveryState from the checkpoint: the
+    recovery must use the new object (the recorded micro-batch), and go on shrinking it."""
+    out = tmp_path / "restore"
+    model = exact_bert()
+    OOMFaultInjector(max_batch=4).install(model)
+    trainer = Trainer(model=model, args=oom_args(out, save_strategy="steps", save_steps=3), train_dataset=TokenDataset(n=96))
+    enable_oom_recovery(trainer)
+    trainer.train()
+    fresh = exact_bert()
+    tighter = OOMFaultInjector(max_batch=2).install(fresh)  # less memory on the resumed run
+    resumed = Trainer(model=fresh, args=oom_args(out, save_strategy="steps", save_steps=3, restore_callback_states_from_checkpoint=True),
+                      train_dataset=TokenDataset(n=96))
+    recovery = enable_oom_recovery(resumed)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    states = [c for c in resumed.callback_handler.callbacks if type(c).__name__ == "OOMRecoveryState"]
+    assert len(states) == 1 and states[0] is recovery.state  # the rebuilt object, not the one enable_oom_recovery made
+    assert recovery.micro_batch == 2 and tighter.raised == 1  # started at the recorded 4, shrank once more to 2
+    assert [e["from"] for e in recovery.events] == [4]
