@@ -43,10 +43,11 @@ def main() -> int:
             config = f"{cfg}.yaml"
         for r in range(args.rounds):
             for mode in (("plain", "recovery") if r % 2 == 0 else ("recovery", "plain")):
+                round_dir = Path(tmp) / f"round{r}"  # a fresh output_dir per run: a finished one would not train again
                 subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config,
-                                str(ROOT / "benchmarks" / "oom_overhead_probe.py"), tmp, mode, str(args.steps)],
+                                str(ROOT / "benchmarks" / "oom_overhead_probe.py"), str(round_dir), mode, str(args.steps)],
                                check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-                results[mode].append(json.loads((Path(tmp) / f"{mode}.json").read_text())["steps_per_second"])
+                results[mode].append(json.loads((round_dir / f"{mode}.json").read_text())["steps_per_second"])
     plain, recovery = statistics.median(results["plain"]), statistics.median(results["recovery"])
     per_round = [r / p for r, p in zip(results["recovery"], results["plain"])]
     print(f"MiniLM-L6, {'2 gloo DDP processes on the CPU' if args.config_file is None else args.config_file}, {args.steps} steps, "

@@ -105,8 +105,11 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> L
         config = yaml.safe_load(config_file.read_text()) or {}
     except yaml.YAMLError as error:
         raise UsageError(f"--config-file {config_file}: not YAML ({str(error).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--config-file {config_file}: not an accelerate config (a YAML mapping of keys such as "
+                         "distributed_type and num_processes): write one with `hf-gpu-train config --output ...`")
     settings = {k: v for k, v in parsed.settings().items() if k not in ("config_file",)}
-    notes += _flag_notes(settings, config if isinstance(config, dict) else {}, plan, config_file.name)
+    notes += _flag_notes(settings, config, plan, config_file.name)
     cpus, note = _binding(plan, settings)
     if note:
         notes.append(note)

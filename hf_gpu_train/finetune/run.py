@@ -35,7 +35,8 @@ def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished
     from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
 
     out = Path(cfg.output_dir)
-    check_label_map(out, label_names, "output_dir")
+    if checkpoints(out) or previous_finished:  # a start that trained nothing leaves no labels to keep
+        check_label_map(out, label_names, "output_dir")
     if cfg.resume == "never":
         if checkpoints(out) or previous_finished:
             what = "checkpoints of an earlier run" if checkpoints(out) else "a finished run"
@@ -111,11 +112,34 @@ def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
             *interval_callbacks(cfg.eval_strategy, cfg.save_strategy, cfg.checkpoint_minutes)]
 
 
-def final_metrics(trainer) -> dict:
-    """The evaluation at the last step when the schedule already ran it (eval_strategy=epoch), else one now:
-    the final evaluation runs once."""
+def check_output_dir(cfg: FinetuneConfig) -> None:
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir={cfg.output_dir!r} is a file: give a directory (it is created when missing)")
+
+
+def check_extra_arguments(cfg: FinetuneConfig) -> None:
+    """``extra`` goes to TrainingArguments as it is: a typo must fail here, named, not as a TypeError traceback after
+    the model has loaded."""
+    import dataclasses
+    import difflib
+
+    from transformers import TrainingArguments
+
+    known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    for key in cfg.extra:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise ConfigError(f"extra={{{key}: ...}}: {key!r} is not a TrainingArguments argument"
+                              + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def final_metrics(trainer, first_step: int) -> dict:
+    """The evaluation at the last step when this run's schedule already ran it (eval_strategy=epoch), else one now:
+    the final evaluation runs once. One restored from a checkpoint (a resume with nothing left to train) is not
+    reused: it may have been measured on other samples."""
     last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
-    if last is not None and last.get("step") == trainer.state.global_step:
+    if last is not None and last.get("step") == trainer.state.global_step > first_step:
         return {k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"}
     return trainer.evaluate()
 
@@ -138,6 +162,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
 
+    check_output_dir(cfg)
+    check_extra_arguments(cfg)
     runtime = resolve_runtime(cfg)
     accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
     identity = RunIdentity.of(cfg, runtime.precision, effective)
@@ -181,10 +207,11 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
         attach_telemetry(trainer)
     start = time.perf_counter()
+    first_step = int(json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]) if resume else 0
     result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - start
     trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations
-    metrics = final_metrics(trainer)
+    metrics = final_metrics(trainer, first_step)
     if cfg.task == "causal-lm":
         from .causal_lm.outputs import with_perplexity
 

@@ -38,16 +38,21 @@ OUTPUT_ONLY = frozenset({
 })
 
 
+EVALUATION = ("max_eval_samples",)  # keys that change the reported results, not the model
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     training: dict[str, Any]  # the config keys that change the model, as resolved
     precision: str  # bf16 | fp16 | fp32, after "auto"
     effective_batch: int
+    evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the results were measured on
 
     @classmethod
     def of(cls, cfg: FinetuneConfig, precision: str, effective_batch: int) -> RunIdentity:
         values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in OUTPUT_ONLY}
-        return cls(training=json.loads(json.dumps(values, default=str)), precision=precision, effective_batch=effective_batch)
+        return cls(training=json.loads(json.dumps(values, default=str)), precision=precision, effective_batch=effective_batch,
+                   evaluation={k: getattr(cfg, k) for k in EVALUATION})
 
     def differences(self, before: dict) -> list[tuple[str, Any, Any]]:
         """(key, before, now) for each value that differs from a record (keys the record lacks are not compared)."""
@@ -87,15 +92,18 @@ def check_previous_run(cfg: FinetuneConfig, identity: RunIdentity, previous: Pre
         return "new"
     diffs = identity.differences(previous.record)
     if not diffs:
-        if previous.finished and cfg.resume == "auto":
+        if previous.finished and cfg.resume == "auto" and previous.record.get("evaluation", {}) == identity.evaluation:
             return "finished"
-        return "resume"
+        return "resume"  # the same training (evaluated on other samples: evaluated again)
     listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in diffs)
     if cfg.resume not in ("auto", "never"):
         log.warning("resume=%s continues a run with other settings, on purpose: %s", cfg.resume, listed)
         return "resume"
-    if cfg.resume == "never" and not checkpoints(cfg.output_dir):
-        return "new"  # nothing trained to lose; the earlier config is kept as a backup when it is replaced
+    if not previous.record.get("finished") and not checkpoints(cfg.output_dir):
+        # an earlier start that stopped before its first checkpoint (a typo, an OOM at micro-batch 1): nothing trained
+        # to lose; its config and record are kept as backups when they are replaced
+        log.warning("output_dir=%r holds an earlier start that saved no checkpoint (%s): starting anew", cfg.output_dir, listed)
+        return "new"
     hint = ""
     if any(k == "effective_batch" for k, _, _ in diffs):
         hint = (f" (the effective batch is per-device batch x accumulation x processes: set global_batch_size="
@@ -119,7 +127,8 @@ def write_record(output_dir: str | Path, identity: RunIdentity, processes: int, 
     out.mkdir(parents=True, exist_ok=True)
     path = out / RECORD
     record = {"training": identity.training, "precision": identity.precision, "effective_batch": identity.effective_batch,
-              "processes": processes, "finished": finished, "global_step": global_step, "time": time.time()}
+              "evaluation": identity.evaluation, "processes": processes, "finished": finished, "global_step": global_step,
+              "time": time.time()}
     if path.is_file() and not finished:
         earlier = json.loads(path.read_text())
         if identity.differences(earlier):

@@ -126,3 +126,16 @@ def test_a_worker_usage_error_ends_the_launch_with_its_line_and_exit_2(capfd):
     assert "ChildFailedError" not in err and "Traceback" not in err and "exit 2" in err
     assert run_reporting_usage_errors([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], {}) == 3
     assert "boom" in capfd.readouterr().err  # any other failure passes through as it is
+
+
+def test_a_config_file_that_is_not_a_mapping_is_a_usage_error(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "box.yaml"
+    bad.write_text("- just\n- a list\n")
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", str(bad), str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "not an accelerate config" in run.stderr and "Traceback" not in run.stderr

@@ -130,3 +130,39 @@ def test_scripts_finetune_into_a_closed_pipe_ends_quietly(tmp_path, case):
     finally:
         os.close(write_end)
     assert result.returncode == 141 and "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+
+
+def test_a_start_that_failed_before_training_does_not_block_the_corrected_command(tmp_path, case, capsys):
+    out = tmp_path / "out"
+    assert main(args(case, out, "extra={max_grad_nrom: 1.0}")) == 2  # a typo: named, before anything is written
+    err = capsys.readouterr().err
+    assert "'max_grad_nrom' is not a TrainingArguments argument; did you mean 'max_grad_norm'?" in err and "Traceback" not in err
+    assert not out.exists()
+    # an earlier start that stopped before any checkpoint (here: a record and config, as an OOM at step 1 leaves)
+    assert main(args(case, out, "max_steps=1")) == 0
+    record = json.loads((out / RECORD).read_text())
+    (out / RECORD).write_text(json.dumps({**record, "finished": False}))
+    (out / "eval_results.json").unlink()
+    assert main(args(case, out, "max_length=24")) == 0  # the remedy the OOM error names: not refused
+    assert json.loads((out / RECORD).read_text())["training"]["max_length"] == 24
+    assert list(out.glob("finetune_config.*.yaml")) and list(out.glob(f"{RECORD}.*.bak"))  # the earlier ones kept
+
+
+def test_output_dir_that_is_a_file_exits_2(tmp_path, case, capsys):
+    path = tmp_path / "a_file"
+    path.write_text("mine")
+    assert main(args(case, path)) == 2
+    assert "is a file" in capsys.readouterr().err and path.read_text() == "mine"
+
+
+def test_a_finished_run_asked_for_another_evaluation_is_evaluated_again_not_trained(tmp_path, case, capsys):
+    out = tmp_path / "out"
+    assert main(args(case, out, "save_strategy=epoch", "max_eval_samples=8")) == 0
+    steps = json.loads((out / "run_summary.json").read_text())["global_step"]
+    first = (out / "eval_results.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(args(case, out, "save_strategy=epoch", "max_eval_samples=4")) == 0
+    said = capsys.readouterr().out
+    assert "already holds this run" not in said and "resuming from" in said
+    assert json.loads((out / "run_summary.json").read_text())["global_step"] == steps  # nothing trained
+    assert (out / "eval_results.json").stat().st_mtime_ns != first
