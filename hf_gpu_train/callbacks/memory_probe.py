@@ -21,3 +21,14 @@ def cuda_memory(device: torch.device) -> dict[str, float] | None:
         "torch/alloc_retries": float(stats.get("num_alloc_retries", 0)),
         "torch/ooms": float(stats.get("num_ooms", 0)),
     }
+
+
+def device_peak(device: torch.device) -> tuple[int | None, int | None]:
+    """(peak bytes, device bytes): torch's peak reserved plus what torch does not hold (the CUDA context, other
+    processes) as seen now, against the device's total: comparable with the planner's estimate, which counts the
+    context. None on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return int(torch.cuda.max_memory_reserved(device) + outside_torch), int(total)

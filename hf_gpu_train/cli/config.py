@@ -29,6 +29,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_machine_argument(p)
     p.add_argument("--output", required=True, metavar="DIR/NAME", help="writes DIR/NAME.yaml, DIR/NAME.env and DIR/NAME.plan.json")
     p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3"])
+    p.add_argument("--method", default="full", choices=["full", "lora", "qlora"],
+                   help="what the run trains, for the memory plan: full fine-tuning, or LoRA/QLoRA adapters on a frozen base "
+                   "(task=causal-lm; `hf-gpu-train plan-memory --method auto` compares them)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (with --method lora or qlora)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"])
     p.add_argument("--gpus", default="all", metavar="all|N",
                    help="how many GPUs: all usable, or a count N (the best-connected N: NVLink, then one PCIe switch, "
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_backend=args.rdzv_backend, cpu_processes=args.cpu_processes, include_busy=args.include_busy,
         busy_threshold_bytes=int(args.busy_threshold_gib * 2**30), debug_nccl=args.debug_nccl,
         model=model_spec_from_args(args), seq_len=args.seq_len, image_size=args.image_size, optimizer=args.optimizer,
-        global_batch=args.global_batch,
+        method=args.method, lora_rank=args.lora_rank, global_batch=args.global_batch,
         other_nodes=tuple(load_machine(n) for n in args.node_machines.split(",") if n.strip()),
     )
     plan = make_plan(profile, options)

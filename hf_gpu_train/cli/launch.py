@@ -109,6 +109,11 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> L
         raise UsageError(f"--config-file {config_file}: not an accelerate config (a YAML mapping of keys such as "
                          "distributed_type and num_processes): write one with `hf-gpu-train config --output ...`")
     settings = {k: v for k, v in parsed.settings().items() if k not in ("config_file",)}
+    if config.get("enable_cpu_affinity") and "gpu_ids" in settings and str(settings["gpu_ids"]) != str(config.get("gpu_ids")):
+        # accelerate pins process i to the CPUs of NVML GPU i of the YAML's plan, whatever --gpu_ids says
+        raise UsageError(f"--gpu_ids {settings['gpu_ids']} with {config_file.name}, whose enable_cpu_affinity pins each process "
+                         f"to the CPUs of GPUs {config.get('gpu_ids')}: the processes would run on the wrong socket. Write a "
+                         f"config for those GPUs: `hf-gpu-train config --gpu-ids {settings['gpu_ids']} --output ...`")
     notes += _flag_notes(settings, config, plan, config_file.name)
     cpus, note = _binding(plan, settings)
     if note:

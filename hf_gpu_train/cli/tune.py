@@ -235,17 +235,14 @@ def _write_and_print(job, opts, results, notes, choice, spent, startup_s, starte
 def _say_how_to_use(job, winner, keys) -> None:
     from ..tune.job import recipe_wins
 
-    values = winner.config_values(job.world_size)
     shadowed = recipe_wins(job, keys)
     script = "scripts/finetune.py" + (f" --config {job.recipe}" if job.recipe else "")
     launch = f"hf-gpu-train launch --config-file {job.config_file} {script}"
     if shadowed:
-        print(f"hf-gpu-train tune: {job.recipe} sets {', '.join(shadowed)} itself, and at launch a recipe's value wins over the "
-              "plan's: remove them from the recipe, or launch with the tuned values:")
-        print("  " + launch + " " + " ".join(f"{k}={str(values[k]).lower() if isinstance(values[k], bool) else values[k]}"
-                                             for k in shadowed if k in values) + _overrides(job))
-    else:
-        print(f"Next: {launch}{_overrides(job)}")
+        print(f"hf-gpu-train tune: {job.recipe} sets {', '.join(shadowed)} itself; at launch the tuned values win over the "
+              "recipe's while its text stays as it is (edit it and its own values apply again; key=value on the command "
+              "line always wins)")
+    print(f"Next: {launch}{_overrides(job)}")
 
 
 def _overrides(job) -> str:

@@ -32,6 +32,13 @@ def fsdp_requested(environ=None) -> bool:
     return str(environ.get("ACCELERATE_USE_FSDP", "false")).lower() == "true"
 
 
+def fsdp_checkpoints_activations(environ=None) -> bool:
+    """The launch config's ``fsdp_activation_checkpointing`` (accelerate exports it as FSDP_ACTIVATION_CHECKPOINTING): FSDP
+    then recomputes activations itself, and the Trainer refuses its own ``activation_checkpointing`` beside it."""
+    environ = os.environ if environ is None else environ
+    return fsdp_requested(environ) and str(environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false")).lower() == "true"
+
+
 def shard_on_cpu_too(trainer, environ=None) -> bool:
     """Give the Trainer FSDP where accelerate dropped it (CPU processes); True when it did."""
     state = trainer.accelerator.state

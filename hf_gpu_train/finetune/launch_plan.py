@@ -59,7 +59,8 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     cfg = dataclasses.replace(cfg, **{k: values[k] for k in APPLIED_KEYS if k in values}).validate()
     lines += [f"plan value overridden: {line}" for line in override_lines(resolution.overridden)]
     vision = cfg.task == "image-classification"
-    memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None)
+    memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
+                          method=cfg.method, lora_rank=cfg.lora_r)
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
     return cfg, AppliedPlan(plan, resolution, memory, tuple(lines))

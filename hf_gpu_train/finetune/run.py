@@ -157,7 +157,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from transformers import Trainer, set_seed
 
     from .checkpoints import is_main_process, write_label_map
-    from .fsdp import save_full_model
+    from .fsdp import fsdp_requested, save_full_model
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
@@ -171,6 +171,12 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     if check_previous_run(cfg, identity, previous) == "finished":
         return _report_finished(cfg, previous.results)
     set_seed(cfg.seed)
+    if fsdp_requested():
+        # the process group must exist before the model loads, or transformers loads the whole model on every rank
+        # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
+        from accelerate.state import PartialState
+
+        PartialState()
     model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
     resume = _resume_point(cfg, data.label_names, previous.finished)
     back_up_config(cfg.output_dir, cfg)
@@ -241,12 +247,15 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
 
 def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
-    """This process's peak of GPU memory held by torch's allocator, to set against the planner's estimate."""
+    """This process's peak GPU memory, counted as the planner counts it (the CUDA context included)."""
     if not runtime.on_cuda:
         return None, None
     import torch
 
-    return int(torch.cuda.max_memory_reserved()), "torch.cuda.max_memory_reserved on rank 0 (without the CUDA context)"
+    from ..callbacks.memory_probe import device_peak
+
+    peak, _ = device_peak(torch.device("cuda", torch.cuda.current_device()))
+    return peak, "rank 0: torch's peak reserved + what torch does not hold (CUDA context)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import math
 from transformers import Trainer, TrainingArguments
 
 from .config import FinetuneConfig
-from .fsdp import shard_on_cpu_too, wrap_repeated_blocks
+from .fsdp import fsdp_checkpoints_activations, shard_on_cpu_too, wrap_repeated_blocks
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
 from .sampling import group_by_length_over_the_global_batch
@@ -44,7 +44,9 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str, packed:
         fp16=runtime.precision == "fp16",
         tf32=True if ampere else None,
         optim="adamw_torch_fused",  # torch has a fused AdamW for CUDA and for the CPU (~7x the foreach one on 2 cores)
-        activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5 name of gradient_checkpointing
+        # transformers 5 name of gradient_checkpointing; under FSDP the launch config's own flag does it (the Trainer
+        # refuses both at once)
+        activation_checkpointing=cfg.gradient_checkpointing and not fsdp_checkpoints_activations(),
         torch_compile=cfg.torch_compile,
         dataloader_num_workers=runtime.dataloader_workers,
         dataloader_pin_memory=runtime.on_cuda,

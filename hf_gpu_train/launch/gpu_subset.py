@@ -51,12 +51,17 @@ class _Links:
                    {(p.a, p.b): PCIE_RANK.get(p.topology or "", UNKNOWN_PCIE_RANK) for p in profile.pairs})
 
     def score(self, gpus: tuple[GpuInfo, ...]) -> tuple:
-        """Smaller is better: (-min NVLinks, -total NVLinks, worst PCIe, total PCIe, NUMA nodes, indices)."""
+        """Smaller is better. A fully NVLinked subset first, by (-min NVLinks, -total NVLinks, worst PCIe, NUMA nodes);
+        any other by (worst PCIe level, NUMA nodes, -total NVLinks, total PCIe): a pair of bridged GPUs does not make
+        a subset that crosses the CPU interconnect better than one behind a single switch. Indices break ties."""
         keys = [(a.index, b.index) if a.index < b.index else (b.index, a.index) for a, b in combinations(gpus, 2)]
         links = [self.nvlinks.get(k, 0) for k in keys]
         pcie = [self.pcie.get(k, UNKNOWN_PCIE_RANK) for k in keys]
         nodes = len({numa_key(g) for g in gpus})
-        return (-min(links, default=0), -sum(links), max(pcie, default=0), sum(pcie), nodes, [g.index for g in gpus])
+        indices = [g.index for g in gpus]
+        if min(links, default=0) > 0:
+            return (0, -min(links), -sum(links), max(pcie, default=0), nodes, sum(pcie), indices)
+        return (1, max(pcie, default=0), nodes, -sum(links), sum(pcie), 0, indices)
 
 
 def best_subset(profile: HardwareProfile, usable: list[GpuInfo], count: int) -> tuple[tuple[GpuInfo, ...], str]:

@@ -42,6 +42,8 @@ class PlanOptions:
     seq_len: int = 512
     image_size: int = 224
     optimizer: str = "adamw"
+    method: str = "full"  # full | lora | qlora: what the run trains (LoRA's frozen base needs no gradients or optimizer states)
+    lora_rank: int = 16
     global_batch: int = DEFAULT_GLOBAL_BATCH
     fp8_backend_installed: bool | None = None
     other_nodes: tuple[HardwareProfile, ...] = ()
@@ -117,11 +119,16 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tupl
         candidates = ("ddp",)
     else:
         candidates = (options.strategy, options.strategy + "-offload")
+    if options.method in ("lora", "qlora"):
+        if options.strategy not in ("auto", "single", "ddp"):
+            raise PlanError(f"--method {options.method} with --strategy {options.strategy}: adapters train on one GPU or with "
+                            "DDP (the frozen base is small enough to copy); use --strategy auto, or --method full to shard")
+        candidates = ("ddp",) if multi else ("single",)
     if options.model is None:
         return None, candidates[0]
     shape = TrainingShape(seq_len=options.seq_len, image_size=options.image_size,
                           precision={"no": "fp32", "fp8": "bf16"}.get(precision, precision),
-                          optimizer=options.optimizer, num_gpus=world_size)
+                          optimizer=options.optimizer, num_gpus=world_size, method=options.method, lora_rank=options.lora_rank)
     plan = plan_memory(options.model, memory, world_size, shape, options.global_batch, strategies=candidates)
     if plan is None:
         raise PlanError(
@@ -129,6 +136,8 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tupl
             f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing: use "
             + ("a larger MIG instance or the whole GPU (disable MIG)" if per_what == "MIG instance" else "more GPUs (--num-machines)")
             + ", a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
+            + (", --method lora or qlora for a causal LM (`hf-gpu-train plan-memory --model M --method auto` compares them)"
+               if options.method == "full" else "")
             + ("" if options.strategy == "auto" else ", or --strategy auto"))
     return plan, plan.strategy
 
@@ -262,8 +271,9 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
             "zero_stage": stage,
             "offload_optimizer_device": "cpu" if offload else "none",
             "offload_param_device": "cpu" if offload and stage == 3 else "none",
-            "gradient_accumulation_steps": memory.gradient_accumulation if memory else 1,
-            "gradient_clipping": 1.0,
+            # no gradient_accumulation_steps / gradient_clipping: left out, accelerate passes "auto" and transformers
+            # fills them from the run's TrainingArguments; a fixed number here would be refused ("mismatches") by
+            # any run that derives another accumulation (another global batch, --num_processes, a tune trial)
             "zero3_init_flag": stage == 3,
             **({"zero3_save_16bit_model": True} if stage == 3 else {}),
         }

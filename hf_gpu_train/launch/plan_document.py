@@ -66,6 +66,8 @@ def _memory(plan: LaunchPlan) -> dict | None:
             "seq_len": o.seq_len,
             "image_size": o.image_size,
             "optimizer": o.optimizer,
+            "method": o.method,
+            "lora_rank": o.lora_rank,
             "precision": {"no": "fp32", "fp8": "bf16"}.get(plan.accelerate["mixed_precision"], plan.accelerate["mixed_precision"]),
             "world_size": plan.accelerate["num_processes"],
             "global_batch_target": o.global_batch,

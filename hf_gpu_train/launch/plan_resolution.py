@@ -95,7 +95,7 @@ def _planner_precision(precision: object, planned: str) -> str:
 
 
 def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | None = None, seq_len: int | None = None,
-                 image_size: int | None = None) -> MemoryCheck | None:
+                 image_size: int | None = None, method: str = "full", lora_rank: int | None = None) -> MemoryCheck | None:
     """Re-run the planner (``launch/memory.py``) for the plan's model with the run's micro-batch, checkpointing,
     precision, process count, sequence length and image size (None: the plan's). None when the plan has no
     memory plan (no --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
@@ -106,8 +106,10 @@ def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | 
     micro = int(values.get("per_device_train_batch_size") or m.micro_batch)
     checkpointing = bool(values.get("gradient_checkpointing", m.gradient_checkpointing))
     precision = _planner_precision(values.get("precision"), m.precision)
+    # the method the run trains with (LoRA's frozen base needs no gradients or optimizer states), not the plan's
+    peft = {"method": method, **({"lora_rank": lora_rank} if lora_rank else {})} if method in ("lora", "qlora") else {}
     shape = TrainingShape(micro_batch=micro, seq_len=seq_len or m.seq_len, image_size=image_size or m.image_size,
-                          precision=precision, optimizer=m.optimizer, gradient_checkpointing=checkpointing, num_gpus=world)
+                          precision=precision, optimizer=m.optimizer, gradient_checkpointing=checkpointing, num_gpus=world, **peft)
     breakdown = estimate(m.model, shape, m.strategy)
     total = int(breakdown.total)
     fits = total <= m.usable_bytes

@@ -84,7 +84,7 @@ def _set(name: str, value: str, environ: MutableMapping[str, str]) -> None:
         raise RunPlanError(f"the plan sets {name}={value}, but {late}, so it would change nothing: {CALL_EARLY}")
     environ[name] = value
     torch = _torch()
-    if name == "OMP_NUM_THREADS" and torch is not None and value.isdigit():
+    if name == "OMP_NUM_THREADS" and torch is not None and value.isdigit() and environ is os.environ:
         torch.set_num_threads(int(value))  # OpenMP read the variable when torch loaded; this reaches its pool
 
 

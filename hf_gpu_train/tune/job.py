@@ -97,6 +97,13 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     if plan.num_machines > 1:
         raise TuneError(f"{path.name} launches {plan.num_machines} machines: tune on one (a config written with "
                         "--num-machines 1 for the same GPUs) and use its plan's values on every node")
+    sharded = str(plan.strategy.value or "")
+    if sharded.startswith(("fsdp", "deepspeed", "cpu-fsdp")):
+        # trials share one loaded model: a model FSDP already sharded keeps the first trial's wrapping and precision,
+        # and the OOM recovery (which keeps a trial's ranks together) steps aside under FSDP and DeepSpeed
+        raise TuneError(f"{path.name} shards the model ({sharded}): tune measures trials on one shared model with DDP or "
+                        "one process; tune a DDP config of the same GPUs (`hf-gpu-train config --strategy ddp`), then use "
+                        "its micro-batch in the sharded run, or compare sharded settings with separate launches")
     recipe, overrides = parse_script_args(script, script_args)
     cfg, explicit = load_config_and_keys(recipe, overrides)
     recipe_keys = frozenset(read_config_values(recipe, ())) if recipe else frozenset()
@@ -111,7 +118,8 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
 
     def memory_check(candidate_values: dict):
         merged = {**values, **candidate_values}
-        return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size)
+        return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size, method=cfg.method,
+                            lora_rank=cfg.lora_r)
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),
@@ -132,5 +140,6 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
 
 
 def recipe_wins(job: TuneJob, keys: tuple[str, ...]) -> list[str]:
-    """Tuned keys that the recipe file sets itself: at launch an explicit recipe value wins over the plan's."""
+    """Tuned keys that the recipe file sets itself: at launch the tuned values win over them while the recipe's text is
+    unchanged (``run_plan_file.tuned_keys_for``); the command line's key=value always wins."""
     return sorted(k for k in keys if k in job.recipe_keys and k not in job.fixed)

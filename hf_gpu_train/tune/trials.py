@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..callbacks.memory_probe import device_peak
 from ..finetune.config import ConfigError, FinetuneConfig
 from .candidates import Candidate
 from .lm_layouts import Layout, prepared_layout
@@ -67,16 +68,6 @@ def checkpointing_off(model) -> None:
     inner = getattr(model, "model", None)  # finetune.vision.TimmClassifier holds the timm model
     if inner is not None and hasattr(inner, "set_grad_checkpointing"):
         inner.set_grad_checkpointing(False)
-
-
-def device_peak(device: torch.device) -> tuple[int | None, int | None]:
-    """(peak bytes, device bytes): torch's peak reserved plus what torch does not hold (the CUDA context, other
-    processes) as seen now, against the device's total. None on the CPU."""
-    if device.type != "cuda":
-        return None, None
-    free, total = torch.cuda.mem_get_info(device)
-    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    return int(torch.cuda.max_memory_reserved(device) + outside_torch), int(total)
 
 
 class TrialSession:
@@ -148,7 +139,9 @@ class TrialSession:
             trainer.train()
         except OutOfMemoryAtMicroBatchOne as error:  # every rank raises it together (the recovery's vote)
             outcome = (OOM, f"out of memory at micro-batch 1: {str(error).splitlines()[0]}")
-        except torch.OutOfMemoryError as error:  # outside a training step (the optimizer's states): the same on every rank
+        except torch.OutOfMemoryError as error:  # outside a training step (the optimizer's states, wrapping the model)
+            if self.world_size > 1:
+                raise  # one rank may run out where another does not: end the launch rather than hang in a collective
             outcome = (OOM, f"out of memory outside a step: {str(error).splitlines()[0]}")
         except ConfigError as error:  # e.g. checkpointing on a model without it, before the first step
             outcome = (SKIPPED, str(error))

@@ -139,3 +139,18 @@ def test_a_config_file_that_is_not_a_mapping_is_a_usage_error(tmp_path):
     run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", str(bad), str(script)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "not an accelerate config" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_gpu_ids_against_a_config_that_pins_cpus_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "8x-h100-sxm", "--output", str(tmp_path / "box")],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert "enable_cpu_affinity: true" in (tmp_path / "box.yaml").read_text()  # 8 GPUs over two sockets, 0..7: pinned
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--gpu_ids", "4,5", "--config-file", str(tmp_path / "box.yaml"),
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "wrong socket" in run.stderr and "--gpu-ids 4,5" in run.stderr

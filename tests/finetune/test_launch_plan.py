@@ -81,3 +81,29 @@ def test_an_override_the_planner_predicts_will_not_fit_is_warned_about_before_th
     assert "USED 4096 MODELS False" in run.stdout  # the user's value wins; nothing loaded a model
     assert "the planner predicts an out-of-memory: per_device_train_batch_size=4096" in run.stderr
     assert "the largest micro-batch that fits is" in run.stderr and "the plan chose micro-batch 32" in run.stderr
+
+
+def test_tuned_packing_reaches_the_run_and_the_recipe_is_known_by_its_text_wherever_it_is(tmp_path):
+    from hf_gpu_train.finetune.config import load_config_and_keys
+    from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.launch.run_plan_file import TUNED, recipe_identity
+
+    config = cpu_config(tmp_path)
+    recipe = tmp_path / "lm.yaml"
+    recipe.write_text("task: causal-lm\nmodel: builtin:smollm2\npacking: auto\n")
+    path = config.with_suffix(".plan.json")
+    plan = json.loads(path.read_text())
+    plan["values"]["packing"] = {"value": False, "reason": "measured by hf-gpu-train tune: padding was faster"}
+    plan[TUNED] = {"recipe": recipe_identity(recipe), "keys": ["packing"]}
+    path.write_text(json.dumps(plan))
+    elsewhere = tmp_path / "copy" / "lm.yaml"  # the same recipe, read from another directory
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(recipe.read_text())
+    environ = {"HF_GPU_TRAIN_PLAN": str(path)}
+    cfg, keys = load_config_and_keys(elsewhere, [])
+    tuned, applied = apply_launch_plan(cfg, keys, environ=environ, recipe=elsewhere)
+    assert cfg.packing == "auto" and tuned.packing is False
+    assert any("packing=False measured by hf-gpu-train tune" in line for line in applied.lines)
+    cfg, keys = load_config_and_keys(elsewhere, ["packing=true"])
+    kept, _ = apply_launch_plan(cfg, keys, environ=environ, recipe=elsewhere, command_line_keys=frozenset({"packing"}))
+    assert kept.packing is True  # the command line wins over a tuned value

@@ -220,3 +220,17 @@ def test_search_is_exhaustive_up_to_the_bound_and_greedy_beyond():
     chosen, why = best_subset(big, list(big.gpus[1:]), 9)  # C(17, 9) = 24,310 > 20,000
     assert ids(chosen) == list(range(9, 18)) and why.endswith("grown greedily (24310 subsets are too many to try)")
     assert why.startswith("GPUs 9,10,11,12,13,14,15,16,17: fully NVLinked (NV6 on every pair)")
+
+
+def test_bridged_pairs_do_not_pull_a_subset_across_the_cpu_interconnect(machine):
+    """A PCIe-switch box with NVLink bridges on 0-1 and 4-5: four GPUs behind one top switch (PXB, one NUMA node) beat
+    the two bridged pairs on two sockets (SYS), whose links would count for more in a plain NVLink total."""
+    import dataclasses
+
+    from hf_gpu_train.launch.gpu_selection import select_devices
+
+    box = machine("8x-a100-pcie-switches")
+    bridged = {(0, 1), (4, 5)}
+    pairs = tuple(dataclasses.replace(p, nvlinks=4) if (p.a, p.b) in bridged else p for p in box.pairs)
+    chosen = select_devices(dataclasses.replace(box, pairs=pairs), "4").gpus
+    assert [g.index for g in chosen] == [0, 1, 2, 3]

@@ -1,5 +1,6 @@
 """The plan's environment and CPU binding inside a training process: who wins, and what is too late."""
 
+import os
 import sys
 import types
 from dataclasses import replace
@@ -53,6 +54,9 @@ def test_omp_threads_reach_an_already_loaded_torch(monkeypatch):
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: False), set_num_threads=calls.append)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     apply_run_environment(plan({"OMP_NUM_THREADS": "7"}), {})
+    assert calls == []  # an environment that is not this process's: this process's threads stay
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    apply_run_environment(plan({"OMP_NUM_THREADS": "7"}), os.environ)
     assert calls == [7]
 
 

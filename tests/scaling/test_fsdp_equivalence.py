@@ -65,3 +65,21 @@ def test_two_fsdp_processes_train_what_one_process_trains(tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resuming from {killed / 'checkpoint-4'}" in again.stdout
     assert_same_params(load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors"))
+
+
+def test_loading_the_weights_on_rank_0_only_trains_the_same_model(tmp_path):
+    """fsdp_cpu_ram_efficient_loading: the process group exists before the model loads, rank 0 alone reads the weights
+    (the others wait on the meta device) and FSDP broadcasts them: still what one process trains."""
+    case = text_case(tmp_path)
+    arguments = [*case, *COMMON, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"global_batch_size={GLOBAL_BATCH}"]
+    reference = tmp_path / "one"
+    assert main([*arguments, f"output_dir={reference}"]) == 0
+    config = fsdp_config(tmp_path)
+    text = config.read_text()
+    assert "fsdp_cpu_ram_efficient_loading: false" in text
+    config.write_text(text.replace("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true"))
+    out = tmp_path / "sharded"
+    run = launch(config, SCRIPT, *arguments, f"output_dir={out}", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert_same_series("logged loss", history(out, "loss"), history(reference, "loss"))
+    assert_same_params(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))

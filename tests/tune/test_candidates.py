@@ -90,3 +90,18 @@ def test_the_planner_prunes_exactly_what_it_says_does_not_fit(tmp_path):
     assert [m for m in job.space.micro_batches if verdicts[(m, False, "fp16")].fits] == [m for m in job.space.micro_batches
                                                                                           if m <= largest]
     assert any(not v.fits for v in verdicts.values()) and any(v.fits for v in verdicts.values())
+
+
+def test_tune_refuses_a_sharded_launch_config(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from hf_gpu_train.tune.job import TuneError, load_job
+
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
+                           "--strategy", "fsdp", "--output", str(tmp_path / "fsdp")], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    with pytest.raises(TuneError, match=r"shards the model \(cpu-fsdp\).*--strategy ddp"):
+        load_job(str(tmp_path / "fsdp.yaml"), "scripts/finetune.py", [], {})

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 from .encode import IGNORE
 
-# attention implementations whose transformers mask (or varlen kernel) follows restarting position_ids
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# attention implementations whose transformers mask follows restarting position_ids in a batch of several rows. Not
+# flash-attention: transformers 5.24 finds packed sequences for its varlen kernel only in a batch of one row
+# (``_is_packed_sequence``); in [rows, T] batches without a mask it attends across examples.
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
 PROBE_PARAMS_ON_CPU = 2_000_000_000  # above this, a model still on the CPU is not run for the probe (minutes in bf16)
 
 
@@ -140,8 +142,9 @@ def packing_support(model, pad_token_id: int) -> PackingVerdict:
 
     base = _base(model)
     implementation = getattr(base.config, "_attn_implementation", None) or "eager"
-    if implementation not in PACKING_ATTENTION and "flash" not in implementation:
-        return PackingVerdict(False, f"attn_implementation={implementation!r} is not known to keep packed examples apart")
+    if implementation not in PACKING_ATTENTION:
+        return PackingVerdict(False, f"attn_implementation={implementation!r} is not known to keep packed examples apart in a "
+                                     "batch of several rows")
     parameters = list(base.parameters())
     if any(p.device.type == "meta" for p in parameters):
         return PackingVerdict(True, f"{implementation} attention with restarting position_ids (weights not loaded on this "
@@ -158,7 +161,8 @@ def packing_support(model, pad_token_id: int) -> PackingVerdict:
     base.eval()
     try:
         with torch.no_grad():
-            logits = [base(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in collate([row]).items()
+            # two rows per batch, as training sees them: some kernels keep examples apart in a batch of one row only
+            logits = [base(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in collate([row, row]).items()
                               if k != "labels"}).logits[0, 5:].float() for row in rows]
     except (TypeError, ValueError, RuntimeError) as error:  # a model that takes no position_ids, or cannot run here
         return PackingVerdict(False, f"the model cannot run packed rows ({type(error).__name__}: {str(error).splitlines()[0]})")
