@@ -120,6 +120,13 @@ def _columns_error(form: Form, cfg: FinetuneConfig, split: str, empty: list[int]
                        "a model trained on them learns to answer with nothing; fill or drop those rows")
 
 
+def tokenizing_processes() -> int | None:
+    """This process's share of its CPUs (every training process on the machine tokenizes at once), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(8, share) if share > 1 else None
+
+
 def encode_split(ds, tokenizer, form: Form, cfg: FinetuneConfig, split: str):
     """(tokenized dataset with ``input_ids``, ``labels``; EncodingReport). ConfigError for empty completions and for a
     split where no example keeps a token to learn."""
@@ -134,7 +141,7 @@ def encode_split(ds, tokenizer, form: Form, cfg: FinetuneConfig, split: str):
         return out
 
     rows = len(ds)
-    processes = min(8, os.cpu_count() or 1) if rows >= PARALLEL_ROWS else None
+    processes = tokenizing_processes() if rows >= PARALLEL_ROWS else None
     encoded = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=processes, desc=f"tokenizing {split}")
     empty_flags = encoded["empty"]
     if form.kind == TEXT:

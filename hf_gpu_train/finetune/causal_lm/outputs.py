@@ -20,7 +20,9 @@ MERGED_DIR = "merged"
 
 
 def with_perplexity(metrics: dict) -> dict:
-    """``eval_perplexity = exp(eval_loss)``: the Trainer's eval loss is the mean token cross-entropy (nats per token)."""
+    """``eval_perplexity = exp(eval_loss)``. The Trainer's eval loss is each evaluation batch's token cross-entropy (nats
+    per token) averaged over batches weighted by their rows: the per-token mean when batches hold similar token counts
+    (packed rows), close to it when padded."""
     if "eval_loss" not in metrics:
         return metrics
     loss = float(metrics["eval_loss"])
