@@ -79,7 +79,7 @@ def read_too_late(name: str) -> str | None:
 
 
 def _set(name: str, value: str, environ: MutableMapping[str, str]) -> None:
-    late = read_too_late(name)
+    late = read_too_late(name) if environ is os.environ else None  # another process's environment: its own reads
     if late:
         raise RunPlanError(f"the plan sets {name}={value}, but {late}, so it would change nothing: {CALL_EARLY}")
     environ[name] = value

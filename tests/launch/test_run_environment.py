@@ -40,13 +40,17 @@ def test_without_the_launchers_environment_a_set_value_counts_as_the_users():
 
 
 def test_a_change_after_cuda_initialised_is_an_error_not_a_silent_no_op(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     assert read_too_late("CUDA_DEVICE_ORDER") == "CUDA is already initialised" and read_too_late("NCCL_P2P_DISABLE") is None
     with pytest.raises(RunPlanError, match=r"^the plan sets CUDA_DEVICE_ORDER=PCI_BUS_ID, but CUDA is already initialised, so it "
                        r"would change nothing: call hf_gpu_train\.launch\.run_plan\.apply_run_environment first thing"):
-        apply_run_environment(plan({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}), {})
+        apply_run_environment(plan({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}))
     assert apply_run_environment(plan({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}), {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}).applied == ()
+    other = {}  # another process's environment (a child's, a test's): what this process already read does not matter
+    assert apply_run_environment(plan({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}), other).applied == (("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),)
+    assert other == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def test_omp_threads_reach_an_already_loaded_torch(monkeypatch):

@@ -51,7 +51,7 @@ def test_tune_finds_the_largest_micro_batch_under_the_limit_and_the_faster_worke
 
     case = text_case_with_rows(tmp_path, 320)
     config = cpu_config(tmp_path, processes=2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), OOM_ENV: "5", SLOW_COLLATE_ENV: "0.25"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), OOM_ENV: "5", SLOW_COLLATE_ENV: "0.4"}  # loading dominates: 2 workers win by far more than any noise
     run, _ = tune(config, case, env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "model and data loaded in" in run.stdout and "on 2 process(es)" in run.stdout
@@ -68,7 +68,7 @@ def test_tune_finds_the_largest_micro_batch_under_the_limit_and_the_faster_worke
     assert trials[3].samples_per_s > trials[1].samples_per_s * 1.03
     values = {k: v["value"] for k, v in plan["values"].items()}
     assert (values["per_device_train_batch_size"], values["gradient_accumulation_steps"], values["global_batch_size"],
-            values["dataloader_num_workers"]) == (4, 2, 16, 2)
+            values["dataloader_num_workers"]) == (4, 2, 16, 2), run.stdout[-3000:]
     assert plan["values"]["per_device_train_batch_size"]["reason"].startswith("measured by hf-gpu-train tune")
     assert len(list(tmp_path.glob("cpu.plan.json.bak-*"))) == 1 and len(list(tmp_path.glob("cpu.yaml.bak-*"))) == 1
     assert "# --- hf-gpu-train tune" in config.read_text()

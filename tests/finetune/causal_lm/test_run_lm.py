@@ -150,7 +150,8 @@ def test_attention_that_cannot_keep_examples_apart_falls_back_to_padding_or_stop
         tmp_path, case, capsys, leaky_attention):
     out = tmp_path / "fallback"
     assert main([*case, leaky_attention, f"output_dir={out}", "telemetry=false", "generation_samples=0"]) == 0
-    assert "packing off (attn_implementation='causal_only_for_test' is not known to keep packed examples apart)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "packing off (attn_implementation='causal_only_for_test' is not known to keep packed examples apart" in said, said
     required = tmp_path / "required"
     assert main([*case, leaky_attention, "packing=true", f"output_dir={required}"]) == 2
     assert "packing=true, but attn_implementation='causal_only_for_test'" in capsys.readouterr().err
