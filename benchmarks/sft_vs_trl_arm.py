@@ -189,6 +189,8 @@ def run_trl(spec: dict) -> dict:
     options.update(s.get("options", {}))  # packing, gradient_checkpointing, bf16 where the arm says
     if not on_cuda and "bf16" not in s.get("options", {}):
         options["bf16"] = False  # fp32 on a CPU without bf16 units, as an expert sets it (TRL's default is bf16)
+    elif not on_cuda:
+        options["use_cpu"] = True  # bf16 on a machine without a GPU: transformers refuses it unless use_cpu=True
     if on_cuda and s.get("model_dtype") == "bfloat16":
         options["model_init_kwargs"] = {"dtype": "bfloat16"}
     config = SFTConfig(**options)
@@ -209,6 +211,7 @@ def run_trl(spec: dict) -> dict:
 def train_arm(spec: dict) -> dict:
     import torch
 
+    load_start = os.getloadavg()[0]
     out = run_ours(spec) if spec["arm"] == "ours" else run_trl(spec)
     m = LAST
     marks = m["step_marks"]
@@ -221,6 +224,7 @@ def train_arm(spec: dict) -> dict:
             "first_step_seconds": first_seconds, "peak_rss_train": m["peak_rss_train"], "ru_maxrss": m["ru_maxrss"],
             "cuda_peak_allocated": m["cuda_peak_allocated"], "train_loss": m["train_loss"],
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "load_average_1min": [load_start, os.getloadavg()[0]],  # other jobs on the machine, at the start and end
             "torch_threads": torch.get_num_threads()}
 
 
