@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
 
-from ..finetune.causal_lm.tiny import chat_rows, save_tiny_model, write_jsonl
+from ..finetune.causal_lm.tiny import chat_case
 from ..launching import cpu_config, launch
 from .equivalence import assert_same_params, assert_same_series
 from .test_fsdp_equivalence import fsdp_config
@@ -26,12 +26,9 @@ ROWS_PER_STEP = 4  # packed rows per optimizer step, over every process
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> list[str]:
-    root = tmp_path_factory.mktemp("lm-scaling")
-    model = save_tiny_model(root / "model")
-    return [f"model={model}", f"train_file={write_jsonl(root / 'train.jsonl', chat_rows(48))}",
-            f"validation_file={write_jsonl(root / 'validation.jsonl', chat_rows(8, offset=100))}", "task=causal-lm",
-            "max_length=160", "num_train_epochs=2", "learning_rate=1e-3", "warmup_ratio=0", "logging_steps=1",
-            "generation_samples=0", "extra={adam_epsilon: 1.0e-6}", f"global_batch_size={ROWS_PER_STEP}"]
+    return chat_case(tmp_path_factory.mktemp("lm-scaling"), 48, 8, "max_length=160", "num_train_epochs=2", "learning_rate=1e-3",
+                     "warmup_ratio=0", "logging_steps=1", "generation_samples=0", "extra={adam_epsilon: 1.0e-6}",
+                     f"global_batch_size={ROWS_PER_STEP}")
 
 
 def history(out: Path, key: str) -> list[float]:

@@ -16,19 +16,16 @@ from transformers import TrainerCallback
 from hf_gpu_train.finetune.run import main
 
 from ...scaling.equivalence import assert_same_params, assert_trained
-from .tiny import chat_rows, save_tiny_model, write_jsonl
+from .tiny import chat_case, save_tiny_model, write_jsonl
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> list[str]:
-    root = tmp_path_factory.mktemp("lm-case")
-    model = save_tiny_model(root / "model")
-    return [f"model={model}", f"train_file={write_jsonl(root / 'train.jsonl', chat_rows(32))}",
-            f"validation_file={write_jsonl(root / 'validation.jsonl', chat_rows(12, offset=100))}", "task=causal-lm",
-            "max_length=256", "per_device_train_batch_size=4", "num_train_epochs=1", "learning_rate=1e-2", "warmup_ratio=0",
-            "generation_samples=2", "generation_max_new_tokens=6", "logging_steps=1"]
+    return chat_case(tmp_path_factory.mktemp("lm-case"), 32, 12, "max_length=256", "per_device_train_batch_size=4",
+                     "num_train_epochs=1", "learning_rate=1e-2", "warmup_ratio=0", "generation_samples=2",
+                     "generation_max_new_tokens=6", "logging_steps=1")
 
 
 def eval_loss_by_hand(arguments: list[str], adapter_dir: Path) -> float:

@@ -62,3 +62,11 @@ def chat_rows(count: int, offset: int = 0) -> list[dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def chat_case(root: Path, train_rows: int, validation_rows: int, *settings: str) -> list[str]:
+    """The key=value arguments of a causal-LM run on a saved tiny model and chat data written under ``root``."""
+    model = save_tiny_model(root / "model")
+    return [f"model={model}", f"train_file={write_jsonl(root / 'train.jsonl', chat_rows(train_rows))}",
+            f"validation_file={write_jsonl(root / 'validation.jsonl', chat_rows(validation_rows, offset=100))}",
+            "task=causal-lm", *settings]
