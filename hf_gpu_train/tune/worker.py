@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
+from ..process_group import leave_process_group
 
 RESULTS_FORMAT = "hf_gpu_train.tune_trials"
 
@@ -124,4 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:
+        leave_process_group()  # every trial ended on every rank: Gloo's threads could otherwise abort the exit
+    sys.exit(code)

@@ -25,3 +25,7 @@ out = sys.argv[1]
 trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2), train_dataset=SlowOnRank1(n=96))
 attach_telemetry(trainer, interval_s=0.05)
 trainer.train()
+
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)

@@ -29,3 +29,7 @@ with open(os.path.join(out, f"rank{acc.process_index}.json"), "w") as f:
         "params": [p.detach().flatten().tolist() for p in acc.unwrap_model(model).parameters()],
         "argv": sys.argv[1:],
     }, f)
+
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)

@@ -35,3 +35,7 @@ with open(os.path.join(os.environ["PROBE_OUT"], f"rank{acc.process_index}.json")
             "applied": [list(a) for a in report.applied], "replaced": [list(r) for r in report.replaced],
             "kept": [list(k) for k in report.kept]},
     }, f)
+
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)

@@ -7,8 +7,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_gpu_train.finetune.run import main  # noqa: E402
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
 
 for arguments in json.loads(sys.argv[1]):
     code = main(arguments)
     if code:
         sys.exit(code)
+leave_process_group()

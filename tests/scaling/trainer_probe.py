@@ -67,3 +67,6 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     for run_name, run in json.loads(sys.argv[2]).items():
         record(target, run_name, **run)
+    from hf_gpu_train.process_group import leave_process_group
+
+    leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)

@@ -30,3 +30,7 @@ rank = trainer.accelerator.process_index
 after = torch.ones(1)
 torch.distributed.all_reduce(after)  # both ranks reach this: nobody is stuck in the step's collectives
 Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": raised, "all_reduce_after": float(after.item())}))
+
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)

@@ -21,3 +21,7 @@ trainer.train()
 rank = trainer.accelerator.process_index
 torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "micro_batch": recovery.micro_batch, "global_step": trainer.state.global_step}, f"{out}/rank{rank}.pt")
+
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)

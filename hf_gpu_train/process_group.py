@@ -1,0 +1,26 @@
+"""Leaving the default process group when a training process is done.
+
+A process that exits with its process group alive can abort at interpreter shutdown: Gloo's worker threads still
+hold work objects whose tensors reach back into Python, and destroying them while the interpreter is torn down ends
+in ``std::terminate`` ("terminate called without an active exception", exit -6) after all the work succeeded. It
+shows intermittently on 2 gloo processes (pytorch#190489; torch's own atexit fix, pytorch#179291, was abandoned),
+and NCCL warns about the same omission. torch's advice is to call ``destroy_process_group`` once the process needs
+no more communication, near the end of main: the entry points do it after a run that finished.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def leave_process_group() -> bool:
+    """Destroy the default process group if this process made one; True when it did. Only after the last
+    collective of every rank (a finished run): with NCCL, destroying while a peer still waits can hang it."""
+    torch = sys.modules.get("torch")  # never import torch here: a process without it has no group to leave
+    if torch is None:
+        return False
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return False
+    distributed.destroy_process_group()
+    return True

@@ -1,0 +1,24 @@
+"""leave_process_group: the entry points' last step after a finished run (hf_gpu_train/process_group.py says why)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CHILD = """
+import sys
+from hf_gpu_train.process_group import leave_process_group
+assert leave_process_group() is False and "torch" not in sys.modules  # no torch, no group, nothing imported
+import torch.distributed as dist
+assert leave_process_group() is False  # torch without a group
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+assert dist.is_initialized()
+assert leave_process_group() is True and not dist.is_initialized()
+assert leave_process_group() is False
+print("OK")
+"""
+
+
+def test_the_default_group_is_destroyed_once_and_torch_is_never_imported_for_it(tmp_path):
+    run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-2000:]
