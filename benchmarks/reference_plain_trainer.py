@@ -42,10 +42,11 @@ def main() -> None:
 
     def preprocess(rows):
         encoded = tokenizer(rows["text"], truncation=True, max_length=max_length, padding="max_length" if static else False)
-        encoded["label"] = [labels.index(x) for x in rows["label"]]
+        encoded["labels"] = [labels.index(x) for x in rows["label"]]
         return encoded
 
-    data = raw.map(preprocess, batched=True, remove_columns=["text"])
+    # every source column removed: datasets 5 keeps a replaced column's type (the string labels would stay strings)
+    data = raw.map(preprocess, batched=True, remove_columns=raw["train"].column_names)
 
     def compute_metrics(p):
         return classification_metric().compute(predictions=np.argmax(p.predictions, axis=1).tolist(), references=p.label_ids.tolist())
