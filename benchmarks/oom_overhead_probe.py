@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.finetune.config import load_config  # noqa: E402
 from hf_gpu_train.finetune.run import finetune  # noqa: E402
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
 
 out, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = load_config(None, [f"output_dir={out}/{mode}", f"max_steps={steps}", "per_device_train_batch_size=16", "max_length=64",
@@ -19,3 +20,4 @@ finetune(cfg)
 if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary
     summary = json.loads(Path(out, mode, "run_summary.json").read_text())
     Path(out, f"{mode}.json").write_text(json.dumps({"steps_per_second": summary["global_step"] / summary["train_seconds"]}))
+leave_process_group()  # Gloo's threads could otherwise abort the exit

@@ -15,7 +15,9 @@ import sys
 
 def leave_process_group() -> bool:
     """Destroy the default process group if this process made one; True when it did. Only after the last
-    collective of every rank (a finished run): with NCCL, destroying while a peer still waits can hang it."""
+    collective of every rank (a finished run): with NCCL, destroying while a peer still waits can hang it. Only at
+    the end of the process: accelerate's state (``PartialState``) still describes the group afterwards, so anything
+    that uses accelerate later in the same process would find no group."""
     torch = sys.modules.get("torch")  # never import torch here: a process without it has no group to leave
     if torch is None:
         return False

@@ -110,7 +110,8 @@ def apply_run_environment(plan: RunPlan, environ: MutableMapping[str, str] | Non
             replaced.append((name, current, value))
         else:
             kept.append(Override(name, value, current, "environment"))
-    note = bind_process_cpus(plan, environ, set_affinity)
+    # another process's environment (a dict) says nothing about binding this one's CPUs, unless a binder is given
+    note = bind_process_cpus(plan, environ, set_affinity) if environ is os.environ or set_affinity else None
     return EnvironmentReport(tuple(applied), tuple(replaced), tuple(kept), note)
 
 

@@ -99,3 +99,18 @@ def test_binding_is_applied_for_the_local_rank_unless_the_gpus_were_changed_at_l
     moved = replace(p, gpu_ids="0,1", launched=LaunchedAs(gpu_ids="2,3"))
     report = apply_run_environment(moved, {"LOCAL_RANK": "1"}, set_affinity=bound.append)
     assert len(bound) == 1 and report.cpu_binding == "CPU binding not applied: launched on other GPUs than the plan bound CPUs for"
+
+
+def test_another_processs_environment_does_not_bind_this_process(monkeypatch):
+    import os
+
+    available = os.sched_getaffinity(0)
+    if len(available) == 1:
+        pytest.skip("one CPU: already bound to anything that includes it")
+    calls = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    p = plan({}, binding=CpuBinding("accelerate", (str(min(available)),), "why"))
+    report = apply_run_environment(p, {"LOCAL_RANK": "0"})
+    assert calls == [] and report.cpu_binding is None
+    apply_run_environment(p, os.environ)  # this process's environment: bound as planned
+    assert calls == [{min(available)}]
