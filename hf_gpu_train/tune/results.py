@@ -92,9 +92,13 @@ def paired_noise_pct(a: TrialResult, b: TrialResult) -> float | None:
     """Twice the standard error of the mean step-by-step time ratio, in percent. Every trial of a search measures the
     same steps over the same batches (same effective batch, same seeded order, same step count), so step i of one
     trial and step i of another did the same work: their ratio varies only with noise (clocks, scheduling, other
-    jobs), not with the batches' lengths. None when the steps do not pair up (another step count, packing)."""
+    jobs), not with the batches' lengths. None when the steps do not pair up: another step count, packing (other
+    batches), or another number of data loader workers (a loader that prefetches moves the waiting between steps, so
+    step i of one trial is not step i of the other; their windows' totals are what compares)."""
     ta, tb = a.step_times_s, b.step_times_s
-    if len(ta) < 3 or len(ta) != len(tb) or a.candidate.packing != b.candidate.packing or min(ta + tb) <= 0:
+    if len(ta) < 3 or len(ta) != len(tb) or min(ta + tb) <= 0:
+        return None
+    if a.candidate.packing != b.candidate.packing or a.candidate.dataloader_num_workers != b.candidate.dataloader_num_workers:
         return None
     logs = [math.log(x / y) for x, y in zip(ta, tb)]
     spread = statistics.stdev(logs) / math.sqrt(len(logs))
