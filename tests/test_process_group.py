@@ -21,4 +21,5 @@ print("OK")
 
 def test_the_default_group_is_destroyed_once_and_torch_is_never_imported_for_it(tmp_path):
     run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-2000:]
+    # (some torch versions' Gloo prints its connection count to stdout first)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1:] == ["OK"], run.stdout[-2000:] + run.stderr[-2000:]
