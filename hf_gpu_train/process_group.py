@@ -11,6 +11,7 @@ no more communication, near the end of main: the entry points do it after a run 
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 
 def leave_process_group() -> bool:
@@ -26,3 +27,11 @@ def leave_process_group() -> bool:
         return False
     distributed.destroy_process_group()
     return True
+
+
+def exit_process(code: int) -> NoReturn:
+    """An entry point's last line: leave the process group after a run that finished (exit 0), then exit with ``code``.
+    After a failure the group is left as it is: a peer may still be inside a collective."""
+    if code == 0:
+        leave_process_group()
+    sys.exit(code)

@@ -13,10 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.finetune.run import main  # noqa: E402
-from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+from hf_gpu_train.process_group import exit_process  # noqa: E402
 
 if __name__ == "__main__":
-    code = main()
-    if code == 0:
-        leave_process_group()  # the run finished on every rank: Gloo's threads could otherwise abort the exit
-    sys.exit(code)
+    exit_process(main())  # leaves the process group after a finished run: Gloo's threads could otherwise abort the exit

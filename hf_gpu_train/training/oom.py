@@ -240,7 +240,7 @@ class InPlaceOOMRecovery:
                 try:
                     with model.no_sync() if distributed else contextlib.nullcontext():
                         while replay:  # the earlier micro-steps, whole, before this one goes on
-                            self._accumulate(model, *replay[0], 0, micro, arm=False, distributed=distributed)
+                            self._accumulate(model, *replay[0], micro, distributed=distributed)
                             replay.pop(0)
                         replaying, events = False, reducer.grad_events
                         for start in range(done, size, micro):
@@ -302,13 +302,14 @@ class InPlaceOOMRecovery:
             model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
         return self._training_step(model, chunk, num_items_in_batch)
 
-    def _accumulate(self, model, inputs, num_items_in_batch, start: int, micro: int, arm: bool, distributed: bool) -> None:
-        """An earlier micro-step computed again, in micro-batches (its loss was already reported)."""
+    def _accumulate(self, model, inputs, num_items_in_batch, micro: int, distributed: bool) -> None:
+        """An earlier micro-step computed again, whole, in micro-batches (its loss was already reported; a micro-step
+        without sync, so no bucket is armed)."""
         size = batch_size(inputs)
-        for begin in range(start, size, micro):
+        for begin in range(0, size, micro):
             stop = min(size, begin + micro)
             self._chunk(model, slice_batch(inputs, begin, stop), num_items_in_batch, (stop - begin) / size,
-                        arm=arm and stop == size, distributed=distributed)
+                        arm=False, distributed=distributed)
 
     def _adopt(self, agreed: int | None, size: int) -> None:
         """Every rank runs the smallest micro-batch any rank needed."""

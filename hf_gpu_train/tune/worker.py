@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
-from ..process_group import leave_process_group
+from ..process_group import exit_process
 
 RESULTS_FORMAT = "hf_gpu_train.tune_trials"
 
@@ -125,7 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if code == 0:
-        leave_process_group()  # every trial ended on every rank: Gloo's threads could otherwise abort the exit
-    sys.exit(code)
+    exit_process(main())  # every trial ended on every rank: the process group is left before exit

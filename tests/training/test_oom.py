@@ -114,13 +114,19 @@ def test_eval_oom_shrinks_the_eval_batch_only(tmp_path):
     assert abs(reference.evaluate()["eval_loss"] - trainer.evaluate()["eval_loss"]) < 1e-5
 
 
-def test_resume_starts_with_the_recorded_micro_batch(tmp_path):
-    out = tmp_path / "resume"
+def train_with_checkpoints(out, max_batch: int = 4):
+    """A recovered run (OOM above ``max_batch``) that saves a checkpoint every 3 steps."""
     model = exact_bert()
-    OOMFaultInjector(max_batch=4).install(model)
+    OOMFaultInjector(max_batch=max_batch).install(model)
     trainer = Trainer(model=model, args=oom_args(out, save_strategy="steps", save_steps=3), train_dataset=TokenDataset(n=96))
     enable_oom_recovery(trainer)
     trainer.train()
+    return trainer
+
+
+def test_resume_starts_with_the_recorded_micro_batch(tmp_path):
+    out = tmp_path / "resume"
+    train_with_checkpoints(out)
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["OOMRecoveryState"]["attributes"]["micro_batch"] == 4
     fresh_model = exact_bert()
@@ -203,11 +209,7 @@ def test_restoring_callback_states_keeps_the_recovery_wired(tmp_path):
     """restore_callback_states_from_checkpoint=True makes the Trainer rebuild OOMRecoveryState from the checkpoint: the
     recovery must use the new object (the recorded micro-batch), and go on shrinking it."""
     out = tmp_path / "restore"
-    model = exact_bert()
-    OOMFaultInjector(max_batch=4).install(model)
-    trainer = Trainer(model=model, args=oom_args(out, save_strategy="steps", save_steps=3), train_dataset=TokenDataset(n=96))
-    enable_oom_recovery(trainer)
-    trainer.train()
+    train_with_checkpoints(out)
     fresh = exact_bert()
     tighter = OOMFaultInjector(max_batch=2).install(fresh)  # less memory on the resumed run
     resumed = Trainer(model=fresh, args=oom_args(out, save_strategy="steps", save_steps=3, restore_callback_states_from_checkpoint=True),

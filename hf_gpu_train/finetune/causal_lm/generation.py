@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...report.generations import GENERATIONS, SECTION, render_generations  # noqa: F401 (names used by tests and callers)
+from ...report.generations import GENERATIONS
 from .chat import render
 from .data import CHAT, TEXT, CausalLMData
 
