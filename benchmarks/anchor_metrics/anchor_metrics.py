@@ -1,13 +1,13 @@
-"""Accuracy and macro F1 as an ``evaluate`` module that loads offline.
+"""Accuracy and macro F1 as an ``evaluate`` module that loads offline: the plain Trainer anchor's metrics.
 
-``evaluate.load("accuracy")`` needs the hub; ``evaluate.load(<this directory>)`` does not.
+HF's guides compute metrics with ``evaluate.load("accuracy")`` (and "f1"), which needs the hub;
+``evaluate.load(<this directory>)`` is the same path offline.
 One import per line: evaluate scans this file's imports and misreads combined ones.
 """
 
 import datasets
 import evaluate
-from sklearn.metrics import accuracy_score
-from sklearn.metrics import f1_score
+from sklearn.metrics import accuracy_score, f1_score
 
 _DESCRIPTION = "Accuracy and macro-averaged F1 for single-label classification."
 _KWARGS = "predictions: list of int class ids; references: list of int class ids."
