@@ -1,4 +1,4 @@
-"""PNG plots of a run: one line per GPU, throttled readings marked red, readings at the power limit orange
+"""SVG charts of a run: one line per GPU, throttled readings marked red, readings at the power limit orange
 (the power cap under load is normal, so it is not drawn as throttling)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..callbacks.sampler import POWER_CAP_REASON, THROTTLE_REASONS
+from .svg import Chart
 
 PANELS = [
     ("utilization", "GPU utilization (%)", "util_pct"),
@@ -16,70 +17,42 @@ PANELS = [
 ]
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: Path, paths: list[Path]) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    paths.append(path)
-
-
 def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
-    plt = _plt()
+    """One SVG per panel that has data (``svg.py``: no plotting library on the path of a finishing run)."""
     paths = []
     t0 = samples[0]["t"] if samples else (windows[0]["time"] if windows else 0.0)
     gpus = sorted({g for s in samples for g in s.get("gpus", {})}, key=int)
     for name, title, key in PANELS:
         if not any(key in s["gpus"].get(g, {}) for s in samples for g in gpus):
             continue
-        fig, ax = plt.subplots(figsize=(8, 3))
+        chart = Chart(title, xlabel="seconds")
         for g in gpus:
-            pts = [(s["t"] - t0, s["gpus"][g][key]) for s in samples if key in s["gpus"].get(g, {})]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"GPU{g}")
             readings = [(s["t"] - t0, s["gpus"][g][key], set(s["gpus"][g].get("throttle_reasons", [])))
                         for s in samples if key in s["gpus"].get(g, {})]
-            hot = [(t, v) for t, v, reasons in readings if reasons & THROTTLE_REASONS]
+            chart.line([t for t, _, _ in readings], [v for _, v, _ in readings], f"GPU{g}")
             capped = [(t, v) for t, v, reasons in readings if POWER_CAP_REASON in reasons and not reasons & THROTTLE_REASONS]
+            hot = [(t, v) for t, v, reasons in readings if reasons & THROTTLE_REASONS]
             if capped:
-                ax.scatter([p[0] for p in capped], [p[1] for p in capped], color="orange", s=10, label=f"GPU{g} at power limit",
-                           zorder=3)
+                chart.points([t for t, _ in capped], [v for _, v in capped], f"GPU{g} at power limit", color="orange")
             if hot:
-                ax.scatter([p[0] for p in hot], [p[1] for p in hot], color="red", s=12, label=f"GPU{g} throttled", zorder=3)
+                chart.points([t for t, _ in hot], [v for _, v in hot], f"GPU{g} throttled", color="red")
         if key == "sm_clock_mhz":
             maxima = [s["gpus"][g]["sm_clock_max_mhz"] for s in samples for g in gpus if "sm_clock_max_mhz" in s["gpus"].get(g, {})]
             if maxima:
-                ax.axhline(max(maxima), color="gray", linestyle="--", label="max SM clock")
-                ax.set_ylim(top=max(maxima) * 1.05)
-        ax.set_title(title)
-        ax.set_xlabel("seconds")
-        ax.legend(loc="best", fontsize=7)
-        _save(plt, fig, out / f"telemetry_{name}.png", paths)
+                chart.hline(max(maxima), "max SM clock")
+                chart.ymax = max(maxima) * 1.05
+        paths.append(chart.save(out / f"telemetry_{name}.svg"))
     torch_pts = [(w["time"] - t0, w["metrics"]) for w in windows if "torch/mem_allocated_gib" in w["metrics"]]
     if torch_pts:
-        fig, ax = plt.subplots(figsize=(8, 3))
+        chart = Chart("torch memory (GiB)", xlabel="seconds")
         for key, label in (("torch/mem_allocated_gib", "allocated"), ("torch/mem_reserved_gib", "reserved")):
-            ax.plot([p[0] for p in torch_pts], [p[1].get(key, 0) for p in torch_pts], label=label)
-        ax.set_title("torch memory (GiB)")
-        ax.set_xlabel("seconds")
-        ax.legend(fontsize=7)
-        _save(plt, fig, out / "telemetry_torch_memory.png", paths)
+            chart.line([t for t, _ in torch_pts], [m.get(key, 0) for _, m in torch_pts], label)
+        paths.append(chart.save(out / "telemetry_torch_memory.svg"))
     through = [(w["time"] - t0, w["metrics"]) for w in windows if "train/samples_per_s" in w["metrics"]]
     if through:
-        fig, ax = plt.subplots(figsize=(8, 3))
-        ax.plot([p[0] for p in through], [p[1]["train/samples_per_s"] for p in through], label="samples/s", color="tab:blue")
-        ax.set_ylabel("samples/s")
-        ax2 = ax.twinx()
-        ax2.plot([p[0] for p in through], [p[1].get("train/data_wait_pct", 0) for p in through], label="data wait %", color="tab:orange")
-        ax2.set_ylabel("data wait (%)")
-        ax.set_title("throughput and data wait")
-        ax.set_xlabel("seconds")
-        _save(plt, fig, out / "telemetry_throughput.png", paths)
+        chart = Chart("throughput and data wait", xlabel="seconds", ylabel="samples/s", right_label="data wait (%)")
+        chart.line([t for t, _ in through], [m["train/samples_per_s"] for _, m in through], "samples/s", color="#1f77b4")
+        chart.line([t for t, _ in through], [m.get("train/data_wait_pct", 0) for _, m in through], "data wait %", color="#ff7f0e",
+                   right=True)
+        paths.append(chart.save(out / "telemetry_throughput.svg"))
     return paths

@@ -3,7 +3,7 @@
 - ``telemetry.jsonl``: one line per sampler reading ({"kind": "sample", ...}) and per log window
   ({"kind": "window", "step", "metrics", "verdict", "ranks"});
 - ``telemetry_summary.json``: means and maxima over the run, the final verdict, stragglers;
-- ``report.md`` with the PNG plots from ``plots.py``.
+- ``report.md`` with the SVG charts from ``plots.py``.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_real_trainer_with_fake_nvml_logs_units_values_and_report(tmp_path, mach
     assert "train/mfu_pct" not in entry  # the model is on the CPU: no peak to compare with
     assert any("gpu0/util_pct" in logs for logs in logs_seen)  # went through the Trainer's own logging
     # report files written, thread stopped
-    for name in ("telemetry.jsonl", "telemetry_summary.json", "report.md", "telemetry_utilization.png", "telemetry_power.png"):
+    for name in ("telemetry.jsonl", "telemetry_summary.json", "report.md", "telemetry_utilization.svg", "telemetry_power.svg"):
         assert (tmp_path / name).is_file(), name
     summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
     # derived from the series: clocks below maximum with SwPowerCap only -> not throttled, but at power limit;

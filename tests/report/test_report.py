@@ -16,13 +16,13 @@ def test_report_command_redraws_and_prints_the_verdict(tmp_path, capsys):
                             "torch/mem_reserved_gib": 12.0, "gpu0/util_pct": 92.0},
                 "verdict": {"kind": "throttled", "evidence": "e", "next_step": "n", "notes": []}} for i in range(3)]
     write_run_report(tmp_path, samples, records, Verdict("throttled", "clocks held back", "improve cooling"), {0: "NVIDIA H100"})
-    for name in ("telemetry_utilization.png", "telemetry_temperature.png", "telemetry_clocks.png", "telemetry_torch_memory.png",
-                 "telemetry_throughput.png", "report.md"):
+    for name in ("telemetry_utilization.svg", "telemetry_temperature.svg", "telemetry_clocks.svg", "telemetry_torch_memory.svg",
+                 "telemetry_throughput.svg", "report.md"):
         (tmp_path / name).unlink()
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "verdict: throttled: clocks held back. Next: improve cooling" in out and "HwThermalSlowdown" in out
-    assert (tmp_path / "telemetry_clocks.png").is_file() and "telemetry_clocks.png" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "telemetry_clocks.svg").is_file() and "telemetry_clocks.svg" in (tmp_path / "report.md").read_text()
     summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
     assert summary["metrics"]["train/samples_per_s"]["max"] == 100.0
 
