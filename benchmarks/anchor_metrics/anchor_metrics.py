@@ -7,7 +7,8 @@ One import per line: evaluate scans this file's imports and misreads combined on
 
 import datasets
 import evaluate
-from sklearn.metrics import accuracy_score, f1_score
+from sklearn.metrics import accuracy_score
+from sklearn.metrics import f1_score
 
 _DESCRIPTION = "Accuracy and macro-averaged F1 for single-label classification."
 _KWARGS = "predictions: list of int class ids; references: list of int class ids."

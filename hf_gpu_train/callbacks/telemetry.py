@@ -142,7 +142,11 @@ class TelemetryCallback(TrainerCallback):
         if self.write_report and state.is_world_process_zero:
             from ..report.writer import write_run_report
 
-            write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names)
+            try:
+                write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names)
+            except Exception as error:  # the report must never cost the run its final evaluation and model
+                log.warning("telemetry: the run report was not written (%s: %s); the training is not affected",
+                            type(error).__name__, error)
         return control
 
     def samples(self) -> list:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("report", help="render the telemetry report of a run and print its verdict",
-                              description="Re-render report.md and the PNG plots from OUTPUT_DIR/telemetry.jsonl.")
+                              description="Re-render report.md and the SVG charts from OUTPUT_DIR/telemetry.jsonl.")
     p.add_argument("output_dir")
     return p
 

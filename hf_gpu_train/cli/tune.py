@@ -28,7 +28,7 @@ DESCRIPTION = ("Measure the fastest settings that fit for this recipe on this la
                "batch kept exact by the accumulation), gradient checkpointing, dataloader workers, precision, packing "
                "(causal LM) and torch.compile, a few real training steps each, all in one launch. The winner goes into "
                "NAME.plan.json and NAME.yaml's header (backups first), the table and a plot into NAME.tune_report.md and "
-               "NAME.tune.png, the measurements into NAME.tune.json (reused by a rerun unless --fresh). key=value after "
+               "NAME.tune.svg, the measurements into NAME.tune.json (reused by a rerun unless --fresh). key=value after "
                "the recipe fixes that key: it is not tuned.")
 
 

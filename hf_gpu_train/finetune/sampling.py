@@ -14,6 +14,7 @@ loader calls), so it is the same on every rank, for every world size, and after 
 from __future__ import annotations
 
 import torch
+from torch.utils.data import SequentialSampler
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 
 
@@ -47,3 +48,20 @@ def group_by_length_over_the_global_batch(trainer) -> None:
         return chosen
 
     trainer._get_train_sampler = sampler
+
+
+def evaluate_in_dataset_order(trainer) -> None:
+    """Evaluate in the eval dataset's own order, which the entry point made longest first (``text.longest_first``).
+
+    With ``train_sampling_strategy="group_by_length"`` transformers 5 groups the *evaluation* too: a
+    ``LengthGroupedSampler`` that shuffles first and sorts within mega-batches of 4 eval batches or more, so on a
+    validation set of a few eval batches every batch is a random draw, padded to its longest. Read in order, the
+    batches hold neighbours in length. One process: sequential; several: no sampler, so accelerate hands out
+    consecutive batches (the Trainer's own choice without grouping)."""
+
+    def sampler(eval_dataset):
+        if eval_dataset is None or not hasattr(eval_dataset, "__len__"):
+            return None
+        return SequentialSampler(eval_dataset) if trainer.args.world_size <= 1 else None
+
+    trainer._get_eval_sampler = sampler

@@ -55,10 +55,15 @@ def tokenize(cfg: FinetuneConfig, data: ClassificationData, tokenizer):
 
 
 def longest_first(dataset):
-    """``dataset`` (with ``input_ids``) in order of token count, longest first; equal lengths keep their order."""
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)  # stable, also with reverse
-    return dataset.select(order)
+    """``dataset`` (with ``input_ids``) in order of token count, longest first; equal lengths keep their order.
+
+    The lengths come from Arrow (no Python list per row); the Trainer must then read it in this order:
+    ``sampling.evaluate_in_dataset_order``."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_numpy(zero_copy_only=False)
+    return dataset.select(np.argsort(-lengths, kind="stable").tolist())
 
 
 def text_collator(tokenizer, on_cuda: bool):

@@ -14,7 +14,7 @@ from .config import FinetuneConfig
 from .fsdp import fsdp_checkpoints_activations, shard_on_cpu_too, wrap_repeated_blocks
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
-from .sampling import group_by_length_over_the_global_batch
+from .sampling import evaluate_in_dataset_order, group_by_length_over_the_global_batch
 
 
 def gradient_accumulation(cfg: FinetuneConfig, world_size: int) -> tuple[int, int]:
@@ -95,6 +95,8 @@ def build_trainer(cfg, runtime, model, train, validation, collator, processing_c
     if classifier:
         trainer.model_accepts_loss_kwargs = False
     group_by_length_over_the_global_batch(trainer)  # the same global batches for any number of processes
+    if cfg.task == "text-classification":
+        evaluate_in_dataset_order(trainer)  # its validation set is longest first (text.longest_first): little padding
     shard_on_cpu_too(trainer)  # an FSDP launch config shards on CPU processes too (accelerate would run DDP)
     wrap_repeated_blocks(trainer)  # FSDP units are the transformer layers (accelerate's default double-shards BERT)
     return trainer

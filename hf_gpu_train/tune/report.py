@@ -16,8 +16,8 @@ MARK = "<!-- written by hf-gpu-train tune -->"
 
 
 def report_paths(config_file: Path) -> tuple[Path, Path]:
-    """(NAME.tune_report.md, NAME.tune.png)."""
-    return config_file.with_suffix(".tune_report.md"), config_file.with_suffix(".tune.png")
+    """(NAME.tune_report.md, NAME.tune.svg)."""
+    return config_file.with_suffix(".tune_report.md"), config_file.with_suffix(".tune.svg")
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,21 @@ def test_logs_dict_is_not_mutated(tmp_path):
     assert loss_entries and not any(k.startswith(("train/", "host/")) for h in loss_entries for k in h)
 
 
+def test_a_report_that_cannot_be_written_warns_and_training_ends_normally(tmp_path, monkeypatch, caplog):
+    import hf_gpu_train.report.writer as writer
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(writer, "write_run_report", broken)
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=2), train_dataset=TokenDataset())
+    attach_telemetry(trainer, interval_s=0.05)
+    with caplog.at_level("WARNING", logger="hf_gpu_train.telemetry"):
+        result = trainer.train()
+    assert result.global_step == 2
+    assert "the run report was not written (OSError: No space left on device)" in caplog.text
+
+
 def test_thread_stops_when_training_raises(tmp_path):
     trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path), train_dataset=TokenDataset(fail_at=30))
     callback = attach_telemetry(trainer, interval_s=0.02, write_report=False)

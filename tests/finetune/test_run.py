@@ -28,11 +28,13 @@ def results(out: Path) -> dict:
     return json.loads((out / "eval_results.json").read_text())
 
 
-def accuracy_by_hand(out: Path, arguments: list[str]) -> float:
-    """The saved model, its validation split rebuilt from the same arguments, a plain forward and argmax: what the
-    Trainer's evaluation (class ids gathered across ranks, padding duplicates dropped, the metric module) reported."""
+def figures_by_hand(out: Path, arguments: list[str]) -> dict[str, float]:
+    """The saved model, its validation split rebuilt from the same arguments, a plain forward and argmax, scored by
+    scikit-learn: what the Trainer's evaluation (class ids gathered across ranks, padding duplicates dropped, our
+    numpy metrics) reported."""
     import torch
     from safetensors.torch import load_file
+    from sklearn.metrics import accuracy_score, f1_score
 
     from hf_gpu_train.finetune.config import load_config
     from hf_gpu_train.finetune.run import prepare
@@ -42,19 +44,25 @@ def accuracy_by_hand(out: Path, arguments: list[str]) -> float:
     model, _, validation, collator, _, _ = prepare(cfg, resolve_runtime(cfg))
     model.load_state_dict(load_file(out / "model.safetensors"))
     model.eval()
-    correct = 0
+    predicted, labels = [], []
     with torch.no_grad():
         for start in range(0, len(validation), 16):
             batch = collator([validation[i] for i in range(start, min(len(validation), start + 16))])
-            labels = batch.pop("labels")
-            correct += int((model(**batch)["logits"].argmax(-1) == labels).sum())
-    return correct / len(validation)
+            labels += batch.pop("labels").tolist()
+            predicted += model(**batch)["logits"].argmax(-1).tolist()
+    return {"eval_accuracy": accuracy_score(labels, predicted), "eval_f1": f1_score(labels, predicted, average="macro")}
+
+
+def assert_scored_as_by_hand(out: Path, arguments: list[str]) -> None:
+    reported = results(out)
+    expected = figures_by_hand(out, arguments)
+    assert {k: reported[k] for k in expected} == pytest.approx(expected, abs=1e-9)
 
 
 def test_text_one_process(tmp_path, capsys):
     out = tmp_path / "text"
     assert main([*TEXT_SMALL, f"output_dir={out}"]) == 0
-    assert results(out)["eval_accuracy"] == pytest.approx(accuracy_by_hand(out, TEXT_SMALL), abs=1e-9)
+    assert_scored_as_by_hand(out, TEXT_SMALL)
     assert json.loads((out / "label_map.json").read_text()) == ["negative", "positive"]
     assert (out / "finetune_config.yaml").is_file()
     assert not list(out.glob("checkpoint-*"))  # save_strategy=auto: a run shorter than checkpoint_minutes saves at the end only
@@ -64,7 +72,7 @@ def test_text_one_process(tmp_path, capsys):
 def test_vision_one_process(tmp_path):
     out = tmp_path / "vision"
     assert main([*VISION_SMALL, f"output_dir={out}"]) == 0
-    assert results(out)["eval_accuracy"] == pytest.approx(accuracy_by_hand(out, VISION_SMALL), abs=1e-9)
+    assert_scored_as_by_hand(out, VISION_SMALL)
     assert json.loads((out / "label_map.json").read_text()) == [str(i) for i in range(10)]
 
 
@@ -78,7 +86,7 @@ def test_two_ddp_processes_through_the_generated_cpu_config(tmp_path, task_args)
     summary = json.loads((out / "run_summary.json").read_text())
     per_step = 16 * 2 if task_args is TEXT_SMALL else 32 * 2  # batch x 2 processes: half the steps of one process
     assert summary["global_step"] == -(-(96 if task_args is TEXT_SMALL else 128) // per_step)
-    assert results(out)["eval_accuracy"] == pytest.approx(accuracy_by_hand(out, arguments), abs=1e-9)
+    assert_scored_as_by_hand(out, arguments)
 
 
 def test_resume_after_sigkill_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):

@@ -42,6 +42,32 @@ def test_the_entry_points_validation_is_longest_first_and_training_keeps_its_ord
     assert train["labels"] == data.train["labels"]  # the training order is the sampler's business
 
 
+def test_the_entry_points_trainer_evaluates_longest_first_with_less_padding_than_transformers_grouping(tmp_path):
+    """Through the real factory: transformers 5 would group the evaluation by length at random (its eval sampler under
+    group_by_length), which undoes the order; the factory's trainer reads it as it is."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from hf_gpu_train.finetune.run import prepare
+    from hf_gpu_train.finetune.runtime import resolve_runtime
+    from hf_gpu_train.finetune.trainer_factory import build_trainer
+
+    cfg = load_config(None, ["dataset=builtin:text", "max_train_samples=40", "max_eval_samples=96", "max_length=64",
+                             "per_device_train_batch_size=8", f"output_dir={tmp_path}"])
+    runtime = resolve_runtime(cfg)
+    model, train, validation, collator, tokenizer, _ = prepare(cfg, runtime)
+    trainer = build_trainer(cfg, runtime, model, train, validation, collator, tokenizer)
+    widths = [batch["input_ids"].shape[1] for batch in trainer.get_eval_dataloader()]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) > 1
+    assert sum(len(b["labels"]) for b in trainer.get_eval_dataloader()) == len(validation)  # every row, once
+    grouped = LengthGroupedSampler(trainer.args.eval_batch_size, dataset=validation, model_input_name="input_ids")
+    transformers_order = list(grouped)
+    padded = sum(width * len(b["labels"]) for width, b in zip(widths, trainer.get_eval_dataloader()))
+    theirs = sum(max(len(validation[i]["input_ids"]) for i in transformers_order[k:k + trainer.args.eval_batch_size])
+                 * len(transformers_order[k:k + trainer.args.eval_batch_size])
+                 for k in range(0, len(transformers_order), trainer.args.eval_batch_size))
+    assert padded < theirs
+
+
 def test_evaluation_of_the_sorted_set_reports_what_the_file_order_reports(tmp_path):
     """Accuracy, F1 and the loss (a per-example mean: each batch's mean counts once per example) do not depend on
     how the examples fall into batches; padding changes only rounding."""

@@ -70,3 +70,43 @@ def test_labels_are_escaped_and_an_empty_chart_renders(tmp_path):
     path = chart.save(tmp_path / "c.svg")
     root = ET.fromstring(path.read_text())
     assert "a < b & c" in [t.text for t in root.iter(f"{NS}text")]
+
+
+def test_a_base_2_axis_puts_powers_of_two_at_equal_distances():
+    from hf_gpu_train.report.svg import log2_ticks
+
+    assert log2_ticks(3, 40) == [2, 4, 8, 16, 32, 64]
+    assert log2_ticks(8, 8) == [8, 16]
+    with pytest.raises(ValueError, match="positive"):
+        log2_ticks(0, 8)
+    chart = Chart("t", xlog2=True)
+    chart.line([2, 4, 8], [1, 2, 3], "a")
+    (line,) = polyline_points(chart.render())
+    assert line[1][0] - line[0][0] == pytest.approx(line[2][0] - line[1][0], abs=0.11)
+
+
+def test_markers_a_note_and_charts_side_by_side():
+    from hf_gpu_train.report.svg import side_by_side
+
+    left = Chart("speed", width=300).points([1], [2], "failed", color="red", marker="cross")
+    left.points([1], [2], "winner", color="gold", marker="star", size=9)
+    right = Chart("memory", width=200)
+    right.note = "no device memory on the CPU"
+    root = ET.fromstring(side_by_side([left, right]))
+    assert root.get("width") == "500"
+    inner = [e for e in root if e.tag == f"{NS}svg"]
+    assert [e.get("x") for e in inner] == ["0", "300"]
+    assert any(p.get("stroke") == "red" for p in root.iter(f"{NS}path"))
+    assert any(p.get("fill") == "gold" for p in root.iter(f"{NS}polygon"))
+    assert "no device memory on the CPU" in [t.text for t in root.iter(f"{NS}text")]
+
+
+def test_readings_that_are_not_numbers_leave_gaps_instead_of_breaking_the_chart():
+    chart = Chart("t", xlog2=True)
+    chart.line([1, 2, 4, 8, 0], [1.0, float("nan"), float("inf"), 3.0, 5.0], "a")
+    chart.points([float("nan")], [1.0], "b")
+    chart.hline(float("inf"), "never")
+    root = ET.fromstring(chart.render())
+    (line,) = polyline_points(chart.render())
+    assert len(line) == 2  # (1, 1) and (8, 3); x=0 has no place on a logarithmic axis
+    assert "nan" not in chart.render() and "never" not in [t.text for t in root.iter(f"{NS}text")]

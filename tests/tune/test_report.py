@@ -1,4 +1,4 @@
-"""NAME.tune_report.md and NAME.tune.png from results."""
+"""NAME.tune_report.md and NAME.tune.svg from results."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def test_the_report_has_the_table_the_planner_error_and_what_was_not_tried():
     sp, results = results_and_space()
     facts = RunFacts(config_file="box.yaml", machine="h200", command="hf-gpu-train tune ...", when="now", budget_s=60.0,
                      spent_s=7.0, startup_s=12.5, wall_s=30.0, written=("box.plan.json: per_device_train_batch_size",))
-    text = render_report(facts, sp, choose(results, sp.metric, sp.base), results, ["micro-batch: 32 does not fit"], "box.tune.png")
+    text = render_report(facts, sp, choose(results, sp.metric, sp.base), results, ["micro-batch: 32 does not fit"], "box.tune.svg")
     assert text.startswith(MARK)
     assert "**micro-batch 16 x 2, checkpointing off, 0 worker(s), bf16**" in text
     # planner 30 GiB against a measured 33 GiB: +10.0%; the rescued trial is in the table but never the winner
     assert "| 2 | 16 | 2 | off | 0 | bf16 | off | 1,200.0 | 60.0 | - | 33.00 | 30.00 | +10.0 | 1.0 | - | - | 3.0 (saved) | ok |" in text
     assert "| oom (rescued at 16) |" in text and "skipped: budget: 1 s of 60 s left |" in text
-    assert "- micro-batch: 32 does not fit" in text and "![tokens/s and peak memory against the micro-batch](box.tune.png)" in text
+    assert "- micro-batch: 32 does not fit" in text and "![tokens/s and peak memory against the micro-batch](box.tune.svg)" in text
     assert "model and data loaded in 12.5 s" in text and "- box.plan.json: per_device_train_batch_size" in text
 
 
@@ -50,8 +50,14 @@ def test_an_earlier_report_of_someone_else_is_kept(tmp_path):
     assert theirs.read_text() == MARK + "\nnewer"
 
 
-def test_the_plot_is_a_png_and_nothing_is_drawn_without_a_trial(tmp_path):
+def test_the_plot_marks_the_winner_the_failure_and_the_memory_lines_and_nothing_is_drawn_without_a_trial(tmp_path):
+    import xml.etree.ElementTree as ET
+
     sp, results = results_and_space()
-    path = write_plot(tmp_path / "box.tune.png", results, sp, results[1])
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert write_plot(tmp_path / "none.png", results[2:], sp, None) is None and not (tmp_path / "none.png").exists()
+    path = write_plot(tmp_path / "box.tune.svg", results, sp, results[1])
+    root = ET.fromstring(path.read_text())
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert {"winner", "out of memory / over headroom", "device memory", "90% headroom line", "planner estimate"} <= set(texts)
+    assert "GiB per process" in texts and "16" in texts and "32" in texts  # micro-batch ticks, powers of two
+    assert any(p.get("stroke") == "red" for p in root.iter("{http://www.w3.org/2000/svg}path"))  # the OOM trial's cross
+    assert write_plot(tmp_path / "none.svg", results[2:], sp, None) is None and not (tmp_path / "none.svg").exists()

@@ -74,7 +74,7 @@ def test_tune_finds_the_largest_micro_batch_under_the_limit_and_the_faster_worke
     assert "# --- hf-gpu-train tune" in config.read_text()
     report = config.with_suffix(".tune_report.md").read_text()
     assert "**micro-batch 4 x 2, checkpointing off, 2 worker(s), fp32**" in report
-    assert config.with_suffix(".tune.png").is_file()
+    assert config.with_suffix(".tune.svg").is_file()
 
     again, seconds = tune(config, case, env)
     assert again.returncode == 0, again.stderr[-3000:]
