@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..callbacks.sampler import POWER_CAP_REASON, THROTTLE_REASONS
@@ -37,7 +38,7 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
             if hot:
                 chart.points([t for t, _ in hot], [v for _, v in hot], f"GPU{g} throttled", color="red")
         if key == "sm_clock_mhz":
-            maxima = [s["gpus"][g]["sm_clock_max_mhz"] for s in samples for g in gpus if "sm_clock_max_mhz" in s["gpus"].get(g, {})]
+            maxima = [m for s in samples for g in gpus if math.isfinite(m := float(s["gpus"].get(g, {}).get("sm_clock_max_mhz", "nan")))]
             if maxima:
                 chart.hline(max(maxima), "max SM clock")
                 chart.ymax = max(maxima) * 1.05

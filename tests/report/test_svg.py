@@ -110,3 +110,12 @@ def test_readings_that_are_not_numbers_leave_gaps_instead_of_breaking_the_chart(
     (line,) = polyline_points(chart.render())
     assert len(line) == 2  # (1, 1) and (8, 3); x=0 has no place on a logarithmic axis
     assert "nan" not in chart.render() and "never" not in [t.text for t in root.iter(f"{NS}text")]
+
+
+def test_the_clock_panel_ignores_a_maximum_that_is_not_a_number(tmp_path):
+    from hf_gpu_train.report.plots import draw_all
+
+    samples = [{"t": float(i), "gpus": {"0": {"sm_clock_mhz": 1400.0 - i, "sm_clock_max_mhz": m}}}
+               for i, m in enumerate([float("nan"), 1410.0, float("inf")])]
+    (path,) = draw_all(tmp_path, samples, [])
+    assert path.name == "telemetry_clocks.svg" and "max SM clock" in path.read_text() and "nan" not in path.read_text()
