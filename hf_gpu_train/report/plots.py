@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..callbacks.sampler import POWER_CAP_REASON, THROTTLE_REASONS
-from .svg import Chart
+from ..svg import Chart
 
 PANELS = [
     ("utilization", "GPU utilization (%)", "util_pct"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..report.svg import PALETTE, Chart, side_by_side
+from ..svg import PALETTE, Chart, side_by_side
 from .candidates import CandidateSpace
 from .results import HEADROOM_FRACTION, TrialResult
 

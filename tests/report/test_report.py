@@ -59,3 +59,12 @@ def test_the_report_shows_the_launch_plan_next_to_the_measured_peak(tmp_path):
     assert "| per_device_train_batch_size | 64 | 32 | largest that fits |" in text
     assert "overridden by config: per_device_train_batch_size=32 over the plan's 64" in text
     assert "planner 10.00 GiB per process" in text and "measured peak 11.00 GiB" in text and "error +10.0%" in text
+
+
+def test_the_clock_panel_ignores_a_maximum_that_is_not_a_number(tmp_path):
+    from hf_gpu_train.report.plots import draw_all
+
+    samples = [{"t": float(i), "gpus": {"0": {"sm_clock_mhz": 1400.0 - i, "sm_clock_max_mhz": m}}}
+               for i, m in enumerate([float("nan"), 1410.0, float("inf")])]
+    (path,) = draw_all(tmp_path, samples, [])
+    assert path.name == "telemetry_clocks.svg" and "max SM clock" in path.read_text() and "nan" not in path.read_text()

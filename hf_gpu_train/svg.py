@@ -1,4 +1,5 @@
-"""Line charts written as SVG text, for the run report.
+"""Line charts written as SVG text, for the run report and the tune plot. No torch here: ``hf-gpu-train tune``'s
+parent process draws with it and must not import torch.
 
 Why not matplotlib: the report is drawn when training ends, on the path of every run that finishes, and importing
 matplotlib costs ~0.7-1 s per process (its fonts, its backends) before the first line is drawn: about 1% of a short

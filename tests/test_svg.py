@@ -4,7 +4,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from hf_gpu_train.report.svg import Chart, nice_ticks
+from hf_gpu_train.svg import Chart, nice_ticks
 
 NS = "{http://www.w3.org/2000/svg}"
 
@@ -73,7 +73,7 @@ def test_labels_are_escaped_and_an_empty_chart_renders(tmp_path):
 
 
 def test_a_base_2_axis_puts_powers_of_two_at_equal_distances():
-    from hf_gpu_train.report.svg import log2_ticks
+    from hf_gpu_train.svg import log2_ticks
 
     assert log2_ticks(3, 40) == [2, 4, 8, 16, 32, 64]
     assert log2_ticks(8, 8) == [8, 16]
@@ -86,7 +86,7 @@ def test_a_base_2_axis_puts_powers_of_two_at_equal_distances():
 
 
 def test_markers_a_note_and_charts_side_by_side():
-    from hf_gpu_train.report.svg import side_by_side
+    from hf_gpu_train.svg import side_by_side
 
     left = Chart("speed", width=300).points([1], [2], "failed", color="red", marker="cross")
     left.points([1], [2], "winner", color="gold", marker="star", size=9)
@@ -111,11 +111,3 @@ def test_readings_that_are_not_numbers_leave_gaps_instead_of_breaking_the_chart(
     assert len(line) == 2  # (1, 1) and (8, 3); x=0 has no place on a logarithmic axis
     assert "nan" not in chart.render() and "never" not in [t.text for t in root.iter(f"{NS}text")]
 
-
-def test_the_clock_panel_ignores_a_maximum_that_is_not_a_number(tmp_path):
-    from hf_gpu_train.report.plots import draw_all
-
-    samples = [{"t": float(i), "gpus": {"0": {"sm_clock_mhz": 1400.0 - i, "sm_clock_max_mhz": m}}}
-               for i, m in enumerate([float("nan"), 1410.0, float("inf")])]
-    (path,) = draw_all(tmp_path, samples, [])
-    assert path.name == "telemetry_clocks.svg" and "max SM clock" in path.read_text() and "nan" not in path.read_text()
