@@ -16,8 +16,6 @@ from xml.sax.saxutils import escape
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#7f7f7f")
 FONT = 'font-family="sans-serif"'
-
-
 DASHES = {"solid": "", "dashed": "6 4", "dotted": "2 3"}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import SequentialSampler
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+from transformers.trainer_utils import has_length
 
 
 class GlobalLengthGroupedSampler(LengthGroupedSampler):
@@ -60,7 +61,7 @@ def evaluate_in_dataset_order(trainer) -> None:
     consecutive batches (the Trainer's own choice without grouping)."""
 
     def sampler(eval_dataset):
-        if eval_dataset is None or not hasattr(eval_dataset, "__len__"):
+        if eval_dataset is None or not has_length(eval_dataset):  # the Trainer's own test
             return None
         return SequentialSampler(eval_dataset) if trainer.args.world_size <= 1 else None
 

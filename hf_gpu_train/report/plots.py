@@ -38,7 +38,8 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
             if hot:
                 chart.points([t for t, _ in hot], [v for _, v in hot], f"GPU{g} throttled", color="red")
         if key == "sm_clock_mhz":
-            maxima = [m for s in samples for g in gpus if math.isfinite(m := float(s["gpus"].get(g, {}).get("sm_clock_max_mhz", "nan")))]
+            maxima = [float(s["gpus"][g]["sm_clock_max_mhz"]) for s in samples for g in gpus if "sm_clock_max_mhz" in s["gpus"].get(g, {})]
+            maxima = [m for m in maxima if math.isfinite(m)]  # a failed reading must not set the axis
             if maxima:
                 chart.hline(max(maxima), "max SM clock")
                 chart.ymax = max(maxima) * 1.05
