@@ -122,7 +122,7 @@ def main() -> int:
     print(f"ratio (with / without): {ratio:.3f}; per round {min(ratios):.3f} .. {max(ratios):.3f} "
           f"(goal >= 0.99: {'met' if ratio >= 0.99 else 'NOT met'})")
     if callback is not None and callback.last_verdict is not None:
-        mfu = [r["metrics"].get("train/mfu_pct") for r in callback.records if r["metrics"].get("train/mfu_pct")]
+        mfu = [r["metrics"].get("loop/mfu_pct") for r in callback.records if r["metrics"].get("loop/mfu_pct")]
         print(f"last verdict: {callback.last_verdict.line()}")
         print(f"MFU: {statistics.median(mfu):.1f}%" if mfu else "MFU: n/a (CPU or unknown GPU)")
     return 0

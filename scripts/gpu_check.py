@@ -111,7 +111,7 @@ def check_telemetry() -> bool:
     if callback is not None and callback.last_verdict is not None:
         last = callback.records[-2]["metrics"] if len(callback.records) > 1 else callback.records[-1]["metrics"]
         print(f"verdict: {callback.last_verdict.line()}")
-        print("MFU: " + (f"{last['train/mfu_pct']:.1f}%" if "train/mfu_pct" in last else "n/a")
+        print("MFU: " + (f"{last['loop/mfu_pct']:.1f}%" if "loop/mfu_pct" in last else "n/a")
               + ", " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(last.items()) if k.startswith(("gpu", "torch/"))))
     return ratio >= 0.97
 

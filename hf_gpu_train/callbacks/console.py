@@ -38,12 +38,12 @@ def _rate(value: float) -> str:
 def telemetry_parts(metrics: dict[str, float], verdict_label: str | None) -> list[str]:
     """The telemetry half of the line: speed, MFU, memory, verdict (each only when known)."""
     parts = []
-    if "train/samples_per_s" in metrics:
-        parts.append(f"{_rate(metrics['train/samples_per_s'])} samples/s")
-    if "train/tokens_per_s" in metrics:
-        parts.append(f"{_rate(metrics['train/tokens_per_s'])} tok/s")
-    if "train/mfu_pct" in metrics:
-        mfu = metrics["train/mfu_pct"]
+    if "loop/samples_per_s" in metrics:
+        parts.append(f"{_rate(metrics['loop/samples_per_s'])} samples/s")
+    if "loop/tokens_per_s" in metrics:
+        parts.append(f"{_rate(metrics['loop/tokens_per_s'])} tok/s")
+    if "loop/mfu_pct" in metrics:
+        mfu = metrics["loop/mfu_pct"]
         parts.append(f"MFU {mfu:.0f}%" if mfu >= 10 else f"MFU {mfu:.1f}%")
     gpus = sorted(int(k[3:].split("/")[0]) for k in metrics if k.startswith("gpu") and k.endswith("/mem_used_gib"))
     if gpus and f"gpu{gpus[0]}/mem_total_gib" in metrics:
@@ -155,13 +155,25 @@ class CompactProgressCallback(ProgressCallback):
         return super().on_train_end(args, state, control, **kwargs)
 
 
-def use_compact_console(trainer, telemetry) -> None:
+def use_compact_console(trainer, telemetry, in_place: bool = False) -> None:
     """Swap the Trainer's own printer (exactly ``PrinterCallback`` or ``ProgressCallback``; a user's subclass
-    or a notebook printer is left alone) for the compact one, through the public callback API."""
-    for callback in list(trainer.callback_handler.callbacks):
+    or a notebook printer is left alone) for the compact one, through the public callback API. ``in_place``: from
+    inside a callback event (the Trainer is iterating its callbacks), the printer is replaced at its own position
+    instead, which the running event then reaches as usual (the Trainer adds its printer after the user's callbacks)."""
+    handler = trainer.callback_handler
+    for index, callback in enumerate(list(handler.callbacks)):
         if type(callback) is PrinterCallback:
-            trainer.remove_callback(callback)
-            trainer.add_callback(CompactPrinterCallback(telemetry))
+            replacement = CompactPrinterCallback(telemetry)
         elif type(callback) is ProgressCallback:
+            replacement = CompactProgressCallback(telemetry, max_str_len=callback.max_str_len)
+        else:
+            continue
+        if in_place:
+            # a printer before us in the list has had its on_train_begin (its progress bar exists): keep what it built
+            lines = getattr(replacement, "lines", None)
+            replacement.__dict__.update(callback.__dict__)
+            replacement.lines = lines
+            handler.callbacks[index] = replacement
+        else:
             trainer.remove_callback(callback)
-            trainer.add_callback(CompactProgressCallback(telemetry, max_str_len=callback.max_str_len))
+            trainer.add_callback(replacement)

@@ -35,7 +35,9 @@ class ForwardTimer:
         self._handles = []
 
     def _before(self, module, args) -> None:
-        if not module.training:
+        # training forwards only: not a reference model's pass (DPO), a generation's decode step (GRPO) or a probe
+        if not module.training or not torch.is_grad_enabled():
+            self._start = None
             return
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)

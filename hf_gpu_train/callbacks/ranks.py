@@ -29,11 +29,11 @@ def gather_ranks(metrics: dict[str, float], gpus: list[int], tokens: int, is_wor
     world = world_size()
     if world < 2:
         return [], tokens
-    steps = max(1.0, metrics.get("train/steps", 1.0))
-    own_time = metrics.get("train/data_wait_s", 0.0) / steps + metrics.get("train/forward_time_s", 0.0)
+    steps = max(1.0, metrics.get("loop/steps", 1.0))
+    own_time = metrics.get("loop/data_wait_s", 0.0) / steps + metrics.get("loop/forward_time_s", 0.0)
     mine = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "gpus": gpus,
-            "own_step_time_s": own_time, "step_time_s": metrics.get("train/step_time_s"),
-            "data_wait_pct": metrics.get("train/data_wait_pct"), "tokens": tokens,
+            "own_step_time_s": own_time, "step_time_s": metrics.get("loop/step_time_s"),
+            "data_wait_pct": metrics.get("loop/data_wait_pct"), "tokens": tokens,
             "mem_used_gib": next((v for k, v in metrics.items() if k.endswith("/mem_used_gib")), None),
             "torch_mem_allocated_gib": metrics.get("torch/mem_allocated_gib")}
     gathered: list[dict] = [None] * world  # type: ignore[list-item]

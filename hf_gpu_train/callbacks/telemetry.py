@@ -19,12 +19,13 @@ ranks' summaries (tokens included).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.peaks import peak_flops
@@ -93,6 +94,8 @@ class TelemetryCallback(TrainerCallback):
             return None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if self.trainer is None:  # Trainer(callbacks=[TelemetryCallback()]): the route most callbacks take
+            self._attach_late(find_calling_trainer())
         self._closed = False
         self.device = model_device(model)
         backend = self._open_backend()
@@ -190,6 +193,23 @@ class TelemetryCallback(TrainerCallback):
         self.timer.pause_end(time.perf_counter())
         return control
 
+    def _attach_late(self, trainer) -> None:
+        """Given to the Trainer as ``callbacks=[TelemetryCallback()]``: a callback is never handed its Trainer, and
+        without it telemetry could not log to the ``report_to`` sinks, guard the loss or print compactly. It finds the
+        Trainer whose ``train`` called it, before the first step, and does what ``attach_telemetry`` does."""
+        if trainer is None:
+            raise TelemetryNotAttached("TelemetryCallback() was given to a Trainer without the Trainer, and the Trainer that "
+                                       "started training could not be found: build the Trainer first, then call "
+                                       "hf_gpu_train.attach_telemetry(trainer) (or pass TelemetryCallback(trainer=trainer))")
+        from ..training.loss_scaling import guard_loss_scaling
+        from .console import use_compact_console
+
+        self.trainer = trainer
+        guard_loss_scaling(trainer)
+        use_compact_console(trainer, self, in_place=True)
+        log.info("telemetry: attached to %s through callbacks=[...]: metrics go to its report_to sinks, the loss guard and "
+                 "the compact console are on", type(trainer).__name__)
+
     # -- measurements ------------------------------------------------------------------------
     def _install_batch_timer(self, train_dataloader) -> None:
         """Timestamp the end of collation, so data wait is this rank's loading and not the item-count
@@ -238,19 +258,23 @@ class TelemetryCallback(TrainerCallback):
         metrics, reasons = summarize_samples(samples)
         loop = self.timer.take()
         metrics.update(loop)
-        steps = loop.get("train/steps", 0.0)
+        steps = loop.get("loop/steps", 0.0)
         if self.forward_timer is not None:
             forward_s, forwards = self.forward_timer.take()
             if forwards and steps:
-                metrics["train/forward_time_s"] = forward_s / steps  # per optimizer step, all its micro-steps
+                metrics["loop/forward_time_s"] = forward_s / steps  # per optimizer step, all its micro-steps
         metrics.update(self.memory_probe(self.device) or {})
         micro = self._oom_micro_batch()
         if micro is not None:
-            metrics["train/micro_batch"] = float(micro)
+            metrics["loop/micro_batch"] = float(micro)
         ranks, tokens = gather_ranks(metrics, sorted(self.gpu_names), self.tokens.take(), state.is_world_process_zero)
         world = max(1, args.world_size)
         per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-        metrics.update(window_throughput(loop.get("train/train_time_s"), steps, per_step, tokens, self.flops, self.peak, world))
+        metrics.update(window_throughput(loop.get("loop/train_time_s"), steps, per_step, tokens, self.flops, self.peak, world))
+        generated = self.tokens.take_generated()
+        if generated and loop.get("loop/train_time_s"):
+            metrics["loop/generated_tokens"] = float(generated)  # this process's decode steps, apart from training tokens
+            metrics["loop/generated_tokens_per_s"] = generated / loop["loop/train_time_s"]
         stats = self._window_stats(metrics, reasons, args)
         full = is_full_window(metrics, self._interval_steps)
         if full:
@@ -272,7 +296,9 @@ class TelemetryCallback(TrainerCallback):
         if self.trainer is not None and not final:
             self.emitting = True
             try:
-                self.trainer.log({k: round(v, 4) for k, v in metrics.items()})
+                # the base class's log: a subclass's own log (TRL's) would fold its pending metrics into this entry and
+                # clear them before the Trainer's loss log of the same step
+                Trainer.log(self.trainer, {k: round(v, 4) for k, v in metrics.items()})
             finally:
                 self.emitting = False
 
@@ -297,7 +323,7 @@ class TelemetryCallback(TrainerCallback):
         return WindowStats(
             on_gpu=gpu is not None,
             gpu_util_pct=g("util_pct"),
-            data_wait_pct=metrics.get("train/data_wait_pct"),
+            data_wait_pct=metrics.get("loop/data_wait_pct"),
             throttled_pct=g("throttled_pct"),
             power_capped_pct=g("power_capped_pct"),
             sm_clock_mhz=g("sm_clock_mhz"),
@@ -309,12 +335,30 @@ class TelemetryCallback(TrainerCallback):
             alloc_retries_delta=delta,
             reserved_gib=metrics.get("torch/mem_reserved_gib"),
             allocated_gib=metrics.get("torch/mem_allocated_gib"),
-            samples_per_s=metrics.get("train/samples_per_s"),
+            samples_per_s=metrics.get("loop/samples_per_s"),
             dataloader_workers=args.dataloader_num_workers,
             micro_batch=args.per_device_train_batch_size,
             suggested_micro_batch=self.suggested_micro_batch,
             host_cpu_pct=metrics.get("host/cpu_pct"),
         )
+
+
+class TelemetryNotAttached(RuntimeError):
+    pass
+
+
+def find_calling_trainer(max_depth: int = 12):
+    """The ``transformers.Trainer`` whose method is on the call stack (``_inner_training_loop`` calls
+    ``callback_handler.on_train_begin``), or None."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 def attach_telemetry(trainer, compact_console: bool = True, **kwargs) -> TelemetryCallback:

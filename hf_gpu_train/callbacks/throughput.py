@@ -23,18 +23,18 @@ class ModelFlops:
 
 def window_throughput(train_time_s: float | None, steps: float, samples_per_step: int, tokens: int, flops: ModelFlops,
                       peak_flops_per_gpu: float | None, world: int) -> dict[str, float]:
-    """Metrics of a window: ``train/samples_per_s``, ``train/tokens``, ``train/tokens_per_s``,
-    ``train/model_tflops_per_s``, ``train/mfu_pct`` (each only when known). ``tokens`` is the count of all ranks."""
+    """Metrics of a window: ``loop/samples_per_s``, ``loop/tokens``, ``loop/tokens_per_s``,
+    ``loop/model_tflops_per_s``, ``loop/mfu_pct`` (each only when known). ``tokens`` is the count of all ranks."""
     out: dict[str, float] = {}
     if tokens:
-        out["train/tokens"] = float(tokens)
+        out["loop/tokens"] = float(tokens)
     if not train_time_s or not steps:
         return out
     samples_per_s = steps * samples_per_step / train_time_s
-    out["train/samples_per_s"] = samples_per_s
+    out["loop/samples_per_s"] = samples_per_s
     tokens_per_s = tokens / train_time_s if tokens else None
     if tokens_per_s:
-        out["train/tokens_per_s"] = tokens_per_s
+        out["loop/tokens_per_s"] = tokens_per_s
     flops_per_s = None
     if flops.per_token is not None and tokens_per_s:
         mean_seq = tokens_per_s / samples_per_s
@@ -42,8 +42,8 @@ def window_throughput(train_time_s: float | None, steps: float, samples_per_step
     elif flops.per_sample is not None:
         flops_per_s = samples_per_s * flops.per_sample
     if flops_per_s:
-        out["train/model_tflops_per_s"] = flops_per_s / 1e12
+        out["loop/model_tflops_per_s"] = flops_per_s / 1e12
         value = mfu(flops_per_s / max(1, world), peak_flops_per_gpu)
         if value is not None:
-            out["train/mfu_pct"] = 100.0 * value
+            out["loop/mfu_pct"] = 100.0 * value
     return out

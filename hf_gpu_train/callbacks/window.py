@@ -58,13 +58,13 @@ class LoopTimer:
         busy, wait = sum(steps), sum(waits)
         out: dict[str, float] = {}
         if steps:
-            out["train/step_time_s"] = busy / len(steps)
-            out["train/step_time_s_max"] = max(steps)
-            out["train/steps"] = float(len(steps))
-            out["train/train_time_s"] = busy + sum(self.gaps)
+            out["loop/step_time_s"] = busy / len(steps)
+            out["loop/step_time_s_max"] = max(steps)
+            out["loop/steps"] = float(len(steps))
+            out["loop/train_time_s"] = busy + sum(self.gaps)
         if steps or waits:
-            out["train/data_wait_pct"] = 100.0 * wait / (busy + wait) if busy + wait > 0 else 0.0
-            out["train/data_wait_s"] = wait
+            out["loop/data_wait_pct"] = 100.0 * wait / (busy + wait) if busy + wait > 0 else 0.0
+            out["loop/data_wait_s"] = wait
         self.step_times, self.data_waits, self.gaps = [], [], []
         return out
 
@@ -72,13 +72,13 @@ class LoopTimer:
 def is_full_window(metrics: dict[str, float], interval_steps: int) -> bool:
     """A window that covers a whole logging interval. The last window at train end may hold a single
     step (or none): its numbers are noise, so it must not decide the run's verdict or its trend."""
-    return metrics.get("train/steps", 0.0) >= max(1, interval_steps)
+    return metrics.get("loop/steps", 0.0) >= max(1, interval_steps)
 
 
 def deciding_window(records: list[dict], interval_steps: int) -> dict | None:
     """The record whose verdict is the run's: the last full window, else the last with any step."""
     for candidates in ([r for r in records if is_full_window(r["metrics"], interval_steps)],
-                       [r for r in records if r["metrics"].get("train/steps")], records):
+                       [r for r in records if r["metrics"].get("loop/steps")], records):
         if candidates:
             return candidates[-1]
     return None

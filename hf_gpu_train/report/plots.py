@@ -50,11 +50,11 @@ def draw_all(out: Path, samples: list[dict], windows: list[dict]) -> list[Path]:
         for key, label in (("torch/mem_allocated_gib", "allocated"), ("torch/mem_reserved_gib", "reserved")):
             chart.line([t for t, _ in torch_pts], [m.get(key, 0) for _, m in torch_pts], label)
         paths.append(chart.save(out / "telemetry_torch_memory.svg"))
-    through = [(w["time"] - t0, w["metrics"]) for w in windows if "train/samples_per_s" in w["metrics"]]
+    through = [(w["time"] - t0, w["metrics"]) for w in windows if "loop/samples_per_s" in w["metrics"]]
     if through:
         chart = Chart("throughput and data wait", xlabel="seconds", ylabel="samples/s", right_label="data wait (%)")
-        chart.line([t for t, _ in through], [m["train/samples_per_s"] for _, m in through], "samples/s", color="#1f77b4")
-        chart.line([t for t, _ in through], [m.get("train/data_wait_pct", 0) for _, m in through], "data wait %", color="#ff7f0e",
+        chart.line([t for t, _ in through], [m["loop/samples_per_s"] for _, m in through], "samples/s", color="#1f77b4")
+        chart.line([t for t, _ in through], [m.get("loop/data_wait_pct", 0) for _, m in through], "data wait %", color="#ff7f0e",
                    right=True)
         paths.append(chart.save(out / "telemetry_throughput.svg"))
     return paths

@@ -56,8 +56,16 @@ def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
     samples, windows = [], []
     for line in (out / JSONL).read_text().splitlines():
         item = json.loads(line)
+        if item.get("kind") != "sample" and isinstance(item.get("metrics"), dict):
+            item["metrics"] = renamed_loop_keys(item["metrics"])
         (samples if item.get("kind") == "sample" else windows).append(item)
     return samples, windows, json.loads((out / SUMMARY).read_text())
+
+
+def renamed_loop_keys(metrics: dict) -> dict:
+    """Runs recorded before the loop metrics were renamed ``train/X`` -> ``loop/X`` (TensorBoard and W&B add their own
+    ``train/`` prefix: ``train/train/X``) read as runs recorded now."""
+    return {("loop/" + k[len("train/"):] if k.startswith("train/") else k): v for k, v in metrics.items()}
 
 
 def render_report(output_dir) -> list[Path]:
@@ -109,8 +117,8 @@ def render_terminal_summary(summary: dict) -> str:
 
     lines = [f"GPUs: {', '.join(f'GPU{k} {v}' for k, v in summary.get('gpus', {}).items()) or 'none (CPU run)'}",
              f"windows: {summary.get('windows', 0)}, sampler readings: {summary.get('samples', 0)}",
-             f"samples/s {mean('train/samples_per_s')}, tokens/s {mean('train/tokens_per_s', digits=0)}, "
-             f"step {mean('train/step_time_s', ' s', 3)}, data wait {mean('train/data_wait_pct', '%')}, MFU {mean('train/mfu_pct', '%')}"]
+             f"samples/s {mean('loop/samples_per_s')}, tokens/s {mean('loop/tokens_per_s', digits=0)}, "
+             f"step {mean('loop/step_time_s', ' s', 3)}, data wait {mean('loop/data_wait_pct', '%')}, MFU {mean('loop/mfu_pct', '%')}"]
     for key in sorted(k for k in m if k.startswith("gpu") and k.endswith(("util_pct", "power_w", "temp_c", "mem_used_gib"))):
         lines.append(f"{key}: mean {m[key]['mean']:.1f}, max {m[key]['max']:.1f}")
     if summary.get("throttle_reasons_seen"):

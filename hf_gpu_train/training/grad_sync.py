@@ -14,26 +14,28 @@ forward and backward under ``no_sync`` and averages gradients with this class:
   counts what is ready and launches a bucket's all-reduce asynchronously as soon as it and every bucket
   before it are complete: communication overlaps the rest of backward, in the same order on every rank;
 - ``finish`` launches the buckets still pending (a rank that failed sends what it has, or zeros), then
-  one small all-reduce carries every rank's vote: failed, cannot fit even one sample, a hook fired twice
-  (reentrant checkpointing), the micro-batch it can run, and which parameters it gave a gradient to;
+  one small ballot (``lockstep.py``, on a gloo group of its own) carries every rank's vote: failed, cannot fit even
+  one sample, a hook fired twice (reentrant checkpointing), the micro-batch it can run, and which parameters it
+  gave a gradient to;
 - only when no rank failed are the averaged gradients written into ``.grad`` (a parameter no rank used
   keeps ``grad=None``, as DDP leaves it); otherwise ``.grad`` stays as this rank computed it, so a rank
   that did not fail need not compute again, only reduce again.
 
 Cost against plain DDP: the same bucketed, overlapped all-reduces, one copy of each gradient into its
-bucket, and one small all-reduce per optimizer step (the vote).
+bucket, and one small CPU all-reduce per micro-step (the ballot).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from .lockstep import END, Outcome, raw
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
-NO_LIMIT = 2**31 - 1  # "the whole batch" in the micro-batch vote
+Vote = Outcome  # what a round's ballot decided (lockstep.py)
 
 
 @dataclass
@@ -44,15 +46,6 @@ class _Bucket:
     flat: torch.Tensor | None = None
     work: object | None = None
     ready: int = 0
-
-
-@dataclass(frozen=True)
-class Vote:
-    failed: bool  # some rank ran out of memory this round: nobody applies the averaged gradients
-    fatal: bool  # some rank ran out of memory at micro-batch 1: every rank stops
-    stale: bool  # some rank accumulated a gradient after its bucket left: reduce again, without overlap
-    micro_batch: int | None  # the smallest micro-batch any rank asks for (None: the whole batch)
-    used: tuple[bool, ...] = field(default=())  # per parameter: did any rank compute a gradient for it
 
 
 class GradientReducer:
@@ -75,6 +68,7 @@ class GradientReducer:
         self._next = 0
         self._armed = False
         self._open = False
+        self._waited = False  # this round's buckets were launched and waited for (finish), not yet applied or dropped
         self._stale = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -87,6 +81,7 @@ class GradientReducer:
     def _open_round(self) -> None:
         if self._open:
             return
+        self._waited = False
         self._fired = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
@@ -127,26 +122,47 @@ class GradientReducer:
             else:
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
-        bucket.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        bucket.work = raw.all_reduce(flat, group=self.group, async_op=True)
         self._next = b + 1
 
-    def finish(self, failed: bool = False, fatal: bool = False, micro_batch: int | None = None) -> Vote:
-        """Launch what is pending, vote, wait for every all-reduce. Every rank calls it once per round."""
+    def launch_pending(self) -> None:
+        """Launch every bucket not launched yet this round (a rank that failed sends what it has, or zeros): each rank
+        launches each bucket exactly once per round, so the bucket all-reduces pair up whatever each rank computed."""
         self._open_round()
         self._armed = False
         while self._next < len(self.buckets):
             self._launch(self._next)
-        ballot = [int(failed), int(fatal), int(self._stale), -(micro_batch or NO_LIMIT)]
-        ballot += [int(p.grad is not None) for p in self.params]
-        box = torch.tensor(ballot, dtype=torch.int64, device=self.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    def used(self) -> list[bool]:
+        return [p.grad is not None for p in self.params]
+
+    def wait(self) -> None:
         for bucket in self.buckets:
-            bucket.work.wait()
-        counts = box.tolist()
-        smallest = -counts[3]
+            if bucket.work is not None:
+                bucket.work.wait()
         self._open = False
-        return Vote(failed=bool(counts[0]), fatal=bool(counts[1]), stale=bool(counts[2]),
-                    micro_batch=None if smallest >= NO_LIMIT else smallest, used=tuple(bool(u) for u in counts[4:]))
+        self._waited = True
+
+    def complete_round(self) -> None:
+        """End a round that will not be applied: every bucket launched once and waited for, then dropped. A rank whose
+        ballot was the end of its micro-step has launched and waited already (``finish``); one stopped at a collective
+        of the step launches what it has not, so each bucket's all-reduce pairs up once per round on every rank."""
+        if not self._waited:
+            self.launch_pending()
+            self.wait()
+        self.discard()
+
+    def finish(self, lockstep, failed: bool = False, fatal: bool = False) -> Vote:
+        """Launch what is pending, vote (``lockstep.py``: a ballot at the end of the micro-step), wait for every
+        all-reduce. Every rank calls it once per round."""
+        self.launch_pending()
+        outcome = lockstep.ballot(END, failed=failed, fatal=fatal, stale=self._stale, used=self.used())
+        self.wait()
+        return outcome
 
     def apply(self, vote: Vote) -> None:
         """Write the averages into ``.grad``; a parameter no rank used keeps ``grad=None``."""
@@ -167,6 +183,7 @@ class GradientReducer:
     def discard(self) -> None:
         for bucket in self.buckets:
             bucket.work = None
+        self._waited = False
 
 
 def _make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
@@ -202,7 +219,7 @@ def broadcast_buffers(model: torch.nn.Module, group=None) -> None:
     with torch.no_grad():
         for same in by_kind.values():
             flat = torch.cat([b.reshape(-1) for b in same])
-            dist.broadcast(flat, src=0, group=group)
+            raw.broadcast(flat, src=0, group=group)
             offset = 0
             for b in same:
                 b.copy_(flat[offset:offset + b.numel()].view(b.shape))

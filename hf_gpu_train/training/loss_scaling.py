@@ -23,6 +23,8 @@ import logging
 
 import torch
 
+from . import plain_state
+
 log = logging.getLogger("hf_gpu_train.loss_scaling")
 MEAN, SUM, UNKNOWN = "mean", "sum-normalised", "unknown"
 
@@ -36,8 +38,9 @@ def loss_normalisation(compute_loss, model, inputs, num_items_in_batch) -> str:
         return MEAN
     was_training = model.training
     model.eval()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             once = float(compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch))
             twice = float(compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch * 2))
     finally:
@@ -76,8 +79,14 @@ class LossScalingGuard:
         # DDP's forward would broadcast buffers and change its sync flags: its module answers the same question.
         # FSDP and DeepSpeed wrappers are asked as they are (every rank probes at the same step).
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        self.answer = agree_across_ranks(loss_normalisation(self.compute_loss_unguarded, probed, inputs, num_items_in_batch),
-                                         self.trainer.accelerator)
+        # the probe runs the Trainer's own compute_loss: whatever it tallies (TRL files entropy and token accuracy
+        # under "eval" while the model is in eval mode) is put back as it was, and the random state is not drawn from
+        tallies = plain_state.take(self.trainer)
+        try:
+            found = loss_normalisation(self.compute_loss_unguarded, probed, inputs, num_items_in_batch)
+        finally:
+            plain_state.put_back(self.trainer, tallies)
+        self.answer = agree_across_ranks(found, self.trainer.accelerator)
         unwrapped = self.trainer.accelerator.unwrap_model(model)
         if self.answer == MEAN and self.trainer.compute_loss_func is not None:
             log.warning("hf_gpu_train: the compute_loss_func given to the Trainer returns a per-batch mean, but transformers "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,10 +60,112 @@ def split_batch(inputs: Mapping[str, Any], micro: int) -> list[dict[str, Any]]:
     return [slice_batch(inputs, start, min(size, start + micro)) for start in range(0, size, micro)]
 
 
-def loss_items(inputs: Mapping[str, Any]) -> int:
-    """What a loss over these inputs averages over: labelled tokens for token-level labels (-100 ignored),
-    samples otherwise. Weighs the losses of evaluation micro-batches."""
+def loss_items(inputs: Mapping[str, Any], shifted: bool = False) -> int:
+    """What a loss over these inputs averages over: labelled tokens for token-level labels (-100 ignored; for a
+    causal LM, ``shifted``, the positions after the first, as its loss reads them), samples otherwise. Weighs the
+    losses of evaluation micro-batches."""
     labels = inputs.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() > 1:
-        return int(labels.ne(-100).sum())
+        return int((labels[:, 1:] if shifted else labels).ne(-100).sum())
     return batch_size(inputs)
+
+
+_REPLAYING = [0]
+
+
+@contextlib.contextmanager
+def replaying_micro_steps():
+    """Marks forwards of micro-steps the OOM recovery computes a second time (their loss was already reported): the
+    telemetry's token counter leaves them out, so a recovered step counts its tokens once."""
+    _REPLAYING[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAYING[0] -= 1
+
+
+def replaying() -> bool:
+    return _REPLAYING[0] > 0
+
+
+class Rows:
+    """A batch whose samples are its rows: the Trainer's, TRL's SFT, most custom collators."""
+
+    def size(self, inputs: Mapping[str, Any]) -> int:
+        return batch_size(inputs)
+
+    def slice(self, inputs: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+        return slice_batch(inputs, start, stop)
+
+    def split(self, inputs: Mapping[str, Any], micro: int) -> list[dict[str, Any]]:
+        size = self.size(inputs)
+        return [self.slice(inputs, start, min(size, start + micro)) for start in range(0, size, micro)]
+
+
+class Pairs(Rows):
+    """A preference batch: the chosen completions' rows, then the rejected ones' in the same order (TRL's DPO collator;
+    its loss pairs row i with row i + n). A sample is a pair: a micro-batch takes rows i:j of both halves, and tensors
+    with one row per pair (precomputed reference log-probs) are sliced as they are."""
+
+    def size(self, inputs: Mapping[str, Any]) -> int:
+        rows = batch_size(inputs)
+        if rows % 2:
+            raise ValueError(f"a preference batch must hold chosen and rejected rows in two halves, got {rows} rows")
+        return rows // 2
+
+    def slice(self, inputs: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+        pairs = self.size(inputs)
+        chunk = {}
+        for key, value in inputs.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 2 * pairs:
+                chunk[key] = torch.cat([value[start:stop], value[pairs + start:pairs + stop]])
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == pairs:
+                chunk[key] = value[start:stop]
+            elif isinstance(value, list) and len(value) == 2 * pairs:
+                chunk[key] = value[start:stop] + value[pairs + start:pairs + stop]
+            else:
+                chunk[key] = value
+        return chunk
+
+
+PAIRED_TRAINERS = ("DPOTrainer", "CPOTrainer", "ORPOTrainer")  # TRL's trainers that concatenate chosen and rejected
+
+
+def layout_for(trainer) -> Rows:
+    """How this Trainer's batches divide into samples, by the trainer classes it is made from."""
+    names = {cls.__name__ for cls in type(trainer).__mro__}
+    return Pairs() if names & set(PAIRED_TRAINERS) else Rows()
+
+
+class _ChunkLedger:
+    """Which forwards of the current micro-step count: the OOM recovery numbers every micro-batch it runs and voids
+    the ones that failed (their forward ran, or began, and will run again) or that a restart threw away; the
+    telemetry's token counter tags each count with the number and leaves the voided ones out. Without the
+    recovery every forward is micro-batch 0 and counts."""
+
+    def __init__(self):
+        self.chunk = 0
+        self.void: set[int] = set()
+        self.void_through = -1  # every micro-batch up to this number is void (a restart)
+
+    def begin_micro_step(self) -> None:
+        self.void.clear()
+
+    def reset(self) -> None:
+        self.void.clear()
+        self.void_through = self.chunk - 1  # the current micro-batch number and later ones count
+
+    def begin_chunk(self) -> None:
+        self.chunk += 1
+
+    def void_current(self) -> None:
+        self.void.add(self.chunk)
+
+    def void_all(self) -> None:
+        self.void_through = self.chunk
+
+    def counts(self, chunk: int) -> bool:
+        return chunk > self.void_through and chunk not in self.void
+
+
+CHUNKS = _ChunkLedger()

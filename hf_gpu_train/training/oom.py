@@ -9,20 +9,29 @@
    are scaled by their share of the batch (or left alone when the loss is normalised by
    ``num_items_in_batch``), so the gradient equals the whole batch's. An OOM in forward keeps what earlier
    micro-batches accumulated; an OOM part-way through backward has already added part of a gradient, so that
-   micro-step is recomputed from its first sample (with gradient accumulation, earlier micro-steps of that
-   optimizer step are lost, and a warning says so). ``global_step``, the LR schedule, the data order and the
+   micro-step is recomputed from its first sample (with gradient accumulation, the earlier micro-steps of that
+   optimizer step are computed again from their inputs, their tokens not counted twice). ``global_step``, the LR schedule, the data order and the
    effective batch do not change;
 3. with several processes, forward and backward run under DDP's ``no_sync`` and ``GradientReducer``
-   (``grad_sync.py``) averages the gradients with DDP's overlap but a state we own: a rank that fails
-   finishes the round with what it has, one small vote per optimizer step tells every rank, nobody applies a
-   round that failed, and ranks that did not fail only reduce again. Every rank then runs the smallest
-   micro-batch any rank needed. A rank that cannot fit one sample stops every rank with the remedies.
+   (``grad_sync.py``) averages the gradients with DDP's overlap but a state we own. Every micro-step ends with a
+   small ballot, and every collective that anyone's code issues inside a step (TRL's metric gathers, a subclass's
+   ``all_reduce``) passes one first (``lockstep.py``). A rank that runs out of memory goes on alone in
+   micro-batches; if the others are past every collective of the step they meet it at the ballot at the end and
+   only reduce again; if they wait in a collective of the step, the ballot there tells every rank, and every rank
+   computes the optimizer step again from its first micro-step in micro-batches of the same size (the Trainer's
+   plain-data tallies put back as they were), so all ranks issue the same collectives. Every rank then runs the
+   smallest micro-batch any rank needed. A rank that cannot fit one sample stops every rank with the remedies.
+4. the batch divides into samples by its layout (``microbatch.layout_for``): rows, or chosen/rejected pairs for
+   TRL's DPO (its loss pairs row i with row i + n).
 
 Compared with ``auto_find_batch_size`` (restarts the loop with a smaller batch, changes the effective batch,
 no cross-rank agreement) and Composer's microbatching (in place, outside the HF stack).
 
-Limits, said plainly: FSDP and DeepSpeed step aside with a warning (their collectives run inside forward and
-backward). BatchNorm normalises each micro-batch with its own statistics, so a split step is close to, not
+Limits, said plainly: FSDP and DeepSpeed step aside with a warning, before training (their collectives run inside
+forward and backward), and so do trainers that prepare their own batches inside each step (TRL's GRPO generates and
+counts its calls in ``_prepare_inputs``). Collectives are seen through ``torch.distributed``'s Python functions,
+looked up at call time (accelerate, TRL and most code do); one bound at import (``from torch.distributed import
+all_reduce``) is not seen. BatchNorm normalises each micro-batch with its own statistics, so a split step is close to, not
 equal to, the whole batch (a warning says so once).
 """
 
@@ -36,9 +45,11 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .grad_sync import BUCKET_BYTES, NO_LIMIT, GradientReducer, broadcast_buffers
+from . import plain_state
+from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
+from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
 from .loss_scaling import LossScalingGuard, guard_loss_scaling
-from .microbatch import batch_size, describe_oom, is_oom_error, loss_items, slice_batch, split_batch
+from .microbatch import CHUNKS, describe_oom, is_oom_error, layout_for, loss_items, replaying_micro_steps
 from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
 log = logging.getLogger("hf_gpu_train.oom")
@@ -110,6 +121,7 @@ class InPlaceOOMRecovery:
         self.overlapped_buckets = 0  # gradient buckets reduced while backward still ran (DDP's overlap), over the runs
         self.guard = guard
         self.grow_after_steps = grow_after_steps
+        self.layout = layout_for(trainer)  # rows, or chosen/rejected pairs (TRL's DPO)
         self._training_step = trainer.training_step
         self._prediction_step = trainer.prediction_step
         self._compute_loss = trainer.compute_loss
@@ -124,7 +136,12 @@ class InPlaceOOMRecovery:
         self._warned: set[str] = set()
         self.seen_items = None
         self._earlier: list[tuple] = []  # this optimizer step's completed micro-steps (inputs, item count)
-        self._fatal: str | None = None  # an OOM at micro-batch 1 in a micro-step without sync, raised at the step's vote
+        self._fatal: str | None = None  # an OOM at micro-batch 1 on several processes, raised at the micro-step's ballot
+        self.lockstep: Lockstep | None = None  # the ballots that keep every rank in the same collectives (several processes)
+        self.restarts = 0  # steps every rank computed again because one rank ran out of memory inside a collective's reach
+        self._tallies: dict = {}  # the Trainer's plain-data attributes at the start of the optimizer step
+        self.stepped_aside: str | None = None  # why recovery is off for this Trainer, said before training
+        self._chunk_tallies: dict = {}  # the same, at the start of the micro-batch that runs now
 
     # -- wiring --------------------------------------------------------------------------------
     def install(self) -> InPlaceOOMRecovery:
@@ -153,13 +170,19 @@ class InPlaceOOMRecovery:
         if self.state.micro_batch:
             log.info("OOM recovery: resuming with micro-batch %s recorded in the checkpoint", self.state.micro_batch)
         self.fresh = True
+        CHUNKS.reset()
 
     def train_ends(self) -> None:
         """Take the gradient hooks off the parameters: a later Trainer on the same model must not carry them."""
+        CHUNKS.reset()  # a run that ended part-way through a recovery leaves no voided micro-batch behind
         if self.reducer is not None:
             self.reducer.remove()
             self.overlapped_buckets += self.reducer.launched_in_backward
             self.reducer = None
+        if self.lockstep is not None:
+            self.lockstep.close()
+            self.lockstep = None
+            remove_gates()
 
     def _warn_once(self, key: str, message: str, *args) -> None:
         if key not in self._warned:
@@ -220,83 +243,144 @@ class InPlaceOOMRecovery:
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._supported(model):
             return self._training_step(model, inputs, num_items_in_batch)
-        size = batch_size(inputs)
+        size = self.layout.size(inputs)
         self._last_batch = size
         fresh, self.fresh = self.fresh, False
+        CHUNKS.begin_micro_step()
         if fresh:
             self._earlier, self._fatal = [], None
+            self._tallies = plain_state.take(self.trainer)  # what a restarted step must not count twice
         reducer = self._reducer_for(model)
         distributed = self._distributed(model)
+        lock = self._lockstep_for(reducer) if distributed else None
         syncs = distributed and model.require_backward_grad_sync  # the last micro-step of the optimizer step
         if distributed and fresh:
             broadcast_buffers(model)  # DDP's per-step buffer sync, kept out of the guarded forwards
         done, total = 0, None  # samples of this micro-step whose gradients are in .grad, and their loss
         replay: list[tuple] = []  # earlier micro-steps of this optimizer step to compute again
+        round_failed = False  # this rank ran out of memory in this micro-step: its gradient buckets are unusable
         while True:
             micro = min(self.state.micro_batch or size, size)
-            failure, polluted = None, False
+            if lock:  # what this rank can run in training, told at every ballot of this step
+                lock.micro_batch = self.state.micro_batch
+            failure, polluted, restart = None, False, None
             if self._fatal is None and (replay or done < size):
                 events, replaying = reducer.grad_events, bool(replay)
                 try:
-                    with model.no_sync() if distributed else contextlib.nullcontext():
-                        while replay:  # the earlier micro-steps, whole, before this one goes on
-                            self._accumulate(model, *replay[0], micro, distributed=distributed)
-                            replay.pop(0)
+                    with model.no_sync() if distributed else contextlib.nullcontext(), \
+                            lock.attempt() if lock else contextlib.nullcontext():
+                        with replaying_micro_steps():
+                            while replay:  # the earlier micro-steps, whole, before this one goes on
+                                self._accumulate(model, *replay[0], micro, distributed=distributed)
+                                replay.pop(0)
                         replaying, events = False, reducer.grad_events
                         for start in range(done, size, micro):
                             stop = min(size, start + micro)
-                            loss = self._chunk(model, slice_batch(inputs, start, stop), num_items_in_batch, (stop - start) / size,
+                            loss = self._chunk(model, self.layout.slice(inputs, start, stop), num_items_in_batch, (stop - start) / size,
                                                arm=syncs and stop == size, distributed=distributed)
                             total = loss if total is None else total + loss
                             done, events = stop, reducer.grad_events
+                except RestartStep as stop_here:  # a ballot inside someone's collective: every rank starts again
+                    restart = stop_here.outcome
                 except Exception as error:  # only OOM is handled; everything else is re-raised untouched
                     if not is_oom_error(error):
                         raise
                     failure = describe_oom(error)
+                    CHUNKS.void_current()  # this micro-batch runs again: its tokens count once
                     # backward had begun adding a micro-batch's gradient, or a replay was under way
                     polluted = replaying or reducer.grad_events != events
                 finally:
                     self.share = 1.0
-            fatal = failure is not None and micro <= 1
+            if restart is not None:
+                done, total, replay = self._restart(model, reducer, lock, restart, size, syncs)
+                round_failed = False
+                continue
             if failure is not None:
-                if polluted:
-                    self._drop_gradients(model)
-                    done, total, replay = 0, None, list(self._earlier)
                 self._free_memory()
-                if not fatal:
-                    self._shrink(micro, size, failure, "train")
-            if not syncs:
-                if fatal and distributed:  # raise with every rank, at the step's vote, not alone in the middle of it
-                    self._fatal = failure
+                if micro <= 1:
+                    if not distributed:
+                        raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+                    self._fatal = failure  # raised with every rank, at this micro-step's ballot
                     model.zero_grad(set_to_none=True)
-                if failure is None or self._fatal is not None:
-                    if self._fatal is None:
-                        self._earlier.append((inputs, num_items_in_batch))
-                        return total
-                    return torch.zeros((), device=self.trainer.accelerator.device)
-                if fatal:
-                    raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+                else:
+                    if polluted:  # the step again from its first micro-step: the Trainer's tallies as they were then
+                        self._drop_gradients(model)
+                        plain_state.put_back(self.trainer, self._tallies)
+                        CHUNKS.void_all()
+                        done, total, replay = 0, None, list(self._earlier)
+                    else:  # the failed micro-batch runs again: what it tallied before failing (in backward) is put back
+                        plain_state.put_back(self.trainer, self._chunk_tallies)
+                    self._shrink(micro, size, failure, "train")
+                    round_failed = True
+                    if lock:  # the other ranks may be inside a collective of this step: they learn at the next ballot
+                        lock.pending_failure, lock.micro_batch = True, self.state.micro_batch
+                    continue  # go on alone, in micro-batches, up to the next ballot
+            if not distributed:
+                self._earlier.append((inputs, num_items_in_batch))
+                return total
+            lock.pending_failure, lock.micro_batch = False, self.state.micro_batch
+            if syncs:
+                outcome = reducer.finish(lock, failed=round_failed, fatal=self._fatal is not None)
+            else:
+                outcome = lock.ballot(END, fatal=self._fatal is not None)
+            if outcome.fatal:
+                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, self._fatal or
+                                                          "out of memory at micro-batch 1 on another rank"))
+            if outcome.restart:  # a rank is still inside this micro-step, at a collective: every rank starts again
+                done, total, replay = self._restart(model, reducer, lock, outcome, size, syncs)
+                round_failed = False
                 continue
-            vote = reducer.finish(failed=failure is not None, fatal=fatal or self._fatal is not None, micro_batch=self.state.micro_batch)
-            if vote.fatal:
-                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure or self._fatal))
-            self._adopt(vote.micro_batch, size)
-            if vote.failed:
+            if outcome.diverged:
+                raise RanksDiverged("the ranks reached the end of a micro-step at different points of their code")
+            self._adopt(outcome.micro_batch, size)
+            if not syncs:
+                self._earlier.append((inputs, num_items_in_batch))
+                return total
+            if outcome.failed:  # a rank recovered alone: its buckets carried a partial gradient; reduce again
                 reducer.discard()
+                round_failed = False
                 continue
-            if vote.stale:  # every rank saw it: reduce again from the complete gradients, without overlap from now on
+            if outcome.stale:  # every rank saw it: reduce again from the complete gradients, without overlap from now on
                 reducer.discard()
                 reducer.overlap = False
                 log.info("OOM recovery: a gradient was accumulated twice in one backward (reentrant checkpointing?): "
                          "gradients are averaged after backward from now on")
-                vote = reducer.finish(micro_batch=self.state.micro_batch)
-            reducer.apply(vote)
+                outcome = reducer.finish(lock)
+            reducer.apply(outcome)
             return total
+
+    def _restart(self, model, reducer, lock, outcome, size: int, syncs: bool):
+        """Every rank, on the same ballot: end the gradient round, take the smallest micro-batch, and compute this
+        optimizer step again from its first micro-step (the Trainer's tallies put back as they were at its start)."""
+        if syncs:
+            reducer.complete_round()
+        if outcome.fatal:
+            raise OutOfMemoryAtMicroBatchOne(f"out of memory at micro-batch 1 ({self._fatal or 'on another rank'}): "
+                                             "use bf16/fp16, a shorter max_length or a smaller image_size")
+        lock.pending_failure = False
+        self._adopt(outcome.micro_batch, size)
+        lock.micro_batch = self.state.micro_batch
+        model.zero_grad(set_to_none=True)
+        plain_state.put_back(self.trainer, self._tallies)
+        CHUNKS.void_all()
+        self.restarts += 1
+        if self._earlier:
+            log.info("OOM recovery: every rank computes this optimizer step again (%d earlier micro-step(s) first), in "
+                     "micro-batches of %s", len(self._earlier), self.state.micro_batch)
+        return 0, None, list(self._earlier)
+
+    def _lockstep_for(self, reducer) -> Lockstep:
+        if self.lockstep is None:
+            install_gates()
+            self.lockstep = Lockstep(num_params=len(reducer.params))
+        return self.lockstep
 
     def _chunk(self, model, chunk, num_items_in_batch, share: float, arm: bool, distributed: bool):
         """One micro-batch's forward and backward (its loss scaled by ``share`` where the loss is a mean)."""
         if arm:
             self.reducer.arm()
+        CHUNKS.begin_chunk()
+        self._chunk_tallies = plain_state.take(self.trainer)  # put back if this micro-batch fails (it runs again)
         self.share = share
         if distributed:
             model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
@@ -305,10 +389,10 @@ class InPlaceOOMRecovery:
     def _accumulate(self, model, inputs, num_items_in_batch, micro: int, distributed: bool) -> None:
         """An earlier micro-step computed again, whole, in micro-batches (its loss was already reported; a micro-step
         without sync, so no bucket is armed)."""
-        size = batch_size(inputs)
+        size = self.layout.size(inputs)
         for begin in range(0, size, micro):
             stop = min(size, begin + micro)
-            self._chunk(model, slice_batch(inputs, begin, stop), num_items_in_batch, (stop - begin) / size,
+            self._chunk(model, self.layout.slice(inputs, begin, stop), num_items_in_batch, (stop - begin) / size,
                         arm=False, distributed=distributed)
 
     def _adopt(self, agreed: int | None, size: int) -> None:
@@ -343,7 +427,8 @@ class InPlaceOOMRecovery:
         key = "micro_batch" if phase == "train" else "eval_micro_batch"
         setattr(self.state, key, new)
         self.state.recoveries += 1
-        self.clean_steps = 0
+        if phase == "train":  # an evaluation OOM must not move when this rank grows the training micro-batch back
+            self.clean_steps = 0
         event = {"step": self.trainer.state.global_step, "phase": phase, "batch": size, "from": micro, "to": new,
                  "cause": failure or "out of memory on another rank"}
         self.events.append(event)
@@ -363,34 +448,77 @@ class InPlaceOOMRecovery:
 
     # -- evaluation ------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """An OOM in evaluation shrinks the evaluation micro-batch only (not the training one). The only
-        collective inside a prediction step is the Trainer's gather of the item count (losses normalised by
-        ``num_items_in_batch`` with ``average_tokens_across_devices``): micro-batches count locally, and one
-        gather per step stands for the one the whole batch would have made, so a rank retries alone without
-        desynchronising the others. The ranks agree on the evaluation micro-batch after each evaluation."""
+        """An OOM in evaluation shrinks the evaluation micro-batch only (not the training one). On several processes
+        every prediction step ends with a ballot (``lockstep.py``), and collectives issued inside it (TRL's metric
+        gathers, the Trainer's gather of the item count) pass one first: a rank that ran out of memory goes on alone
+        in micro-batches when the others are past every collective of the step, and every rank computes the step
+        again in micro-batches when the others wait in one. Micro-batches count items locally, and one gather per
+        step stands for the one the whole batch would have made. Every rank leaves each step with the smallest
+        evaluation micro-batch any rank needed."""
         if not self._supported(model, training=False):
             return self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        size = batch_size(inputs)
+        size = self.layout.size(inputs)
+        lock = self._lockstep_for(self._reducer_for(model)) if self._distributed(model) else None
+        tallies = plain_state.take(self.trainer) if lock else {}
         global_items = None  # the item count of the whole batch over every rank, once this step has gathered it
+        fatal = None
         while True:
             micro = min(self.state.eval_micro_batch or size, size)
-            failure = None
+            if lock:  # in evaluation the ballots carry the evaluation micro-batch
+                lock.micro_batch = self.state.eval_micro_batch
+            failure, result, restart = None, None, None
             self.seen_items = None
             try:
-                if micro >= size:
-                    return self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-                return self._predict_in_chunks(model, inputs, micro, prediction_loss_only, ignore_keys, global_items)
+                with lock.attempt() if lock else contextlib.nullcontext():
+                    if fatal is not None:
+                        pass
+                    elif micro >= size:
+                        result = self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+                    else:
+                        result = self._predict_in_chunks(model, inputs, micro, prediction_loss_only, ignore_keys, global_items)
+            except RestartStep as stop_here:
+                restart = stop_here.outcome
             except Exception as error:
                 if not is_oom_error(error):
                     raise
                 failure = describe_oom(error)
                 if micro >= size and self._gathers_item_counts(inputs) and self.seen_items is not None:
                     global_items = self.seen_items  # the failed whole-batch call had gathered it
-            self._free_memory()
-            if micro <= 1:
-                raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({failure}): use bf16/fp16, a "
-                                                 "shorter max_length or a smaller image_size")
-            self._shrink(micro, size, failure, "eval")
+            if failure is not None:
+                self._free_memory()
+                if micro <= 1:
+                    fatal = failure
+                    if lock is None:
+                        break
+                else:
+                    self._shrink(micro, size, failure, "eval")
+                    if lock:
+                        lock.pending_failure, lock.micro_batch = True, self.state.eval_micro_batch
+                    continue
+            if lock is None:
+                return result
+            if restart is None:
+                lock.pending_failure, lock.micro_batch = False, self.state.eval_micro_batch
+                restart = lock.ballot(END, fatal=fatal is not None)
+                if not (restart.restart or restart.fatal):
+                    if restart.diverged:
+                        raise RanksDiverged("the ranks reached the end of an evaluation step at different points of their code")
+                    self._adopt_eval(restart.micro_batch)
+                    return result
+            if restart.fatal:
+                fatal = fatal or "out of memory at micro-batch 1 on another rank"
+                break
+            lock.pending_failure = False
+            self._adopt_eval(restart.micro_batch)
+            lock.micro_batch = self.state.eval_micro_batch
+            plain_state.put_back(self.trainer, tallies)
+            global_items = None  # every rank computes the step again, and gathers the item count again
+        raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({fatal}): use bf16/fp16, a "
+                                         "shorter max_length or a smaller image_size")
+
+    def _adopt_eval(self, agreed: int | None) -> None:
+        if agreed is not None and agreed < NO_LIMIT and (self.state.eval_micro_batch is None or agreed < self.state.eval_micro_batch):
+            self.state.eval_micro_batch = agreed
 
     def _gathers_item_counts(self, inputs) -> bool:
         t = self.trainer
@@ -400,18 +528,22 @@ class InPlaceOOMRecovery:
     def _predict_in_chunks(self, model, inputs, micro, prediction_loss_only, ignore_keys, global_items):
         gathers = self._gathers_item_counts(inputs)
         args = self.trainer.args
-        parts, items = [], []
+        parts, items, counted = [], [], False
+        shifted = _predicts_next_token(model)
         averaging = args.average_tokens_across_devices
         args.average_tokens_across_devices = False  # each micro-batch counts its own items, without a collective
         try:
-            for chunk in split_batch(inputs, micro):
+            for chunk in self.layout.split(inputs, micro):
                 self.seen_items = None
                 parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
-                items.append(float(self.seen_items) if self.seen_items is not None else float(loss_items(chunk)))
+                counted = counted or self.seen_items is not None
+                items.append(float(self.seen_items) if self.seen_items is not None else float(loss_items(chunk, shifted)))
         finally:
             args.average_tokens_across_devices = averaging
         loss, logits, labels = _combine(parts, items)
-        if gathers:
+        # only a loss normalised by the item count it was given is rescaled (TRL's prediction steps give none: their
+        # loss is this rank's own mean, and stays one)
+        if gathers and counted:
             if global_items is None:
                 mine = torch.tensor(sum(items), device=self.trainer.accelerator.device)
                 global_items = self.trainer.accelerator.gather(mine).sum()
@@ -427,6 +559,14 @@ class InPlaceOOMRecovery:
         torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
         smallest = -int(mine.item())
         self.state.eval_micro_batch = None if smallest >= NO_LIMIT else smallest
+
+
+def _predicts_next_token(model) -> bool:
+    """A causal LM's loss reads labels shifted by one: its items are the labelled positions after the first."""
+    inner = getattr(model, "module", model)
+    get_base = getattr(inner, "get_base_model", None)
+    inner = get_base() if callable(get_base) else inner
+    return type(inner).__name__.endswith("ForCausalLM")
 
 
 def _combine(parts, weights):
@@ -451,12 +591,38 @@ def _combine(parts, weights):
     return loss, cat([p[1] for p in parts]), cat([p[2] for p in parts])
 
 
+def step_aside_reason(trainer) -> str | None:
+    """Why in-place recovery cannot work for this Trainer, known before training starts (None: it can)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "under FSDP its collectives run inside forward and backward; use the planner's micro-batch (plan-memory)"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "under DeepSpeed its collectives run inside forward and backward; use the planner's micro-batch (plan-memory)"
+    from transformers import Trainer
+
+    if getattr(type(trainer), "_prepare_inputs", None) is not Trainer._prepare_inputs:
+        # GRPOTrainer (and RLOO, online DPO ...): its training_step receives prompts, generates and scores completions
+        # inside _prepare_inputs and advances a counter of its own on every call
+        return (f"{type(trainer).__name__} prepares its own batches inside every training step (it generates and scores "
+                "completions and counts its calls), so a step cannot be run again in micro-batches; if it runs out of "
+                "memory, lower per_device_train_batch_size and raise gradient_accumulation_steps (or steps_per_generation)")
+    return None
+
+
 def enable_oom_recovery(trainer, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> InPlaceOOMRecovery:
     """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
     loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum. ``bucket_bytes``:
-    the size of the gradient buckets averaged under DDP (DDP's ``bucket_cap_mb``, 25 MiB)."""
+    the size of the gradient buckets averaged under DDP (DDP's ``bucket_cap_mb``, 25 MiB).
+
+    Where recovery cannot work for this Trainer (``step_aside_reason``) it says so now, once, and changes nothing:
+    the returned object's ``stepped_aside`` holds the reason."""
     guard = guard_loss_scaling(trainer)
-    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes).install()
+    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes)
+    reason = step_aside_reason(trainer)
+    if reason is not None:
+        recovery.stepped_aside = reason
+        log.warning("OOM recovery is off for %s: %s", type(trainer).__name__, reason)
+        return recovery
+    recovery.install()
     train = trainer.train
 
     def train_and_unhook(*args, **kw):

@@ -28,13 +28,13 @@ def build_layout(packing: bool | str, cfg, model, tokenizer, data, on_cuda: bool
     model's attention keeps packed examples apart ("auto" falls back to padding, as the run would), else padding."""
     from ..finetune.causal_lm.collate import PackedCollator, PaddingCollator
     from ..finetune.causal_lm.encode import encode_split
-    from ..finetune.causal_lm.packing import pack_dataset, packing_support
+    from ..finetune.causal_lm.packing import agreed_packing_support, pack_dataset
 
     multiple = 8 if on_cuda else None
     pad = tokenizer.pad_token_id
     wants_packing = packing in (True, "auto")
     if wants_packing:
-        verdict = packing_support(model, pad)
+        verdict = agreed_packing_support(model, pad)
         if not verdict.supported:
             if packing is True:
                 return Layout(None, None, True, f"packing=true is not possible here: {verdict.reason}")

@@ -61,13 +61,13 @@ def test_real_trainer_with_fake_nvml_logs_units_values_and_report(tmp_path, mach
     entry = history[-1]
     for key in ("gpu0/util_pct", "gpu0/util_pct_max", "gpu0/power_w", "gpu0/power_limit_w", "gpu0/temp_c", "gpu0/mem_used_gib",
                 "gpu0/sm_clock_mhz", "gpu0/sm_clock_max_mhz", "gpu0/throttled_pct", "host/cpu_pct", "host/rss_gib",
-                "train/step_time_s", "train/samples_per_s", "train/tokens_per_s", "train/data_wait_pct",
+                "loop/step_time_s", "loop/samples_per_s", "loop/tokens_per_s", "loop/data_wait_pct",
                 "torch/mem_allocated_gib", "torch/mem_reserved_gib", "torch/alloc_retries"):
         assert key in entry, key
     assert entry["gpu0/util_pct_max"] == 95 and entry["gpu0/power_w_max"] == 350.0
     assert entry["gpu0/power_limit_w"] == 400.0 and entry["gpu0/mem_used_gib"] == 10.0 and entry["gpu0/temp_c_max"] == 65
-    assert 0 <= entry["train/data_wait_pct"] <= 100
-    assert "train/mfu_pct" not in entry  # the model is on the CPU: no peak to compare with
+    assert 0 <= entry["loop/data_wait_pct"] <= 100
+    assert "loop/mfu_pct" not in entry  # the model is on the CPU: no peak to compare with
     assert any("gpu0/util_pct" in logs for logs in logs_seen)  # went through the Trainer's own logging
     # report files written, thread stopped
     for name in ("telemetry.jsonl", "telemetry_summary.json", "report.md", "telemetry_utilization.svg", "telemetry_power.svg"):
@@ -89,7 +89,7 @@ def test_logs_dict_is_not_mutated(tmp_path):
     attach_telemetry(trainer, interval_s=0.05, write_report=False)
     trainer.train()
     loss_entries = [h for h in trainer.state.log_history if "loss" in h]
-    assert loss_entries and not any(k.startswith(("train/", "host/")) for h in loss_entries for k in h)
+    assert loss_entries and not any(k.startswith(("loop/", "host/")) for h in loss_entries for k in h)
 
 
 def test_a_report_that_cannot_be_written_warns_and_training_ends_normally(tmp_path, monkeypatch, caplog):
@@ -164,9 +164,9 @@ def test_tokens_are_counted_once_without_the_trainer_counter(tmp_path, case):
     trainer.train()
     if case == "oom_split_and_retry":
         assert injector.raised == 1 and recovery.micro_batch == 4
-    counted = sum(w["metrics"].get("train/tokens", 0) for w in windows(tmp_path))
+    counted = sum(w["metrics"].get("loop/tokens", 0) for w in windows(tmp_path))
     assert counted == token_total(data)
-    assert callback.records[0]["metrics"]["train/tokens_per_s"] > 0
+    assert callback.records[0]["metrics"]["loop/tokens_per_s"] > 0
     if case == "trainer_counts_too":
         assert trainer.state.num_input_tokens_seen == counted
 
@@ -187,9 +187,9 @@ def test_throughput_is_training_time_only_not_an_evaluation_inside_the_window(tm
     first, second = ([r for r in callback.records if r["step"] == step][0] for step in (4, 8))
     wall_s = second["time"] - first["time"]  # the window from step 4 to 8 holds the evaluation at step 6
     metrics = second["metrics"]
-    assert metrics["train/steps"] == 4 and wall_s - metrics["train/train_time_s"] >= 0.45
-    assert metrics["train/samples_per_s"] == pytest.approx(4 * 8 / metrics["train/train_time_s"])
-    assert metrics["train/samples_per_s"] > 4 * 8 / (wall_s - 0.45)  # wall time would have counted the evaluation
+    assert metrics["loop/steps"] == 4 and wall_s - metrics["loop/train_time_s"] >= 0.45
+    assert metrics["loop/samples_per_s"] == pytest.approx(4 * 8 / metrics["loop/train_time_s"])
+    assert metrics["loop/samples_per_s"] > 4 * 8 / (wall_s - 0.45)  # wall time would have counted the evaluation
 
 
 def test_the_run_verdict_comes_from_the_last_full_window_not_a_one_step_tail(tmp_path, machine):
@@ -206,7 +206,7 @@ def test_the_run_verdict_comes_from_the_last_full_window_not_a_one_step_tail(tmp
                       train_dataset=TokenDataset(n=72))
     callback = attach_telemetry(trainer, backend=backend, gpu_indices=[0], interval_s=0.02, memory_probe=memory)
     trainer.train()
-    steps = [(r["step"], r["metrics"]["train/steps"], r["full"], r["verdict"]["kind"]) for r in callback.records]
+    steps = [(r["step"], r["metrics"]["loop/steps"], r["full"], r["verdict"]["kind"]) for r in callback.records]
     assert steps == [(4, 4, True, "healthy"), (8, 4, True, "healthy"), (9, 1, False, "memory-pressure")]
     summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
     assert summary["final_verdict"]["kind"] == "healthy" and callback.last_verdict.kind == "healthy"
@@ -238,13 +238,13 @@ def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_b
     assert len(evals) == 1 and len(evals[0]) == 3 and evals[0][0] == "eval step 4" and evals[0][1].startswith("loss "), evals
     assert evals[0][2].endswith(" s") and [line.split(" | ")[0] for line in lines if line.startswith("train")] == ["train done"]
     assert not any("{" in line or "gpu" in line or "host/" in line for line in lines), lines  # no logged dicts printed
-    assert any("train/tokens_per_s" in logs and "host/rss_gib" in logs for logs in sink)  # the sinks get everything
+    assert any("loop/tokens_per_s" in logs and "host/rss_gib" in logs for logs in sink)  # the sinks get everything
 
 
 def test_compact_line_with_gpu_memory_and_mfu():
     from hf_gpu_train.callbacks.console import step_line, telemetry_parts
 
-    metrics = {"train/samples_per_s": 812.4, "train/tokens_per_s": 52_300.0, "train/mfu_pct": 38.2, "gpu0/mem_used_gib": 12.06,
+    metrics = {"loop/samples_per_s": 812.4, "loop/tokens_per_s": 52_300.0, "loop/mfu_pct": 38.2, "gpu0/mem_used_gib": 12.06,
                "gpu0/mem_total_gib": 79.65, "torch/mem_allocated_gib": 9.0}
     line = step_line(40, 500, {"loss": 0.41, "learning_rate": 3e-5, "epoch": 0.4, "grad_norm": 1.2, "mean_token_accuracy": 0.71},
                      telemetry_parts(metrics, "healthy, at power limit"))
@@ -259,3 +259,29 @@ def test_attach_telemetry_brings_the_loss_scaling_guard(tmp_path):
     attach_telemetry(trainer, write_report=False)
     trainer.train()
     assert trainer.model_accepts_loss_kwargs is False
+
+
+@pytest.mark.parametrize("progress_bar", [False, True])
+def test_the_callback_route_works_like_attach_telemetry(tmp_path, capsys, progress_bar):
+    """Trainer(callbacks=[TelemetryCallback()]), the way most callbacks are given: metrics reach the report_to sinks
+    (0 telemetry keys in log_history before this fix), the loss guard is on and the console is compact."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=not progress_bar),
+                      train_dataset=TokenDataset(), callbacks=[TelemetryCallback(interval_s=0.05, write_report=False)])
+    trainer.train()
+    telemetry = [h for h in trainer.state.log_history if "loop/tokens_per_s" in h]
+    assert len(telemetry) == 2 and "host/rss_gib" in telemetry[0]
+    assert getattr(trainer, "_hf_gpu_train_loss_guard", None) is not None
+    assert trainer.model_accepts_loss_kwargs is False  # the guard asked BERT's loss: a mean
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"] and all("tok/s" in s for s in steps)
+    tags = rewrite_logs(telemetry[0])  # what TensorBoard and W&B write: their own "train/" prefix, once
+    assert "train/loop/tokens_per_s" in tags and not any(t.startswith("train/train/") for t in tags)
+
+
+def test_the_callback_route_without_a_trainer_on_the_stack_fails_with_the_fix():
+    from hf_gpu_train.callbacks.telemetry import TelemetryNotAttached
+
+    with pytest.raises(TelemetryNotAttached, match=r"attach_telemetry\(trainer\)"):
+        TelemetryCallback()._attach_late(None)

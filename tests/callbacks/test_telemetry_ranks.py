@@ -23,5 +23,5 @@ def test_two_gloo_processes_produce_the_per_rank_summary_and_name_the_straggler(
     assert "straggler rank(s) [1]" in run.stderr
     # each rank counts its own tokens; summed once per log step they are the whole epoch's, each sample once
     data = TokenDataset(n=96)
-    assert sum(w["metrics"].get("train/tokens", 0) for w in windows) == sum(int(data[i]["attention_mask"].sum()) for i in range(96))
+    assert sum(w["metrics"].get("loop/tokens", 0) for w in windows) == sum(int(data[i]["attention_mask"].sum()) for i in range(96))
     assert all(r["tokens"] > 0 for r in ranks)

@@ -84,10 +84,10 @@ def test_loop_timer_measures_the_gap_and_excludes_logging():
     t.step_begin(4.1)
     t.step_end(5.1)
     out = t.take()
-    assert out["train/step_time_s"] == 1.0 and out["train/steps"] == 3
-    assert abs(out["train/data_wait_s"] - 0.6) < 1e-9
-    assert abs(out["train/data_wait_pct"] - 100 * 0.6 / 3.6) < 1e-9
-    assert abs(out["train/train_time_s"] - 3.6) < 1e-9  # steps and the gaps before them; the 1.5 s pause is not training
+    assert out["loop/step_time_s"] == 1.0 and out["loop/steps"] == 3
+    assert abs(out["loop/data_wait_s"] - 0.6) < 1e-9
+    assert abs(out["loop/data_wait_pct"] - 100 * 0.6 / 3.6) < 1e-9
+    assert abs(out["loop/train_time_s"] - 3.6) < 1e-9  # steps and the gaps before them; the 1.5 s pause is not training
     assert t.take() == {}
 
 

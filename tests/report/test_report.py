@@ -12,7 +12,7 @@ def test_report_command_redraws_and_prints_the_verdict(tmp_path, capsys):
                                             "throttle_reasons": ["HwThermalSlowdown"] if i > 2 else []}},
                       host={"cpu_pct": 20.0}) for i in range(5)]
     records = [{"step": 10 * i, "time": float(i), "final": False, "throttle_reasons": {"0": ["HwThermalSlowdown"]} if i else {},
-                "metrics": {"train/samples_per_s": 100.0 - i, "train/data_wait_pct": 2.0, "torch/mem_allocated_gib": 10.0,
+                "metrics": {"loop/samples_per_s": 100.0 - i, "loop/data_wait_pct": 2.0, "torch/mem_allocated_gib": 10.0,
                             "torch/mem_reserved_gib": 12.0, "gpu0/util_pct": 92.0},
                 "verdict": {"kind": "throttled", "evidence": "e", "next_step": "n", "notes": []}} for i in range(3)]
     write_run_report(tmp_path, samples, records, Verdict("throttled", "clocks held back", "improve cooling"), {0: "NVIDIA H100"})
@@ -24,7 +24,7 @@ def test_report_command_redraws_and_prints_the_verdict(tmp_path, capsys):
     assert "verdict: throttled: clocks held back. Next: improve cooling" in out and "HwThermalSlowdown" in out
     assert (tmp_path / "telemetry_clocks.svg").is_file() and "telemetry_clocks.svg" in (tmp_path / "report.md").read_text()
     summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
-    assert summary["metrics"]["train/samples_per_s"]["max"] == 100.0
+    assert summary["metrics"]["loop/samples_per_s"]["max"] == 100.0
 
 
 def test_report_of_a_run_without_telemetry_is_a_usage_error(tmp_path, capsys):
@@ -68,3 +68,10 @@ def test_the_clock_panel_ignores_a_maximum_that_is_not_a_number(tmp_path):
                for i, m in enumerate([float("nan"), 1410.0, float("inf")])]
     (path,) = draw_all(tmp_path, samples, [])
     assert path.name == "telemetry_clocks.svg" and "max SM clock" in path.read_text() and "nan" not in path.read_text()
+
+
+def test_a_run_recorded_with_the_old_train_keys_reads_as_loop_keys():
+    from hf_gpu_train.report.writer import renamed_loop_keys
+
+    assert renamed_loop_keys({"train/samples_per_s": 3.0, "gpu0/util_pct": 50.0}) == {"loop/samples_per_s": 3.0,
+                                                                                     "gpu0/util_pct": 50.0}

@@ -174,3 +174,21 @@ def packing_support(model, pad_token_id: int) -> PackingVerdict:
         return PackingVerdict(False, f"with attn_implementation={implementation!r} a packed example's logits change with the "
                                      f"example before it (by {moved:.3g}): attention crosses example boundaries")
     return PackingVerdict(True, f"{implementation} attention keeps packed examples apart (checked on this model)")
+
+
+def agreed_packing_support(model, pad_token_id: int) -> PackingVerdict:
+    """``packing_support`` as every rank must take it: the same on all. Ranks see different things (under FSDP's
+    rank-0-only loading only local rank 0 holds real weights and can run the check; the others see ``meta`` weights),
+    and a rank that packs while another pads runs another number of steps: a hang. Any rank's refusal is everyone's."""
+    import torch.distributed as dist
+
+    verdict = packing_support(model, pad_token_id)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return verdict
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (verdict.supported, verdict.reason))
+    refused = [(rank, reason) for rank, (supported, reason) in enumerate(seen) if not supported]
+    if not refused:
+        return verdict
+    rank, reason = refused[0]
+    return PackingVerdict(False, reason if rank == dist.get_rank() else f"{reason} (found on rank {rank}: every rank pads)")

@@ -39,7 +39,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
     from .encode import encode_split
     from .generation import pick_prompts
     from .methods import apply_method, check_method, quantization_config, trainable_summary
-    from .packing import pack_dataset, packing_support
+    from .packing import agreed_packing_support, pack_dataset
 
     check_method(cfg, runtime)
     lm_model.check_model(cfg)
@@ -49,7 +49,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
     if data.form.uses_chat_template:
         require_chat_template(tokenizer, cfg.model, f"the data is {data.form.describe()}")
     model = lm_model.load_model(cfg, data.model_path, runtime, quantization_config(cfg, runtime))
-    verdict = packing_support(model, tokenizer.pad_token_id) if cfg.packing is not False else None
+    verdict = agreed_packing_support(model, tokenizer.pad_token_id) if cfg.packing is not False else None
     if cfg.packing is True and not verdict.supported:
         raise ConfigError(f"packing=true, but {verdict.reason}: packing=auto (or false) to pad instead, or "
                           "attn_implementation=sdpa")
