@@ -70,6 +70,33 @@ def _binding(plan, settings: dict) -> tuple[frozenset[int] | None, str | None]:
     return (frozenset(target) if target else None), note
 
 
+def recipe_in(script_args: list[str]) -> str | None:
+    """The ``--config RECIPE`` of scripts/finetune.py's arguments (None: none named)."""
+    for i, arg in enumerate(script_args):
+        if arg == "--config" and i + 1 < len(script_args):
+            return script_args[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict) -> tuple[str, str] | None:
+    """(accelerate precision, note) when `hf-gpu-train tune` measured another precision for this very recipe: the
+    launcher passes it to this run only (NAME.yaml's mixed_precision reaches every recipe)."""
+    from ..launch.run_plan_file import tuned_keys_for
+
+    recipe = recipe_in(script_args)
+    if plan is None or recipe is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe):
+        return None
+    tuned = plan.value("precision")
+    accelerate_value = {"fp32": "no"}.get(str(tuned), str(tuned))
+    if str(config.get("mixed_precision")) == accelerate_value:
+        return None
+    return accelerate_value, (f"--mixed_precision {accelerate_value}: measured by hf-gpu-train tune for {recipe} (this recipe "
+                              f"only; {plan.config_file.name if plan.config_file else 'the YAML'} keeps "
+                              f"mixed_precision: {config.get('mixed_precision')})")
+
+
 def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch:
     import yaml
 
@@ -115,12 +142,19 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> L
                          f"to the CPUs of GPUs {config.get('gpu_ids')}: the processes would run on the wrong socket. Write a "
                          f"config for those GPUs: `hf-gpu-train config --gpu-ids {settings['gpu_ids']} --output ...`")
     notes += _flag_notes(settings, config, plan, config_file.name)
+    tuned_precision = _tuned_precision(plan, parsed.script_args, settings, config)
+    if tuned_precision is not None:
+        flag, note = tuned_precision
+        settings_flags = ["--mixed_precision", flag]
+        notes.append(note)
+    else:
+        settings_flags = []
     cpus, note = _binding(plan, settings)
     if note:
         notes.append(note)
     # The accelerate of this interpreter, whatever PATH says.
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config_file),
-           *flatten(parsed.without(*CONFIG_FILE_OPTIONS)), parsed.script, *parsed.script_args]
+           *flatten(parsed.without(*CONFIG_FILE_OPTIONS)), *settings_flags, parsed.script, *parsed.script_args]
     return Launch(cmd, env, tuple(notes), cpus)
 
 

@@ -48,6 +48,8 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     if plan is None:
         return cfg, None
     lines = [f"launch plan {plan.path} ({plan.source})", *apply_run_environment(plan, environ).lines()]
+    plan, scoped = tuned_for_this_recipe(plan, recipe)
+    lines += scoped
     tuned = (tuned_keys_for(plan, recipe) - command_line_keys) & explicit_keys
     lines += [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
               for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
@@ -64,3 +66,18 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
     return cfg, AppliedPlan(plan, resolution, memory, tuple(lines))
+
+
+def tuned_for_this_recipe(plan, recipe) -> tuple[object, list[str]]:
+    """Values `hf-gpu-train tune` measured are scoped to the recipe (its text) they were measured for: any other recipe
+    gets the plan as `hf-gpu-train config` wrote it, and one line says which values were left out and why."""
+    from ..launch.run_plan_file import TUNED, plan_before_tune, tuned_keys_for
+
+    measured = (plan.document or {}).get(TUNED)
+    if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe):
+        return plan, []
+    measured_for = (measured.get("recipe") or {}).get("path") or "a run without a recipe file"
+    keys = ", ".join(f"{k}={plan.value(k)}" for k in measured["keys"])
+    before = plan_before_tune(plan)
+    return before, [f"plan values hf-gpu-train tune measured for {measured_for} not applied ({keys}): this run trains "
+                    f"{recipe or 'no recipe file'}, so the plan's values from before tune apply"]

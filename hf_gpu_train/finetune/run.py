@@ -168,7 +168,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
     identity = RunIdentity.of(cfg, runtime.precision, effective)
     previous = read_previous(cfg.output_dir)
-    if check_previous_run(cfg, identity, previous) == "finished":
+    if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
         return _report_finished(cfg, previous.results)
     set_seed(cfg.seed)
     if fsdp_requested():

@@ -86,7 +86,22 @@ def read_previous(output_dir: str | Path) -> Previous:
     return Previous(record, finished, json.loads(results_path.read_text()) if finished else None)
 
 
-def check_previous_run(cfg: FinetuneConfig, identity: RunIdentity, previous: Previous) -> str:
+def resume_batch_fix(effective: int, micro: int, processes: int) -> str:
+    """The keys that give ``effective`` again on ``processes`` processes: accumulation is a whole number, so the
+    per-device batch x processes must divide the effective batch (48 on 2 processes of 16 would round up to 64)."""
+    processes = max(1, processes)
+    head = "the effective batch is per-device batch x accumulation x processes"
+    for candidate in range(min(micro, effective // processes), 0, -1):
+        if effective % (candidate * processes) == 0:
+            keys = f"global_batch_size={effective}"
+            if candidate != micro:
+                keys += f" per_device_train_batch_size={candidate}"
+            return f"{head}: set {keys} to resume it on {processes} process(es)"
+    return (f"{head}: {effective} cannot be split evenly over {processes} processes; resume it with a number of processes "
+            f"that divides {effective}")
+
+
+def check_previous_run(cfg: FinetuneConfig, identity: RunIdentity, previous: Previous, processes: int = 1) -> str:
     """"new", "resume" or "finished"; a ConfigError when the earlier run trained something else."""
     if previous.record is None:
         return "new"
@@ -106,8 +121,7 @@ def check_previous_run(cfg: FinetuneConfig, identity: RunIdentity, previous: Pre
         return "new"
     hint = ""
     if any(k == "effective_batch" for k, _, _ in diffs):
-        hint = (f" (the effective batch is per-device batch x accumulation x processes: set global_batch_size="
-                f"{previous.record['effective_batch']} to resume it with another number of processes)")
+        hint = f" ({resume_batch_fix(previous.record['effective_batch'], cfg.per_device_train_batch_size, processes)})"
     raise ConfigError(
         f"output_dir={cfg.output_dir!r} holds a run that trained differently: {listed}{hint}. Nothing was changed. "
         f"Choose: output_dir=NEW_DIR for a new run; the earlier values to continue it; or resume=PATH/checkpoint-N to "

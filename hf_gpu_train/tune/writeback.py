@@ -1,7 +1,8 @@
 """The winner into the launch config, so the next `hf-gpu-train launch` uses it: NAME.plan.json's values (each with
 the reason "measured by hf-gpu-train tune: ...") and a block of comment lines in NAME.yaml's header with the
-measured table, plus ``mixed_precision`` in NAME.yaml when the winner's precision is another (the launcher, not the
-plan, sets the processes' precision). A timestamped copy of each file is made before it is changed.
+measured table. NAME.yaml's ``mixed_precision`` is never changed (it reaches every recipe launched with it): a tuned
+precision lives in the plan, scoped to its recipe, and `hf-gpu-train launch` passes it as ``--mixed_precision`` to
+that recipe's runs only. A timestamped copy of each file is made before it is changed.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def write_winner(config_file: Path, choice: Choice, results: list[TrialResult], 
              "winner": winner.to_dict() if winner else None, "reasons": list(choice.reasons), "report": report_name,
              "trials": [r.to_dict() for r in results]}
     write_measured_values(plan_path, values, tuned)
-    old_precision = space.base.precision
-    precision = winner.candidate.precision if winner and winner.candidate.precision != old_precision else None
+    # the winner's precision stays in the plan, scoped to this recipe like every tuned value: NAME.yaml's
+    # mixed_precision reaches every run launched with it, so `hf-gpu-train launch` passes --mixed_precision for this
+    # recipe only (cli/launch.py)
     config_file.write_text(yaml_with_block(config_file.read_text(), header_block(choice, results, space, when, report_name),
-                                           precision if precision in ACCELERATE_PRECISION else None))
+                                           None))
     return Written(plan_path, config_file, backups, tuple(sorted(values)))

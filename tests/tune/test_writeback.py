@@ -51,7 +51,7 @@ def test_backups_first_then_the_plan_holds_the_measured_values_and_the_next_run_
     assert tuned_keys_for(plan, recipe) == frozenset()  # another recipe text: the recipe's own values win again
 
 
-def test_the_yaml_keeps_its_header_gets_one_block_and_the_winners_precision(tmp_path):
+def test_the_yaml_keeps_its_header_and_its_precision_and_gets_one_block(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
     job, recipe, results, choice = tuned_box(tmp_path)
@@ -62,7 +62,43 @@ def test_the_yaml_keeps_its_header_gets_one_block_and_the_winners_precision(tmp_
     assert text.count(BLOCK_BEGIN) == 1 and "#     micro-batch 64 x 1, checkpointing off, 8 worker(s), bf16" in text
     assert text.splitlines()[0].startswith("# accelerate config for 1x-h200")
     assert command is not None and generating_command(tmp_path / "box.yaml") == command  # the launcher still knows it is ours
-    assert load_config_from_file(str(tmp_path / "box.yaml")).mixed_precision == "fp16"
+    # the YAML reaches every recipe launched with it: its precision is not the tuned recipe's to change (issue 17)
+    assert load_config_from_file(str(tmp_path / "box.yaml")).mixed_precision == "bf16"
+
+
+def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
+    """Issue 17, item 2: tune for recipe A, then recipe B with the same launch config got A's micro-batch, global batch,
+    compile and precision without a word. Now B gets the plan as `config` wrote it and says why; A gets its values, and
+    only A's launches get the tuned precision."""
+    from hf_gpu_train.cli.launch import build_launch
+    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+
+    job, recipe, results, choice = tuned_box(tmp_path)
+    write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "box.tune_report.md", 60.0)
+    other = tmp_path / "other.yaml"
+    other.write_text("max_length: 64\n")
+    keys = ("per_device_train_batch_size", "global_batch_size", "torch_compile", "precision", "gradient_checkpointing")
+
+    def applied(path, plan_file):
+        explicit = frozenset(line.split(":")[0] for line in path.read_text().splitlines() if ":" in line)
+        cfg, plan = apply_launch_plan(load_config(str(path), []), explicit, environ={PLAN_ENV: str(plan_file)}, recipe=str(path))
+        return {k: getattr(cfg, k) for k in keys}, plan.lines
+
+    b_values, b_lines = applied(other, tmp_path / "box.plan.json")
+    before_tune, _ = applied(other, tmp_path / "box.plan.json.bak-S")  # the plan as `config` wrote it
+    assert b_values == before_tune and b_values["torch_compile"] is False and b_values["precision"] != "fp16"
+    assert any("not applied" in line and str(recipe) in line for line in b_lines), b_lines
+    a_values, _ = applied(recipe, tmp_path / "box.plan.json")
+    assert {k: a_values[k] for k in keys[:4]} == {"per_device_train_batch_size": 16, "global_batch_size": 64,
+                                                  "torch_compile": True, "precision": "fp16"}
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for path, tuned in ((recipe, True), (other, False)):
+        launch = build_launch(["--config-file", str(tmp_path / "box.yaml"), str(script), "--config", str(path)], environ={})
+        at = launch.cmd.index(str(script))
+        assert (launch.cmd[at - 2:at] == ["--mixed_precision", "fp16"]) is tuned and ("--mixed_precision" in launch.cmd) is tuned
 
 
 def test_the_gpu_check_sets_the_planner_estimate_beside_every_measured_peak(tmp_path):
