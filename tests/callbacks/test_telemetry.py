@@ -285,3 +285,16 @@ def test_the_callback_route_without_a_trainer_on_the_stack_fails_with_the_fix():
 
     with pytest.raises(TelemetryNotAttached, match=r"attach_telemetry\(trainer\)"):
         TelemetryCallback()._attach_late(None)
+
+
+def test_the_callback_added_after_the_printer_keeps_its_progress_bar(tmp_path, capsys):
+    """trainer.add_callback(TelemetryCallback()) puts telemetry after the Trainer's ProgressCallback, whose
+    on_train_begin has already made the bar when the compact printer takes its place: the bar is kept (it was None,
+    and the first step raised)."""
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=False),
+                      train_dataset=TokenDataset())
+    trainer.add_callback(TelemetryCallback(interval_s=0.05, write_report=False))
+    trainer.train()
+    assert len([h for h in trainer.state.log_history if "loop/tokens_per_s" in h]) == 2
+    captured = capsys.readouterr()
+    assert "step 4/4 | loss" in captured.out + captured.err  # the compact line, written above the kept bar
