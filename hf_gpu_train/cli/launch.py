@@ -88,6 +88,8 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
     recipe = recipe_in(script_args)
     if plan is None or recipe is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe):
         return None
+    if any(arg.startswith("precision=") for arg in script_args):  # the command line's precision always wins
+        return None
     tuned = plan.value("precision")
     accelerate_value = {"fp32": "no"}.get(str(tuned), str(tuned))
     if str(config.get("mixed_precision")) == accelerate_value:

@@ -208,7 +208,7 @@ def _write_and_print(job, opts, results, notes, choice, spent, startup_s, starte
     written = write_winner(job.config_file, choice, results, job.space, stamp, when, job.recipe, list(job.overrides),
                            report_path.name, opts.budget_s)
     plot = write_plot(plot_path, results, job.space, choice.winner)
-    items = [f"{job.config_file.name} (header block{', mixed_precision' if choice.winner and choice.winner.candidate.precision != job.space.base.precision else ''})",
+    items = [f"{job.config_file.name} (header block)",
              f"{written.plan.name}: {', '.join(written.keys) or 'no value'}",
              *(f"backup: {b.name}" for b in written.backups)]
     command = "hf-gpu-train " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["tune"] else "hf-gpu-train tune ..."

@@ -42,6 +42,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         resolve_with_plan,
     )
     from ..launch.run_plan_file import tuned_keys_for
+    from .plan_scope import scope_to_this_run
 
     environ = os.environ if environ is None else environ
     plan = load_run_plan(environ)
@@ -50,6 +51,13 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     lines = [f"launch plan {plan.path} ({plan.source})", *apply_run_environment(plan, environ).lines()]
     plan, scoped = tuned_for_this_recipe(plan, recipe)
     lines += scoped
+    tuned_here = bool(tuned_keys_for(plan, recipe))
+    # memory values made for another model, or a shorter sequence: not applied (values tuned for this recipe stay)
+    plan, scoped = scope_to_this_run(plan, cfg, tuned_for_this_recipe=tuned_here)
+    lines += scoped
+    if tuned_here and "precision" in tuned_keys_for(plan, recipe):
+        plan, scoped = _tuned_precision_over_the_yamls(plan)
+        lines += scoped
     tuned = (tuned_keys_for(plan, recipe) - command_line_keys) & explicit_keys
     lines += [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
               for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
@@ -60,6 +68,9 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         lines.append("the plan's fp8 is not supported by scripts/finetune.py: bf16")
     cfg = dataclasses.replace(cfg, **{k: values[k] for k in APPLIED_KEYS if k in values}).validate()
     lines += [f"plan value overridden: {line}" for line in override_lines(resolution.overridden)]
+    overridden = {o.key for o in resolution.overridden}
+    applied = [f"{k}={values[k]}" for k in APPLIED_KEYS if plan.value(k) is not None and k not in overridden]
+    lines.append(f"plan values applied: {', '.join(applied) if applied else 'none'}")
     vision = cfg.task == "image-classification"
     memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
                           method=cfg.method, lora_rank=cfg.lora_r)
@@ -81,3 +92,17 @@ def tuned_for_this_recipe(plan, recipe) -> tuple[object, list[str]]:
     before = plan_before_tune(plan)
     return before, [f"plan values hf-gpu-train tune measured for {measured_for} not applied ({keys}): this run trains "
                     f"{recipe or 'no recipe file'}, so the plan's values from before tune apply"]
+
+
+def _tuned_precision_over_the_yamls(plan) -> tuple[object, list[str]]:
+    """A precision tune measured for this recipe wins over NAME.yaml's own mixed_precision (which `accelerate launch`
+    exports to every run, and which tune no longer rewrites): only a --mixed_precision other than the YAML's is the
+    user's choice."""
+    from ..launch.run_plan_file import LaunchedAs, plan_before_tune
+
+    launched, yamls = plan.launched.mixed_precision, plan_before_tune(plan).value("precision")
+    if launched is None or launched != yamls or launched == plan.value("precision"):
+        return plan, []
+    return dataclasses.replace(plan, launched=LaunchedAs(plan.launched.num_processes, None, plan.launched.gpu_ids)), [
+        f"precision={plan.value('precision')} measured by hf-gpu-train tune for this recipe, over "
+        f"{plan.config_file.name if plan.config_file else 'the YAML'}'s mixed_precision ({launched})"]

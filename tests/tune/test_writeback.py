@@ -13,10 +13,11 @@ from hf_gpu_train.tune.results import OK, OOM, TrialResult, choose
 from hf_gpu_train.tune.writeback import BLOCK_BEGIN, write_winner
 
 
-def tuned_box(tmp_path):
-    assert main(["config", "--machine", "1x-h200", "--output", str(tmp_path / "box")]) == 0
+def tuned_box(tmp_path, *config_args: str, recipe_text: str = "per_device_train_batch_size: 32\nglobal_batch_size: 64\n"
+              "max_length: 128\n"):
+    assert main(["config", "--machine", "1x-h200", "--output", str(tmp_path / "box"), *config_args]) == 0
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("per_device_train_batch_size: 32\nglobal_batch_size: 64\nmax_length: 128\n")
+    recipe.write_text(recipe_text)
     job = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {})
     base = job.space.base
     winner = replace(base.with_micro_batch(16), precision="fp16", torch_compile=True)

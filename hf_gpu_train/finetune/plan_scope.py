@@ -1,0 +1,123 @@
+"""What a plan's values were made for, against what this run trains: a value planned or measured for one thing is
+applied to nothing else without the run saying so.
+
+`hf-gpu-train config --model X` plans the micro-batch, the global batch and checkpointing for X at X's sequence
+length (or image size) and method. A launch config serves many recipes, so a run often trains something else: then
+those values are not applied (the recipe's own are kept), the run says which and why in one line, and the memory
+check speaks about the model this run trains, not the plan's. Machine-derived values (precision, NCCL, threads)
+still apply: they belong to the machine, not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import FinetuneConfig
+
+# the values a memory plan (or tune) decides for one model, sequence length and method
+MEMORY_KEYS = ("per_device_train_batch_size", "global_batch_size", "gradient_checkpointing", "torch_compile", "packing")
+
+
+def fingerprint(spec) -> dict:
+    """What makes two model specs the same model for the planner."""
+    return {"params": spec.params, "layers": spec.num_layers, "hidden size": spec.hidden_size, "vocabulary": spec.vocab_size}
+
+
+def _count(value) -> str:
+    if isinstance(value, int) and value >= 10**9:
+        return f"{value / 1e9:.1f}B"
+    if isinstance(value, int) and value >= 10**6:
+        return f"{value / 1e6:.1f}M"
+    return str(value)
+
+
+def canonical_name(name: str) -> str:
+    """One name per model: the builtin names as the planner resolves them, timm names with their prefix, local
+    directories as absolute paths."""
+    from pathlib import Path
+
+    from ..launch.model_spec import BUILTIN_MODELS
+
+    if name == "builtin:minilm":
+        from .builtin import minilm_path
+
+        name = minilm_path()
+    name = BUILTIN_MODELS.get(name, name)
+    if Path(name).exists():
+        return str(Path(name).resolve())
+    return name
+
+
+def run_model_spec(cfg: FinetuneConfig):
+    """The planner's spec of the model this run trains (its config on the meta device; timm's census), or None with
+    the reason when it cannot be read here. Best effort: whatever goes wrong reading it is said, never raised."""
+    from ..launch.model_spec import resolve_model
+
+    name = cfg.model
+    if name == "builtin:smollm2":
+        from .causal_lm.smollm2 import converted_dir, is_converted
+
+        if not is_converted():
+            return None, "builtin:smollm2 is not converted yet"
+        name = str(converted_dir())
+    try:
+        return resolve_model(name, cfg.image_size), None
+    except Exception as error:  # noqa: BLE001 (any model's own code runs here; the run must not die of a check)
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def _method(cfg: FinetuneConfig) -> str:
+    return cfg.method if cfg.task == "causal-lm" and cfg.method in ("full", "lora", "qlora") else "full"
+
+
+def differences(plan, cfg: FinetuneConfig, spec) -> list[str]:
+    """Where this run needs more than the plan's memory values were made for ([] when they still hold). A run that
+    needs less (a shorter sequence, a smaller image, LoRA where the plan was for full fine-tuning) keeps them: the
+    plan's micro-batch is a bound that still fits."""
+    m = plan.memory
+    found = []
+    if spec is not None and fingerprint(m.model) != fingerprint(spec):
+        ours, theirs = fingerprint(spec), fingerprint(m.model)
+        detail = ", ".join(f"{k} {_count(theirs[k])} -> {_count(ours[k])}" for k in ours if ours[k] != theirs[k])
+        found.append(f"model {m.model.name} -> {cfg.model} ({detail})")
+    vision = cfg.task == "image-classification"
+    if vision and cfg.image_size and m.image_size and cfg.image_size > m.image_size:
+        found.append(f"image size {m.image_size} -> {cfg.image_size}")
+    if not vision and cfg.max_length and m.seq_len and cfg.max_length > m.seq_len:
+        found.append(f"sequence length {m.seq_len} -> {cfg.max_length}")
+    heavier = {"qlora": 0, "lora": 1, "full": 2}
+    if heavier.get(_method(cfg), 2) > heavier.get(m.method, 2):
+        found.append(f"method {m.method} -> {_method(cfg)}")
+    return found
+
+
+def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = False):
+    """(plan, lines): the plan as this run may apply it. When its memory plan was made for another model, or for a
+    shorter sequence, a smaller image or a lighter method than this run's, its memory-derived values are dropped (the
+    recipe's own apply) and its memory plan is re-pointed at this run's model and shape, so the memory check
+    estimates what really trains. Values `hf-gpu-train tune` measured for this very recipe were measured on what it
+    trains, and stay."""
+    if plan.memory is None or tuned_for_this_recipe:
+        return plan, []
+    same_name = canonical_name(plan.memory.model.name) == canonical_name(cfg.model)
+    spec, why_not = (None, None) if same_name else run_model_spec(cfg)
+    found = differences(plan, cfg, spec)
+    if not same_name and spec is None:
+        found.insert(0, f"model {plan.memory.model.name} -> {cfg.model} (its config cannot be read here: {why_not})")
+    if not found:
+        return plan, []
+    dropped = {k: plan.value(k) for k in MEMORY_KEYS if plan.value(k) is not None}
+    values = {k: v for k, v in plan.values.items() if k not in MEMORY_KEYS}
+    vision = cfg.task == "image-classification"
+    memory = None
+    if spec is not None or same_name:
+        memory = dataclasses.replace(
+            plan.memory, model=spec or plan.memory.model, method=_method(cfg), global_batch_target=None,
+            seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len),
+            image_size=(cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size)
+        if vision and spec is None and memory.image_size != plan.memory.image_size:
+            memory = None  # timm's activations were measured at the plan's image size: no estimate beats a wrong one
+    shown = ", ".join(f"{k}={v}" for k, v in dropped.items()) or "none decided"
+    line = (f"plan values made for another run not applied ({shown}): {'; '.join(found)}; the recipe's values apply"
+            + ("" if memory is not None else "; memory not checked"))
+    return dataclasses.replace(plan, values=values, memory=memory), [line]

