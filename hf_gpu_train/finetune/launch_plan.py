@@ -51,14 +51,14 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     lines = [f"launch plan {plan.path} ({plan.source})", *apply_run_environment(plan, environ).lines()]
     plan, scoped = tuned_for_this_recipe(plan, recipe)
     lines += scoped
-    tuned_here = bool(tuned_keys_for(plan, recipe))
-    # memory values made for another model, or a shorter sequence: not applied (values tuned for this recipe stay)
-    plan, scoped = scope_to_this_run(plan, cfg, tuned_for_this_recipe=tuned_here)
+    tuned_here = tuned_keys_for(plan, recipe)
+    # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
+    plan, scoped = scope_to_this_run(plan, cfg, tuned_for_this_recipe=bool(tuned_here))
     lines += scoped
-    if tuned_here and "precision" in tuned_keys_for(plan, recipe):
+    if "precision" in tuned_here:
         plan, scoped = _tuned_precision_over_the_yamls(plan)
         lines += scoped
-    tuned = (tuned_keys_for(plan, recipe) - command_line_keys) & explicit_keys
+    tuned = (tuned_here - command_line_keys) & explicit_keys
     lines += [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
               for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
     resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit_keys - tuned)

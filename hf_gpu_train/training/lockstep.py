@@ -75,7 +75,6 @@ class Lockstep:
         self.pending_failure = False  # ran out of memory since the last ballot and has not finished the micro-step
         self.micro_batch: int | None = None  # what this rank can run, told at every ballot
         self.ballots = 0
-        self._depth = 0
         self._inside_collective = False
 
     def ballot(self, where: int, failed: bool = False, fatal: bool = False, stale: bool = False,
@@ -108,13 +107,11 @@ class Lockstep:
     @contextlib.contextmanager
     def attempt(self):
         """Collectives issued by anyone's code inside this block pass a ballot first."""
-        self._depth += 1
         _ACTIVE.append(self)
         try:
             yield self
         finally:
             _ACTIVE.remove(self)
-            self._depth -= 1
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -313,12 +313,12 @@ class InPlaceOOMRecovery:
                     self._shrink(micro, size, failure, "train")
                     round_failed = True
                     if lock:  # the other ranks may be inside a collective of this step: they learn at the next ballot
-                        lock.pending_failure, lock.micro_batch = True, self.state.micro_batch
+                        lock.pending_failure = True
                     continue  # go on alone, in micro-batches, up to the next ballot
             if not distributed:
                 self._earlier.append((inputs, num_items_in_batch))
                 return total
-            lock.pending_failure, lock.micro_batch = False, self.state.micro_batch
+            lock.pending_failure = False
             if syncs:
                 outcome = reducer.finish(lock, failed=round_failed, fatal=self._fatal is not None)
             else:
@@ -358,8 +358,7 @@ class InPlaceOOMRecovery:
             raise OutOfMemoryAtMicroBatchOne(f"out of memory at micro-batch 1 ({self._fatal or 'on another rank'}): "
                                              "use bf16/fp16, a shorter max_length or a smaller image_size")
         lock.pending_failure = False
-        self._adopt(outcome.micro_batch, size)
-        lock.micro_batch = self.state.micro_batch
+        self._adopt(outcome.micro_batch, size)  # the loop tells the next ballots from the state
         model.zero_grad(set_to_none=True)
         plain_state.put_back(self.trainer, self._tallies)
         CHUNKS.void_all()
@@ -493,12 +492,12 @@ class InPlaceOOMRecovery:
                 else:
                     self._shrink(micro, size, failure, "eval")
                     if lock:
-                        lock.pending_failure, lock.micro_batch = True, self.state.eval_micro_batch
+                        lock.pending_failure = True
                     continue
             if lock is None:
                 return result
             if restart is None:
-                lock.pending_failure, lock.micro_batch = False, self.state.eval_micro_batch
+                lock.pending_failure = False
                 restart = lock.ballot(END, fatal=fatal is not None)
                 if not (restart.restart or restart.fatal):
                     if restart.diverged:
@@ -510,7 +509,6 @@ class InPlaceOOMRecovery:
                 break
             lock.pending_failure = False
             self._adopt_eval(restart.micro_batch)
-            lock.micro_batch = self.state.eval_micro_batch
             plain_state.put_back(self.trainer, tallies)
             global_items = None  # every rank computes the step again, and gathers the item count again
         raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({fatal}): use bf16/fp16, a "
