@@ -20,8 +20,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..launch.lint import ERROR, lint
+    from ..launch.lint import ERROR, Finding, lint
+    from ..launch.lint_plan import plan_findings
     from ..launch.render import env_path_for, parse_env
+    from ..launch.run_plan_file import plan_path_for
 
     path = Path(args.config_file)
     try:
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     env = parse_env(env_file.read_text()) if env_file.is_file() else {}
     profile, _ = resolve_profile(args)
     findings = lint(config, profile, env)
+    findings += [Finding(level, message) for level, message in plan_findings(plan_path_for(path), profile)]
     for f in findings:
         print(f"{f.level}: {f.message}")
     errors = sum(f.level == ERROR for f in findings)

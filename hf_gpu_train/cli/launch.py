@@ -99,10 +99,13 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
                               f"mixed_precision: {config.get('mixed_precision')})")
 
 
-def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch:
+def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here=None) -> Launch:
+    """``here``: the machine the processes start on (None: detected now); a plan made for other hardware reaches
+    them without its machine variables (threads, NCCL topology, devices) and CPU binding."""
     import yaml
 
     from ..launch.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+    from ..launch.machine_match import detect_this_machine, scope_to_this_machine
     from ..launch.run_plan_file import PLAN_ENV, env_path_for, generating_command, parse_env, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
@@ -120,12 +123,17 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None) -> L
     notes: list[str] = []
     env_file = env_path_for(config_file)
     planned_env = parse_env(env_file.read_text()) if env_file.is_file() else {}
+    plan = None
+    if plan_path_for(config_file).is_file():
+        plan = read_run_plan(plan_path_for(config_file), "hf-gpu-train launch", {**planned_env, **environ})
+        plan, other_machine = scope_to_this_machine(plan, detect_this_machine() if here is None else here)
+        kept = {name for name, _, _ in plan.environment}
+        planned_env = {k: v for k, v in planned_env.items() if k in kept}
+        notes += other_machine
     notes += [f"keeping {k}={environ[k]} from your environment over {env_file.name}'s {v}"
               for k, v in planned_env.items() if k in environ and environ[k] != v]
     env = {**planned_env, **environ}
-    plan = None
-    if plan_path_for(config_file).is_file():
-        plan = read_run_plan(plan_path_for(config_file), "hf-gpu-train launch", env)
+    if plan is not None:
         env[PLAN_ENV] = str(plan_path_for(config_file).absolute())
     elif (command := generating_command(config_file)) is not None:
         notes.append(f"no {plan_path_for(config_file).name} beside {config_file.name}: the run decides batch, accumulation and "

@@ -22,6 +22,7 @@ class AppliedPlan:
     resolution: object  # launch.plan_resolution.Resolution
     memory: object | None  # launch.plan_resolution.MemoryCheck
     lines: tuple[str, ...]  # what the run says about it first
+    here: object | None = None  # hardware.profile.HardwareProfile: this machine, detected once for the plan and the run
 
     def record(self, measured_peak_bytes: int | None, measured_what: str | None) -> dict:
         from ..launch.run_plan import plan_record
@@ -30,9 +31,11 @@ class AppliedPlan:
 
 
 def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=None, recipe=None,
-                      command_line_keys: frozenset = frozenset()) -> tuple[FinetuneConfig, AppliedPlan | None]:
+                      command_line_keys: frozenset = frozenset(), here=None) -> tuple[FinetuneConfig, AppliedPlan | None]:
     """``explicit_keys``: what the recipe file or the command line set; they win over the plan, except that values
-    `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line)."""
+    `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line).
+    ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values."""
+    from ..launch.machine_match import detect_this_machine, scope_to_this_machine
     from ..launch.run_plan import (
         APPLIED_KEYS,
         apply_run_environment,
@@ -48,13 +51,21 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     plan = load_run_plan(environ)
     if plan is None:
         return cfg, None
-    lines = [f"launch plan {plan.path} ({plan.source})", *apply_run_environment(plan, environ).lines()]
-    plan, scoped = tuned_for_this_recipe(plan, recipe)
-    lines += scoped
+    not_applied: dict[str, tuple[object, str]] = {}  # key -> (the plan's value, why the run does not use it)
+    plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe), "tuned for another recipe")
+    other_recipe = plan.lines
+    here = detect_this_machine() if here is None else here
+    # before its variables reach this process
+    plan = _noting(not_applied, plan.plan, *scope_to_this_machine(plan.plan, here), "made for another machine")
+    other_machine, plan = plan.lines, plan.plan
+    lines = [f"launch plan {plan.path} ({plan.source})", *other_machine, *apply_run_environment(plan, environ).lines(),
+             *other_recipe]
     tuned_here = tuned_keys_for(plan, recipe)
     # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
-    plan, scoped = scope_to_this_run(plan, cfg, tuned_for_this_recipe=bool(tuned_here))
-    lines += scoped
+    scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_for_this_recipe=bool(tuned_here)),
+                     "made for another model or shape")
+    plan = scoped.plan
+    lines += scoped.lines
     if "precision" in tuned_here:
         plan, scoped = _tuned_precision_over_the_yamls(plan)
         lines += scoped
@@ -71,12 +82,33 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     overridden = {o.key for o in resolution.overridden}
     applied = [f"{k}={values[k]}" for k in APPLIED_KEYS if plan.value(k) is not None and k not in overridden]
     lines.append(f"plan values applied: {', '.join(applied) if applied else 'none'}")
+    for o in resolution.overridden:
+        if o.key in APPLIED_KEYS:
+            not_applied.setdefault(o.key, (o.plan_value, {"config": "your config", "launch": "the launch command"}.get(
+                o.source, f"your {o.source}")))
+    lines.append("plan values not applied: " + (", ".join(f"{k}={v} ({why})" for k, (v, why) in not_applied.items()) or "none"))
     vision = cfg.task == "image-classification"
     memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
                           method=cfg.method, lora_rank=cfg.lora_r)
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
-    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines))
+    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here)
+
+
+@dataclass(frozen=True)
+class _Scoped:
+    plan: object
+    lines: list
+
+
+def _noting(not_applied: dict, before, after, lines: list, why: str) -> _Scoped:
+    """``after`` (``before`` scoped by one rule), with each value the rule took away or replaced noted with ``why``."""
+    from ..launch.run_plan import APPLIED_KEYS
+
+    for key in APPLIED_KEYS:
+        if before.value(key) is not None and before.value(key) != after.value(key):
+            not_applied.setdefault(key, (before.value(key), why))
+    return _Scoped(after, lines)
 
 
 def tuned_for_this_recipe(plan, recipe) -> tuple[object, list[str]]:

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..launch.model_spec import model_fingerprint as fingerprint
 from .config import FinetuneConfig
 
 # the values a memory plan (or tune) decides for one model, sequence length and method
 MEMORY_KEYS = ("per_device_train_batch_size", "global_batch_size", "gradient_checkpointing", "torch_compile", "packing")
-
-
-def fingerprint(spec) -> dict:
-    """What makes two model specs the same model for the planner."""
-    return {"params": spec.params, "layers": spec.num_layers, "hidden size": spec.hidden_size, "vocabulary": spec.vocab_size}
 
 
 def _count(value) -> str:
@@ -99,6 +95,9 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = F
     trains, and stay."""
     if plan.memory is None or tuned_for_this_recipe:
         return plan, []
+    if plan.document is not None and not (plan.document.get("memory") or {}).get("planned_for", {}).get("fingerprint"):
+        return _without_memory_values(plan, None, [f"{plan.path.name} records no fingerprint of the model they were made for "
+                                                   f"(an older hf-gpu-train): regenerate it with `{plan.command}`"])
     same_name = canonical_name(plan.memory.model.name) == canonical_name(cfg.model)
     spec, why_not = (None, None) if same_name else run_model_spec(cfg)
     found = differences(plan, cfg, spec)
@@ -106,8 +105,6 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = F
         found.insert(0, f"model {plan.memory.model.name} -> {cfg.model} (its config cannot be read here: {why_not})")
     if not found:
         return plan, []
-    dropped = {k: plan.value(k) for k in MEMORY_KEYS if plan.value(k) is not None}
-    values = {k: v for k, v in plan.values.items() if k not in MEMORY_KEYS}
     vision = cfg.task == "image-classification"
     memory = None
     if spec is not None or same_name:
@@ -117,7 +114,13 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = F
             image_size=(cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size)
         if vision and spec is None and memory.image_size != plan.memory.image_size:
             memory = None  # timm's activations were measured at the plan's image size: no estimate beats a wrong one
-    shown = ", ".join(f"{k}={v}" for k, v in dropped.items()) or "none decided"
-    line = (f"plan values made for another run not applied ({shown}): {'; '.join(found)}; the recipe's values apply"
+    return _without_memory_values(plan, memory, found)
+
+
+def _without_memory_values(plan, memory, why: list[str]):
+    """The plan without its memory-derived values, ``memory`` as its memory plan, and the line that says so."""
+    shown = ", ".join(f"{k}={plan.value(k)}" for k in MEMORY_KEYS if plan.value(k) is not None) or "none decided"
+    line = (f"plan values made for another run not applied ({shown}): {'; '.join(why)}; the recipe's values apply"
             + ("" if memory is not None else "; memory not checked"))
+    values = {k: v for k, v in plan.values.items() if k not in MEMORY_KEYS}
     return dataclasses.replace(plan, values=values, memory=memory), [line]

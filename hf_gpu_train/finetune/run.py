@@ -164,7 +164,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
     check_output_dir(cfg)
     check_extra_arguments(cfg)
-    runtime = resolve_runtime(cfg)
+    runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
     accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
     identity = RunIdentity.of(cfg, runtime.precision, effective)
     previous = read_previous(cfg.output_dir)

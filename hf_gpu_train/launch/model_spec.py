@@ -66,6 +66,12 @@ class ModelSpec:
         return (self.num_kv_heads or self.num_heads) * (self.head_dim or self.hidden_size // self.num_heads)
 
 
+def model_fingerprint(spec: ModelSpec) -> dict:
+    """What makes two specs the same model for the planner: a plan's memory values were made for this (recorded in
+    NAME.plan.json, compared by every run before it applies them)."""
+    return {"params": spec.params, "layers": spec.num_layers, "hidden size": spec.hidden_size, "vocabulary": spec.vocab_size}
+
+
 def decoder_linear_shapes(spec: ModelSpec) -> list[tuple[int, int]] | None:
     """(d_in, d_out) of the seven linear layers of one Llama-family decoder layer, from the config alone:
     q (h -> heads*head_dim), k and v (h -> kv_heads*head_dim), o (heads*head_dim -> h), gate and up (h -> I),
@@ -227,25 +233,34 @@ def from_hf_config(name_or_path: str) -> ModelSpec:
 
 def from_timm(name: str, image_size: int, num_classes: int = 1000) -> ModelSpec:
     import timm
-    import torch
 
     try:
         census = _meta_census(lambda: timm.create_model(name, pretrained=False, num_classes=num_classes))
     except RuntimeError as error:
         raise UsageError(f"--model {name!r}: timm cannot build it ({error}); see timm.list_models()") from None
-    saved = 0
+    per_sample = None
     if census["params"] <= 400_000_000:  # measuring needs a real model on the CPU: only for sizes that fit easily
-
-        def pack(tensor):
-            nonlocal saved
-            saved += tensor.numel() * tensor.element_size()
-            return tensor
-
         model = timm.create_model(name, pretrained=False, num_classes=num_classes)
-        x = torch.randn(1, 3, image_size, image_size)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x).sum()
-    return ModelSpec(name=f"timm/{name}", activation_bytes_per_sample_fp32=saved or None, **census)
+        # what one more sample adds: per sample, no weight counted in it, and never a batch of one (BatchNorm refuses
+        # one value per channel in training mode, which a small image leaves at the last stage)
+        per_sample = _saved_bytes(model, 3, image_size) - _saved_bytes(model, 2, image_size)
+    return ModelSpec(name=f"timm/{name}", activation_bytes_per_sample_fp32=per_sample or None, **census)
+
+
+def _saved_bytes(model, batch: int, image_size: int) -> int:
+    """The bytes autograd saves for backward in one training forward of ``batch`` random images."""
+    import torch
+
+    saved = 0
+
+    def pack(tensor):
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randn(batch, 3, image_size, image_size)).sum()
+    return saved
 
 
 BUILTIN_MODELS = {"builtin:efficientnet_lite0": "timm/tf_efficientnet_lite0"}  # finetune/pretrained.py: the shipped weights

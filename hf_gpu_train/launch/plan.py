@@ -14,6 +14,7 @@ from .decisions import (
     nccl_environment,
 )
 from .gpu_selection import select_devices
+from .machine_match import hardware_record
 from .memory import MemoryPlan, TrainingShape, plan_memory
 from .model_spec import ModelSpec
 from .threads import dataloader_workers, thread_budget
@@ -69,6 +70,7 @@ class LaunchPlan:
     cpu_binding: CpuBinding | None = None
     options: PlanOptions = PlanOptions()  # what was asked: the model, shape and global batch the memory plan serves
     dataloader_workers: int = 0  # per process
+    hardware: dict | None = None  # machine_match.hardware_record of the machine planned for
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -232,7 +234,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         settings.append(Setting(key, value, reason))
     return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
                       settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding,
-                      options=options, dataloader_workers=workers[0])
+                      options=options, dataloader_workers=workers[0], hardware=hardware_record(profile))
 
 
 def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:

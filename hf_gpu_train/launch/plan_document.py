@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import __version__
 from .memory import HEADROOM_FRACTION, usable_bytes
+from .model_spec import model_fingerprint
 from .plan import LaunchPlan
 from .run_plan_file import FORMAT, VERSION, finetune_precision, plan_path_for
 
@@ -63,6 +64,7 @@ def _memory(plan: LaunchPlan) -> dict | None:
     return {
         "planned_for": {
             "model": asdict(o.model) if o.model else None,
+            "fingerprint": model_fingerprint(o.model) if o.model else None,
             "seq_len": o.seq_len,
             "image_size": o.image_size,
             "optimizer": o.optimizer,
@@ -96,6 +98,7 @@ def plan_document(plan: LaunchPlan, command: str, config_file: str | Path) -> di
         "generated_by": f"hf-gpu-train {__version__}",
         "command": command,
         "machine": plan.machine,
+        "hardware": plan.hardware,
         "files": {"accelerate_config": config.name, "environment": config.with_suffix(".env").name},
         "strategy": _value(plan.strategy, _setting_reason(plan, "distributed_type")),
         "processes": {

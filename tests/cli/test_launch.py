@@ -41,7 +41,8 @@ def test_your_exported_variables_win_over_the_env_file_and_are_named(cpu):
 def test_a_process_count_other_than_planned_says_what_happens_to_the_batch(tmp_path, cpu):
     _, script = cpu
     assert main(["config", "--machine", "2x-rtx4090", "--params", "1.1e8", "--global-batch", "64", "--output", str(tmp_path / "g")]) == 0
-    launch = build_launch(["--num_processes", "1", "--config-file", str(tmp_path / "g.yaml"), str(script)], environ={})
+    launch = build_launch(["--num_processes", "1", "--config-file", str(tmp_path / "g.yaml"), str(script)], environ={},
+                          here=load_machine("2x-rtx4090"))
     assert launch.notes == ("--num_processes 1 overrides g.yaml's num_processes: 2",
                             "the plan's micro-batch 32 was planned for 2 process(es): the run keeps it, works the accumulation "
                             "out again for the requested global batch 64, and checks the memory for the processes that run")
@@ -53,12 +54,12 @@ def test_the_taskset_binding_is_applied_by_the_launcher(tmp_path, cpu, monkeypat
     busy = replace(dgx1, gpus=(replace(dgx1.gpus[0], memory_used_bytes=20 * 2**30), *dgx1.gpus[1:]))
     assert main(["config", "--machine", str(save(busy, tmp_path / "dgx1.json")), "--gpus", "4", "--output", str(tmp_path / "d")]) == 0
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(80)))
-    launch = build_launch(["--config-file", str(tmp_path / "d.yaml"), str(script)], environ={})
+    launch = build_launch(["--config-file", str(tmp_path / "d.yaml"), str(script)], environ={}, here=busy)
     assert launch.cpus == frozenset([*range(20, 40), *range(60, 80)])
-    moved = build_launch(["--gpu_ids", "0,1,2,3", "--config-file", str(tmp_path / "d.yaml"), str(script)], environ={})
+    moved = build_launch(["--gpu_ids", "0,1,2,3", "--config-file", str(tmp_path / "d.yaml"), str(script)], environ={}, here=busy)
     assert moved.cpus is None and moved.notes[-1] == "CPU binding not applied: --gpu_ids 0,1,2,3 is not the planned 4,5,6,7"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    elsewhere = build_launch(["--config-file", str(tmp_path / "d.yaml"), str(script)], environ={})
+    elsewhere = build_launch(["--config-file", str(tmp_path / "d.yaml"), str(script)], environ={}, here=busy)
     assert elsewhere.cpus is None and elsewhere.notes[-1].startswith("CPU binding not applied: the plan's CPUs 20-39,60-79 are not")
 
 
@@ -100,6 +101,7 @@ def test_config_launch_and_the_run_plan_api_never_import_torch(tmp_path):
         "import hf_gpu_train.launch.run_plan as api\n"
         f"assert main(['config', '--machine', '8x-h100-sxm', '--params', '7e9', '--output', {str(tmp_path / 'h')!r}]) == 0\n"
         f"launch = build_launch(['--num_processes', '4', '--config-file', {str(tmp_path / 'h.yaml')!r}, {__file__!r}], environ={{}})\n"
+        "assert any('made for another machine' in note for note in launch.notes), launch.notes\n"
         "plan = api.read_run_plan(launch.env['HF_GPU_TRAIN_PLAN'], 'test', {'WORLD_SIZE': '4'})\n"
         "values, _ = api.resolve_with_plan(plan, {'per_device_train_batch_size': 8}, set())\n"
         "api.check_memory(plan, values)\n"

@@ -73,7 +73,8 @@ def test_an_override_the_planner_predicts_will_not_fit_is_warned_about_before_th
              "from hf_gpu_train.finetune.config import load_config_and_keys\n"
              "from hf_gpu_train.finetune.launch_plan import apply_launch_plan\n"
              "cfg, keys = load_config_and_keys(None, ['per_device_train_batch_size=4096', 'max_length=128'])\n"
-             "cfg, plan = apply_launch_plan(cfg, keys)\n"
+             "from hf_gpu_train.hardware.snapshot import load_machine\n"
+             "cfg, plan = apply_launch_plan(cfg, keys, here=load_machine('1x-t4'))\n"
              "print('USED', cfg.per_device_train_batch_size, 'MODELS', 'transformers.models.bert.modeling_bert' in sys.modules)\n")
     env = {**__import__("os").environ, "HF_GPU_TRAIN_PLAN": str(tmp_path / "t4.plan.json")}
     run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=env)

@@ -11,6 +11,7 @@ from hf_gpu_train.cli import main
 from hf_gpu_train.finetune.builtin import minilm_path
 from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.launch.run_plan_file import PLAN_ENV
 
 
@@ -31,9 +32,10 @@ def llama_dir(tmp_path_factory):
     return folder
 
 
-def applied(plan_file, *overrides):
+def applied(plan_file, *overrides, here="1x-t4"):
+    """Applied on the machine it was planned for (``here``: the snapshot the run pretends to be on)."""
     cfg, explicit = load_config_and_keys(None, list(overrides))
-    return apply_launch_plan(cfg, explicit, environ={PLAN_ENV: str(plan_file)})
+    return apply_launch_plan(cfg, explicit, environ={PLAN_ENV: str(plan_file)}, here=load_machine(here))
 
 
 def test_a_plan_for_minilm_does_not_drive_a_llama_and_the_memory_check_is_the_llamas(t4_plan_for_minilm, llama_dir):
@@ -53,6 +55,8 @@ def test_a_plan_for_minilm_does_not_drive_a_llama_and_the_memory_check_is_the_ll
     lines = "\n".join(applied_plan.lines)
     assert "not applied" in lines and f"-> {llama_dir}" in lines and "sequence length" in lines and "method full" not in lines
     assert "plan values applied: precision=fp16" in lines
+    assert (f"plan values not applied: per_device_train_batch_size={plan.value('per_device_train_batch_size')} (made for "
+            "another model or shape)") in lines
     memory = applied_plan.memory
     assert memory is not None and not memory.fits and memory.estimate_bytes > 60 * 2**30  # 8B full fine-tuning on 16 GB
     assert applied_plan.record(None, None)["memory"]["planned_for"]["model"] == str(llama_dir)
@@ -64,7 +68,7 @@ def test_the_same_model_by_another_name_gets_the_plans_values(t4_plan_for_minilm
     plan = read_run_plan(t4_plan_for_minilm, "test")
     cfg, applied_plan = applied(t4_plan_for_minilm, "model=builtin:minilm", f"max_length={plan.memory.seq_len}")
     assert cfg.per_device_train_batch_size == plan.value("per_device_train_batch_size")
-    assert not any("not applied" in line for line in applied_plan.lines), applied_plan.lines
+    assert "plan values not applied: none" in applied_plan.lines and not any("made for another" in line for line in applied_plan.lines)
 
 
 def test_a_run_that_needs_less_than_planned_keeps_the_plans_values(t4_plan_for_minilm):
@@ -74,7 +78,7 @@ def test_a_run_that_needs_less_than_planned_keeps_the_plans_values(t4_plan_for_m
     plan = read_run_plan(t4_plan_for_minilm, "test")
     cfg, applied_plan = applied(t4_plan_for_minilm, f"max_length={plan.memory.seq_len // 4}")
     assert cfg.per_device_train_batch_size == plan.value("per_device_train_batch_size")
-    assert not any("not applied" in line for line in applied_plan.lines), applied_plan.lines
+    assert "plan values not applied: none" in applied_plan.lines and not any("made for another" in line for line in applied_plan.lines)
 
 
 def test_values_tune_measured_for_this_recipe_stay_even_when_the_memory_plan_was_for_another_shape(tmp_path):
@@ -89,6 +93,20 @@ def test_values_tune_measured_for_this_recipe_stay_even_when_the_memory_plan_was
     write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "r.md", 60.0)
     cfg, explicit = load_config_and_keys(str(recipe), [])
     environ = {PLAN_ENV: str(tmp_path / "box.plan.json"), "ACCELERATE_MIXED_PRECISION": "bf16"}
-    cfg, applied_plan = apply_launch_plan(cfg, explicit, environ=environ, recipe=str(recipe))
+    cfg, applied_plan = apply_launch_plan(cfg, explicit, environ=environ, recipe=str(recipe), here=load_machine("1x-h200"))
     assert (cfg.per_device_train_batch_size, cfg.torch_compile, cfg.precision) == (16, True, "fp16"), applied_plan.lines
     assert not any("made for another run" in line for line in applied_plan.lines)
+
+
+def test_a_plan_without_its_models_fingerprint_gives_its_environment_never_its_memory_values(t4_plan_for_minilm, tmp_path):
+    import json
+
+    doc = json.loads(t4_plan_for_minilm.read_text())
+    del doc["memory"]["planned_for"]["fingerprint"]  # as an older hf-gpu-train wrote it
+    old = tmp_path / "old.plan.json"
+    old.write_text(json.dumps(doc))
+    (tmp_path / "old.env").write_text(t4_plan_for_minilm.with_name("t4.env").read_text())
+    cfg, applied_plan = applied(old, "model=builtin:minilm", f"max_length={doc['memory']['planned_for']['seq_len']}")
+    assert doc["values"]["global_batch_size"]["value"] and cfg.global_batch_size is None  # the recipe's (none), not the plan's
+    assert cfg.precision == "fp16"  # the machine's values still apply
+    assert any("records no fingerprint of the model" in line for line in applied_plan.lines), applied_plan.lines

@@ -10,7 +10,7 @@ from hf_gpu_train.launch.memory import (
     largest_micro_batch,
     plan_memory,
 )
-from hf_gpu_train.launch.model_spec import ModelSpec
+from hf_gpu_train.launch.model_spec import ModelSpec, resolve_model
 from hf_gpu_train.launch.plan import PlanOptions, make_plan
 
 # bert-base-uncased: 109,482,240 parameters (BertModel), 12 layers, hidden 768, 12 heads
@@ -106,3 +106,14 @@ def test_the_shipped_builtin_models_are_known_to_the_planner():
     assert "tf_efficientnet_lite0" in lite0.name and 4.5e6 < lite0.params < 5e6  # EfficientNet-Lite0: 4.65M parameters
     minilm = resolve_model("builtin:minilm")
     assert 22e6 < minilm.params < 23.5e6 and minilm.num_layers == 6 and minilm.hidden_size == 384
+
+
+def test_a_batchnorm_net_is_measured_at_an_image_size_where_one_sample_leaves_one_value_per_channel():
+    """Issue 17: the plan-scope check measured timm/test_resnet at 32 px with one sample, and BatchNorm refuses a
+    1x1 map of one sample in training mode, so the run said "its config cannot be read" and checked no memory. The
+    measure is the bytes one more sample adds (batch 3 minus batch 2): per sample, with no weight counted in it."""
+    spec = resolve_model("timm/test_resnet", image_size=32)
+    bigger = resolve_model("timm/test_resnet", image_size=64)
+    assert 0 < spec.activation_bytes_per_sample_fp32 < bigger.activation_bytes_per_sample_fp32
+    # a plain conv's activations grow with the pixels: 4x the pixels, close to 4x the bytes (no weights inside)
+    assert 3.0 < bigger.activation_bytes_per_sample_fp32 / spec.activation_bytes_per_sample_fp32 < 4.5

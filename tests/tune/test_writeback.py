@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hf_gpu_train.cli import main
+from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.launch.plan_resolution import resolve_with_plan
 from hf_gpu_train.launch.run_plan_file import APPLIED_KEYS, generating_command, read_run_plan, tuned_keys_for
 from hf_gpu_train.tune.job import load_job
@@ -84,7 +85,8 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
 
     def applied(path, plan_file):
         explicit = frozenset(line.split(":")[0] for line in path.read_text().splitlines() if ":" in line)
-        cfg, plan = apply_launch_plan(load_config(str(path), []), explicit, environ={PLAN_ENV: str(plan_file)}, recipe=str(path))
+        cfg, plan = apply_launch_plan(load_config(str(path), []), explicit, environ={PLAN_ENV: str(plan_file)}, recipe=str(path),
+                                      here=load_machine("1x-h200"))  # on the machine it was planned for
         return {k: getattr(cfg, k) for k in keys}, plan.lines
 
     b_values, b_lines = applied(other, tmp_path / "box.plan.json")
@@ -97,7 +99,8 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("")
     for path, tuned in ((recipe, True), (other, False)):
-        launch = build_launch(["--config-file", str(tmp_path / "box.yaml"), str(script), "--config", str(path)], environ={})
+        launch = build_launch(["--config-file", str(tmp_path / "box.yaml"), str(script), "--config", str(path)], environ={},
+                              here=load_machine("1x-h200"))
         at = launch.cmd.index(str(script))
         assert (launch.cmd[at - 2:at] == ["--mixed_precision", "fp16"]) is tuned and ("--mixed_precision" in launch.cmd) is tuned
 
