@@ -86,7 +86,8 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
     from ..launch.run_plan_file import tuned_keys_for
 
     recipe = recipe_in(script_args)
-    if plan is None or recipe is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe):
+    overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
+    if plan is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe, overrides):
         return None
     if any(arg.startswith("precision=") for arg in script_args):  # the command line's precision always wins
         return None
@@ -94,7 +95,7 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
     accelerate_value = {"fp32": "no"}.get(str(tuned), str(tuned))
     if str(config.get("mixed_precision")) == accelerate_value:
         return None
-    return accelerate_value, (f"--mixed_precision {accelerate_value}: measured by hf-gpu-train tune for {recipe} (this recipe "
+    return accelerate_value, (f"--mixed_precision {accelerate_value}: measured by hf-gpu-train tune for {recipe or 'this run'} (this recipe "
                               f"only; {plan.config_file.name if plan.config_file else 'the YAML'} keeps "
                               f"mixed_precision: {config.get('mixed_precision')})")
 

@@ -31,10 +31,11 @@ class AppliedPlan:
 
 
 def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=None, recipe=None,
-                      command_line_keys: frozenset = frozenset(), here=None) -> tuple[FinetuneConfig, AppliedPlan | None]:
+                      command_line_keys: frozenset = frozenset(), here=None, overrides=()) -> tuple[FinetuneConfig, AppliedPlan | None]:
     """``explicit_keys``: what the recipe file or the command line set; they win over the plan, except that values
     `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line).
-    ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values."""
+    ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values.
+    ``overrides``: the command line's key=value (with ``recipe``, the job tuned values are scoped to)."""
     from ..launch.machine_match import detect_this_machine, scope_to_this_machine
     from ..launch.run_plan import (
         APPLIED_KEYS,
@@ -52,7 +53,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     if plan is None:
         return cfg, None
     not_applied: dict[str, tuple[object, str]] = {}  # key -> (the plan's value, why the run does not use it)
-    plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe), "tuned for another recipe")
+    plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides), "tuned for another recipe")
     other_recipe = plan.lines
     here = detect_this_machine() if here is None else here
     # before its variables reach this process
@@ -60,7 +61,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     other_machine, plan = plan.lines, plan.plan
     lines = [f"launch plan {plan.path} ({plan.source})", *other_machine, *apply_run_environment(plan, environ).lines(),
              *other_recipe]
-    tuned_here = tuned_keys_for(plan, recipe)
+    tuned_here = tuned_keys_for(plan, recipe, overrides)
     # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
     scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_for_this_recipe=bool(tuned_here)),
                      "made for another model or shape")
@@ -111,19 +112,24 @@ def _noting(not_applied: dict, before, after, lines: list, why: str) -> _Scoped:
     return _Scoped(after, lines)
 
 
-def tuned_for_this_recipe(plan, recipe) -> tuple[object, list[str]]:
-    """Values `hf-gpu-train tune` measured are scoped to the recipe (its text) they were measured for: any other recipe
-    gets the plan as `hf-gpu-train config` wrote it, and one line says which values were left out and why."""
-    from ..launch.run_plan_file import TUNED, plan_before_tune, tuned_keys_for
+def tuned_for_this_recipe(plan, recipe, overrides=()) -> tuple[object, list[str]]:
+    """Values `hf-gpu-train tune` measured are scoped to the job (recipe text and command line) they were measured for:
+    any other job gets the plan as `hf-gpu-train config` wrote it, and one line says which values were left out and why."""
+    from ..launch.run_plan_file import TUNED, job_overrides, plan_before_tune, tuned_keys_for
 
     measured = (plan.document or {}).get(TUNED)
-    if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe):
+    if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe, overrides):
         return plan, []
     measured_for = (measured.get("recipe") or {}).get("path") or "a run without a recipe file"
     keys = ", ".join(f"{k}={plan.value(k)}" for k in measured["keys"])
+
+    def job(recipe_name, keyed) -> str:
+        return f"{recipe_name}{''.join(f' {k}={v}' for k, v in keyed.items())}"
+
     before = plan_before_tune(plan)
-    return before, [f"plan values hf-gpu-train tune measured for {measured_for} not applied ({keys}): this run trains "
-                    f"{recipe or 'no recipe file'}, so the plan's values from before tune apply"]
+    return before, [f"plan values hf-gpu-train tune measured for {job(measured_for, job_overrides(measured.get('overrides')))} "
+                    f"not applied ({keys}): this run trains {job(recipe or 'no recipe file', job_overrides(overrides))}, so "
+                    "the plan's values from before tune apply"]
 
 
 def _tuned_precision_over_the_yamls(plan) -> tuple[object, list[str]]:

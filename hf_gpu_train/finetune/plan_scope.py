@@ -106,14 +106,14 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = F
     if not found:
         return plan, []
     vision = cfg.task == "image-classification"
+    image_size = (cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size
+    if vision and spec is None and same_name and image_size != plan.memory.image_size:
+        spec, _ = run_model_spec(cfg)  # timm's activations were measured at the plan's image size: measure this one's
     memory = None
-    if spec is not None or same_name:
+    if spec is not None or (same_name and image_size == plan.memory.image_size):
         memory = dataclasses.replace(
             plan.memory, model=spec or plan.memory.model, method=_method(cfg), global_batch_target=None,
-            seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len),
-            image_size=(cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size)
-        if vision and spec is None and memory.image_size != plan.memory.image_size:
-            memory = None  # timm's activations were measured at the plan's image size: no estimate beats a wrong one
+            seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len), image_size=image_size)
     return _without_memory_values(plan, memory, found)
 
 

@@ -273,7 +273,8 @@ def _main(argv: list[str] | None) -> int:
         config_path, overrides = parse_args(argv)
         cfg, explicit = load_config_and_keys(config_path, overrides)
         # before torch: NCCL and CUDA read their variables once
-        cfg, plan = apply_launch_plan(cfg, explicit, recipe=config_path, command_line_keys=frozenset(read_config_values(None, overrides)))
+        cfg, plan = apply_launch_plan(cfg, explicit, recipe=config_path, overrides=tuple(overrides),
+                                      command_line_keys=frozenset(read_config_values(None, overrides)))
         finetune(cfg, launch_plan=plan)
     except UsageError as error:
         report_usage_error(f"finetune: error: {error}")

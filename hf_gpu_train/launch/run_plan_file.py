@@ -288,15 +288,36 @@ def recipe_identity(recipe: str | Path | None) -> dict | None:
     return {"path": str(path), "sha256": digest}
 
 
-def tuned_keys_for(plan: RunPlan, recipe: str | Path | None) -> frozenset[str]:
-    """The keys `hf-gpu-train tune` measured for this very recipe (the same text, wherever it is read from): a run may
-    let them win over the recipe file's own values (never over its command line). Empty for any other recipe or an
-    untuned plan."""
+# command-line keys that do not change what a measurement was made on: where results go, how often to log, check
+# and save, and the tuned keys themselves (key=value on the command line always wins over a tuned value)
+NOT_THE_JOB = frozenset({"output_dir", "logging_steps", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
+                         "checkpoint_minutes", "save_total_limit", "resume", "report_to", "telemetry", "generation_samples",
+                         "generation_max_new_tokens", *APPLIED_KEYS})
+
+
+def job_overrides(overrides) -> dict[str, str]:
+    """The ``key=value`` overrides that change what trains, by key (as scripts/finetune.py reads them)."""
+    found = {}
+    for item in overrides or ():
+        key, sep, raw = str(item).partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if sep and key not in NOT_THE_JOB:
+            found[key] = raw.strip()
+    return found
+
+
+def tuned_keys_for(plan: RunPlan, recipe: str | Path | None, overrides=()) -> frozenset[str]:
+    """The keys `hf-gpu-train tune` measured for this very job: the same recipe text (wherever it is read from), or no
+    recipe file for both, and the same command-line keys that change what trains. A run may let them win over the
+    recipe file's own values (never over its command line). Empty for any other job or an untuned plan."""
     tuned = (plan.document or {}).get(TUNED)
-    measured_for = tuned.get("recipe") if isinstance(tuned, Mapping) else None
-    this = recipe_identity(recipe)
-    if not isinstance(measured_for, Mapping) or this is None or measured_for.get("sha256") in (None, "") \
-            or measured_for.get("sha256") != this.get("sha256"):
+    if not isinstance(tuned, Mapping) or not tuned.get("keys"):
+        return frozenset()
+    measured_for, this = tuned.get("recipe"), recipe_identity(recipe)
+    same_recipe = (measured_for is None and this is None) or (
+        isinstance(measured_for, Mapping) and this is not None and measured_for.get("sha256") not in (None, "")
+        and measured_for.get("sha256") == this.get("sha256"))
+    if not same_recipe or job_overrides(tuned.get("overrides")) != job_overrides(overrides):
         return frozenset()
     return frozenset(k for k in tuned.get("keys", ()) if k in APPLIED_KEYS)
 

@@ -51,7 +51,8 @@ def test_values_tune_measured_for_a_recipe_win_over_that_recipe_not_over_the_com
     plan_batch(config, micro=4, global_batch=16)
     path = config.with_suffix(".plan.json")
     plan = json.loads(path.read_text())
-    plan[TUNED] = {"recipe": recipe_identity(recipe), "keys": ["per_device_train_batch_size"]}
+    # tune measured this job: the recipe with these key=value (output_dir and telemetry are not the job)
+    plan[TUNED] = {"recipe": recipe_identity(recipe), "overrides": [*case, *COMMON], "keys": ["per_device_train_batch_size"]}
     path.write_text(json.dumps(plan))
     out = tmp_path / "out"
     run = launch(config, SCRIPT, "--config", str(recipe), *case, *COMMON, "telemetry=false", f"output_dir={out}", timeout=400)

@@ -110,3 +110,16 @@ def test_a_plan_without_its_models_fingerprint_gives_its_environment_never_its_m
     assert doc["values"]["global_batch_size"]["value"] and cfg.global_batch_size is None  # the recipe's (none), not the plan's
     assert cfg.precision == "fp16"  # the machine's values still apply
     assert any("records no fingerprint of the model" in line for line in applied_plan.lines), applied_plan.lines
+
+
+def test_a_larger_image_for_the_same_timm_model_is_measured_at_its_size(tmp_path):
+    """The memory check of a run at 64 px with a plan made at 32 px estimates 64 px activations (it used to check
+    nothing: the census had been measured at the plan's size)."""
+    assert main(["config", "--machine", "1x-t4", "--model", "timm/test_resnet", "--image-size", "32", "--output",
+                 str(tmp_path / "v")]) == 0
+    vision = ["task=image-classification", "model=timm/test_resnet", "dataset=builtin:digits"]
+    _, at_plan = applied(tmp_path / "v.plan.json", *vision, "image_size=32")
+    _, larger = applied(tmp_path / "v.plan.json", *vision, "image_size=64")
+    assert any("image size 32 -> 64" in line for line in larger.lines), larger.lines
+    activations = {name: value for name, value in larger.memory.breakdown_bytes}["activations"]
+    assert activations > 3 * {name: value for name, value in at_plan.memory.breakdown_bytes}["activations"]

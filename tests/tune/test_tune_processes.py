@@ -81,3 +81,23 @@ def test_tune_finds_the_largest_micro_batch_under_the_limit_and_the_faster_worke
     assert "no trial run" in again.stdout and "model and data loaded" not in again.stdout
     assert "fastest that fits: " in again.stdout and "micro-batch 4 x 2, checkpointing off, 2 worker(s), fp32" in again.stdout
     assert seconds < 30
+    _the_tuned_job_gets_the_values_and_another_does_not(config, case)
+
+
+def _the_tuned_job_gets_the_values_and_another_does_not(config, case):
+    """The "Next:" command tune printed (no recipe file, the same key=value) takes the tuned values; the same launch
+    config for another job takes the plan as config wrote it (issue 17: tune's values reached the other job, and the
+    job tune named got none)."""
+    from hf_gpu_train.finetune.config import load_config_and_keys
+    from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+
+    def applied(*overrides):
+        cfg, explicit = load_config_and_keys(None, list(overrides))
+        cfg, plan = apply_launch_plan(cfg, explicit, environ={PLAN_ENV: str(config.with_suffix(".plan.json")), "WORLD_SIZE": "2"},
+                                      overrides=overrides, command_line_keys=frozenset({"global_batch_size"}))
+        return cfg.per_device_train_batch_size, cfg.dataloader_num_workers, plan.lines
+
+    assert applied(*case, "global_batch_size=16")[:2] == (4, 2)
+    micro, workers, lines = applied(*case, "global_batch_size=16", "max_length=16")
+    assert (micro, workers) != (4, 2) and any("tune measured for" in line and "not applied" in line for line in lines), lines

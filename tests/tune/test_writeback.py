@@ -119,3 +119,35 @@ def test_the_gpu_check_sets_the_planner_estimate_beside_every_measured_peak(tmp_
     write_winner(config, choose(results, job.space.metric, job.space.base), results, job.space, "S", "now", None, args, "r.md", 60.0)
     rows = planner_errors(config, args)
     assert rows[1] == [c.describe(), f"{estimate * 1.25 / 2**30:.2f}", f"{estimate / 2**30:.2f}", "+25.0"]
+
+
+def test_tuned_values_are_scoped_to_the_recipe_and_the_command_lines_job(tmp_path):
+    """Tune of the default run (no recipe file) said "Next: hf-gpu-train launch ... scripts/finetune.py max_length=128",
+    and that very run got none of the tuned values. And a recipe tuned with model=X on its command line gave its
+    values to the same recipe with model=Y. Both halves: the job is the recipe's text and the command line's keys
+    that change what trains (not output_dir, logging or the tuned keys themselves)."""
+    from hf_gpu_train.finetune.config import load_config_and_keys
+    from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+
+    job, recipe, results, choice = tuned_box(tmp_path)
+    write_winner(job.config_file, choice, results, job.space, "S", "now", None, ["max_length=128"], "r.md", 60.0)
+    plan = read_run_plan(tmp_path / "box.plan.json", "test")
+    assert "per_device_train_batch_size" in tuned_keys_for(plan, None, ["max_length=128", "output_dir=elsewhere",
+                                                                        "per_device_train_batch_size=4"])
+    assert tuned_keys_for(plan, None, ["max_length=256"]) == frozenset()
+    assert tuned_keys_for(plan, None, []) == frozenset()
+    assert tuned_keys_for(plan, recipe, ["max_length=128"]) == frozenset()  # a recipe file is another job
+
+    def run(*overrides):
+        cfg, explicit = load_config_and_keys(None, list(overrides))
+        cfg, applied = apply_launch_plan(cfg, explicit, environ={PLAN_ENV: str(tmp_path / "box.plan.json")}, recipe=None,
+                                         overrides=overrides, here=load_machine("1x-h200"))
+        return cfg
+
+    assert (run("max_length=128").per_device_train_batch_size, run("max_length=128").torch_compile) == (16, True)
+    assert run("max_length=64").torch_compile is False  # the plan as config wrote it
+
+    write_winner(job.config_file, choice, results, job.space, "T", "now", str(recipe), ["model=builtin:minilm"], "r.md", 60.0)
+    plan = read_run_plan(tmp_path / "box.plan.json", "test")
+    assert tuned_keys_for(plan, recipe, ["model=builtin:minilm"]) and not tuned_keys_for(plan, recipe, ["model=other"])
