@@ -1,0 +1,390 @@
+"""A watchdog on every rank: a run that stops making progress ends in seconds, with every rank's stacks and the
+rank that is not where the others are named, instead of waiting out a 30-minute collective timeout.
+
+Why a thread and the rendezvous store: a stalled rank (a data loader that never returns, a deadlock, a collective
+the others never enter) keeps its main thread blocked, and the ranks waiting for it sit inside a collective, so
+nothing on the training path can notice. A daemon thread per rank watches the time since the last sign of
+progress (a phase change: data, forward, backward, optimizer, evaluation, save), and the ranks tell each other of a
+hang through the c10d store the process group was made with (its own TCP connection, never a collective), so
+every rank dumps its Python stacks (``faulthandler``) into ``output_dir/hang-<time>/rank-N.txt`` before the run
+ends with ``HANG_EXIT_CODE``.
+
+How long is "no progress": ``factor`` times the median measured step time, never below a floor. The first step
+(model compilation, loader workers starting), evaluation and saves have a long floor of their own.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+HANG_EXIT_CODE = 3  # documented in the README: a hang was detected and every rank's stacks were written
+PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
+_KEY = "hf_gpu_train/hang"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Seconds without progress before the watchdog ends the run."""
+
+    floor_s: float = 120.0  # a steady step
+    long_floor_s: float = 600.0  # the first step, an evaluation, a save
+    factor: float = 10.0  # times the median step time (or evaluation batch time), when that is longer
+
+    @classmethod
+    def from_setting(cls, value) -> Limits | None:
+        """``auto`` -> the defaults; a number -> that floor for every phase; ``off`` -> None (no watchdog)."""
+        if value in (None, "off", False, 0):
+            return None
+        if value == "auto":
+            return cls()
+        seconds = float(value)
+        return cls(floor_s=seconds, long_floor_s=seconds)
+
+
+class Progress:
+    """Where this rank is, written by the training thread, read by the watchdog thread (plain attribute writes)."""
+
+    def __init__(self):
+        self.step = 0  # optimizer steps finished
+        self.phase = "data"
+        self.since = time.monotonic()
+        self.step_times: deque[float] = deque(maxlen=20)
+        self.eval_times: deque[float] = deque(maxlen=20)
+        self._step_started: float | None = None
+        self._eval_batch_at: float | None = None
+        self.collectives = 0  # collectives entered on the default group (``track_collectives``)
+        self.in_collective: str | None = None  # the one this rank waits in now
+
+    def enter(self, phase: str) -> None:
+        now = time.monotonic()
+        if phase == "evaluation" and self.phase == "evaluation" and self._eval_batch_at is not None:
+            self.eval_times.append(now - self._eval_batch_at)
+        self._eval_batch_at = now if phase == "evaluation" else None
+        self.phase, self.since = phase, now
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        if self._step_started is not None:
+            self.step_times.append(now - self._step_started)
+        self._step_started = now
+        self.step = step
+        self.enter("data")
+
+    def limit(self, limits: Limits) -> tuple[float, str]:
+        """(seconds, why) allowed in the current phase."""
+        long_phase = self.phase in ("evaluation", "save") or not self.step_times
+        times = self.eval_times if self.phase == "evaluation" else self.step_times
+        floor = limits.long_floor_s if long_phase else limits.floor_s
+        if times:
+            typical = statistics.median(times)
+            if limits.factor * typical > floor:
+                return limits.factor * typical, f"{limits.factor:g} x the median {typical:.2f} s"
+        what = "first step" if not self.step_times and self.phase not in ("evaluation", "save") else self.phase
+        return floor, f"the floor for {what if long_phase else 'a step'}"
+
+    def state(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "stalled_s": round(time.monotonic() - self.since, 1),
+                "collectives": self.collectives, "in_collective": self.in_collective}
+
+
+_TRACKED: list[Progress] = []  # the progress the collective wrappers count into (one watchdog per process)
+
+
+def track_collectives(progress: Progress) -> None:
+    """Count every collective entered on the default group and note the one this rank waits in. A rank that waits
+    in its n-th collective while another has entered fewer is waiting for that other rank: the count names the
+    culprit even when both ranks are in the same phase (a token-count gather while the other rank's loader hangs)."""
+    import torch.distributed as dist
+
+    from .lockstep import GATED
+
+    _TRACKED[:] = [progress]
+    for name in GATED:
+        current = getattr(dist, name, None)
+        if current is not None and not getattr(current, "_hf_gpu_train_tracked", False):
+            setattr(dist, name, _tracked(name, current))
+
+
+def _tracked(name: str, collective):
+    import torch.distributed as dist
+
+    def tracked(*args, **kwargs):
+        progress = _TRACKED[0] if _TRACKED else None
+        if progress is None or kwargs.get("group") not in (None, dist.group.WORLD) or progress.in_collective:
+            return collective(*args, **kwargs)
+        progress.collectives += 1
+        progress.in_collective = name
+        try:
+            return collective(*args, **kwargs)
+        finally:
+            progress.in_collective = None
+
+    tracked.__name__ = name
+    tracked.__wrapped__ = collective
+    tracked._hf_gpu_train_tracked = True
+    return tracked
+
+
+def _rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), 1
+
+
+def _store():
+    """A private connection to the store the process group was made with (None: one process, or no store)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store().clone()
+    except Exception:  # noqa: BLE001 (a store without clone, a backend without store: the rank reports alone)
+        return None
+
+
+def behind(states: dict[int, dict]) -> list[int]:
+    """The ranks that are not where the others are. First by collectives: a rank waits in its n-th collective on the
+    default group, so a rank that entered fewer has not reached it (it is elsewhere: a loader, another group's
+    collective, a deadlock). Else by progress: the ranks with the fewest steps, or the earliest phase of the step."""
+    waiting = [s.get("collectives", 0) for s in states.values() if s and s.get("in_collective")]
+    if waiting:
+        lagging = sorted(r for r, s in states.items() if s and s.get("collectives", 0) < max(waiting))
+        if lagging:
+            return lagging
+
+    def progress(s):
+        return (s["step"], PHASES.index(s["phase"]) if s["phase"] in PHASES else -1)
+
+    known = {r: progress(s) for r, s in states.items() if s}
+    if len(set(known.values())) <= 1:
+        return []
+    least = min(known.values())
+    return sorted(r for r, p in known.items() if p == least)
+
+
+def summary(states: dict[int, dict | None], culprit_rank: int, limit_s: float, why: str, folder: Path) -> list[str]:
+    """The lines the run ends with: what was seen, where every rank was, which ranks are not with the others."""
+    lagging = behind({r: s for r, s in states.items() if s})
+    lines = [f"hang: no progress for {states[culprit_rank]['stalled_s'] if states.get(culprit_rank) else '?'} s on rank "
+             f"{culprit_rank} (limit {limit_s:.0f} s: {why}); every rank's Python stacks are in {folder}"]
+    for rank in sorted(states):
+        s = states[rank]
+        where = (f"step {s['step']} finished, in {s['phase']} for {s['stalled_s']} s"
+                 + (f", waiting in {s['in_collective']} (collective {s['collectives']})" if s.get("in_collective") else
+                    f", not in a collective ({s.get('collectives', 0)} entered)")
+                 if s else "no answer (stuck holding the interpreter, or gone)")
+        lines.append(f"  rank {rank}: {where}" + ("   <- not where the others are" if rank in lagging else ""))
+    if not lagging:
+        lines.append("  every rank that answered is at the same place: they wait for each other in the same collective "
+                     "or on the same resource (see the stacks)")
+    return lines
+
+
+class Watchdog:
+    """The thread, the trip protocol and the dump. One per process."""
+
+    def __init__(self, output_dir: str | Path, limits: Limits, poll_s: float = 1.0, collect_s: float = 10.0,
+                 exit=os._exit):
+        self.output_dir, self.limits, self.poll_s, self.collect_s = Path(output_dir), limits, poll_s, collect_s
+        self.progress = Progress()
+        self.active = False
+        self._exit = exit
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.tripped: Path | None = None
+
+    def start(self) -> None:
+        if not self.active:
+            self.progress.since = time.monotonic()  # time spent unwatched is not a stall
+        self.active = True
+        if self._thread is None:
+            self._store = _store()
+            if self._store is not None:
+                track_collectives(self.progress)
+            self._thread = threading.Thread(target=self._watch, name="hf_gpu_train-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self.active = False
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                seen = self._store is not None and self._store.check([_KEY])
+            except Exception:  # noqa: BLE001 (the store's host is gone: the launcher is ending the run)
+                seen = False
+            if seen:
+                self._report(self._store.get(_KEY).decode(), culprit=None)
+                return
+            if not self.active:
+                continue
+            limit, why = self.progress.limit(self.limits)
+            if time.monotonic() - self.progress.since > limit:
+                self._report(None, culprit=(limit, why))
+                return
+
+    def _report(self, stamp: str | None, culprit: tuple[float, str] | None) -> None:
+        rank, world = _rank()
+        store = self._store
+        if stamp is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            if store is not None:
+                try:  # the first rank to trip names the folder; the others follow it
+                    stamp = store.compare_set(_KEY, "", f"{stamp}|{rank}").decode()
+                except Exception:  # noqa: BLE001
+                    pass
+        stamp, _, first = stamp.partition("|")
+        folder = self.output_dir / f"hang-{stamp}"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {**self.progress.state(), "pid": os.getpid()}
+        if culprit is not None:
+            state["limit_s"], state["why"] = culprit
+        with open(folder / f"rank-{rank}.txt", "w") as f:
+            f.write(f"rank {rank} of {world}, pid {os.getpid()}: {json.dumps(state)}\n\n")
+            faulthandler.dump_traceback(f, all_threads=True)
+        self.tripped = folder
+        if store is None:
+            self._finish({rank: state}, rank, folder, state)
+            return
+        try:
+            store.set(f"{_KEY}/rank/{rank}", json.dumps(state))
+            if rank == 0:
+                states = self._collect(store, world)
+                culprit_rank = int(first) if first.isdigit() else rank
+                self._finish(states, culprit_rank, folder, states.get(culprit_rank) or state)
+                store.set(f"{_KEY}/done", "1")
+            else:
+                print(f"hf_gpu_train: rank {rank}: hang detected, stacks in {folder / f'rank-{rank}.txt'}", file=sys.stderr,
+                      flush=True)
+                store.wait([f"{_KEY}/done"], _timedelta(self.collect_s + 5))
+        except Exception:  # noqa: BLE001 (rank 0 or the store is gone: what this rank knows is on disk)
+            pass
+        self._exit(HANG_EXIT_CODE)
+
+    def _collect(self, store, world: int) -> dict[int, dict | None]:
+        deadline = time.monotonic() + self.collect_s
+        states: dict[int, dict | None] = {}
+        for other in range(world):
+            key = f"{_KEY}/rank/{other}"
+            while other not in states:
+                try:
+                    if store.check([key]):
+                        states[other] = json.loads(store.get(key))
+                except Exception:  # noqa: BLE001
+                    states[other] = None
+                if other not in states and time.monotonic() > deadline:
+                    states[other] = None
+                elif other not in states:
+                    time.sleep(0.2)
+        return states
+
+    def _finish(self, states, culprit_rank: int, folder: Path, culprit_state: dict) -> None:
+        lines = summary(states, culprit_rank, culprit_state.get("limit_s", 0.0), culprit_state.get("why", "seen by another rank"),
+                        folder)
+        (folder / "summary.txt").write_text("\n".join(lines) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"ranks": {str(r): s for r, s in states.items()},
+                                                         "behind": behind({r: s for r, s in states.items() if s}),
+                                                         "first_to_trip": culprit_rank}, indent=2))
+        print("\n".join(f"hf_gpu_train: {line}" for line in lines), file=sys.stderr, flush=True)
+        if self._store is None:
+            self._exit(HANG_EXIT_CODE)
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+class WatchdogCallback(TrainerCallback):
+    """Marks the phases the Trainer goes through; ``attach_watchdog`` adds the evaluation and save phases."""
+
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+        self._hooks = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        progress = self.watchdog.progress
+        if model is not None and not self._hooks:
+            self._hooks = [model.register_forward_pre_hook(lambda *a: self._training("forward")),
+                           model.register_forward_hook(lambda *a: self._training("backward"))]
+        progress.step = state.global_step
+        progress.enter("data")
+        self.watchdog.start()
+
+    def _training(self, phase: str) -> None:
+        if self.watchdog.progress.phase not in ("evaluation", "save"):
+            self.watchdog.progress.enter(phase)
+        elif self.watchdog.progress.phase == "evaluation" and phase == "forward":
+            self.watchdog.progress.enter("evaluation")  # each evaluation batch is progress
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.watchdog.progress.enter("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.watchdog.progress.step_done(state.global_step)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.watchdog.progress.enter("evaluation")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.watchdog.stop()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def attach_watchdog(trainer, timeout="auto", output_dir: str | Path | None = None, **options) -> Watchdog | None:
+    """Watch ``trainer`` (anyone's Trainer, TRL's included) on this rank. ``timeout``: ``auto`` (a floor of 120 s per
+    step and 600 s for the first step, evaluations and saves, or 10 x the measured time when longer), seconds, or
+    ``off``. Returns the Watchdog (None when off)."""
+    limits = Limits.from_setting(timeout)
+    if limits is None:
+        return None
+    watchdog = Watchdog(output_dir or trainer.args.output_dir, limits, **options)
+    trainer.add_callback(WatchdogCallback(watchdog))
+    for name, phase in (("evaluate", "evaluation"), ("_save_checkpoint", "save"), ("save_model", "save")):
+        _wrap_phase(trainer, name, phase, watchdog)
+    trainer._hf_gpu_train_watchdog = watchdog
+    return watchdog
+
+
+def _wrap_phase(trainer, name: str, phase: str, watchdog: Watchdog) -> None:
+    """Run ``trainer.<name>`` as ``phase``: its own floor, and after it the phase the run was in (an evaluation
+    outside training is watched too, and unwatched again after)."""
+    original = getattr(trainer, name)
+
+    def wrapped(*args, **kwargs):
+        progress, was_active = watchdog.progress, watchdog.active
+        before = progress.phase
+        if before == phase:  # save_model inside _save_checkpoint: one phase
+            return original(*args, **kwargs)
+        progress.enter(phase)
+        watchdog.start()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            progress.enter("data" if before in ("optimizer", "backward", "forward") else before)
+            if not was_active:
+                watchdog.stop()
+
+    setattr(trainer, name, wrapped)

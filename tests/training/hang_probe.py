@@ -1,0 +1,45 @@
+"""Launched with 2 gloo processes: rank 1 stalls at step 3, either asleep inside its collate function ("collate") or
+inside a collective rank 0 never enters ("collective"). The watchdog (a 4 s limit) must end both processes with
+every rank's stacks and rank 1 named; without it the run would wait out the 30-minute collective timeout."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.data.data_collator import default_data_collator  # noqa: E402
+
+from hf_gpu_train.training.watchdog import attach_watchdog  # noqa: E402
+from tests.callbacks.tiny import TokenDataset  # noqa: E402
+from tests.training.test_oom import exact_bert, oom_args  # noqa: E402
+
+out, mode = sys.argv[1], sys.argv[2]
+calls = 0
+
+
+def collate_that_stalls_on_rank_1(rows):
+    global calls
+    calls += 1
+    if mode == "collate" and calls == 4 and torch.distributed.get_rank() == 1:
+        time.sleep(600)  # a loader that never returns
+    return default_data_collator(rows)
+
+
+class CollectiveOnRankOneOnly(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.group = torch.distributed.new_group(backend="gloo")  # every rank makes it; only rank 1 will use it
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if mode == "collective" and state.global_step == 3 and torch.distributed.get_rank() == 1:
+            torch.distributed.all_reduce(torch.ones(1), group=self.group)  # rank 0 never enters it
+
+
+trainer = Trainer(model=exact_bert(), args=oom_args(out, max_steps=50, per_device_train_batch_size=4),
+                  train_dataset=TokenDataset(n=400), data_collator=collate_that_stalls_on_rank_1,
+                  callbacks=[CollectiveOnRankOneOnly()])
+attach_watchdog(trainer, timeout=4, poll_s=0.25, collect_s=5)
+trainer.train()
+print("hang_probe: training finished, which it must not", flush=True)
