@@ -87,7 +87,8 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
 
     recipe = recipe_in(script_args)
     overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
-    if plan is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe, overrides):
+    if plan is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe, overrides) \
+            or plan.value("precision") is None:  # a plan made for another machine: no tuned precision here
         return None
     if any(arg.startswith("precision=") for arg in script_args):  # the command line's precision always wins
         return None

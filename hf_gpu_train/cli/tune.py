@@ -155,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
         profile = load_machine(opts.machine)
     job = load_job(config_file, parsed.script, list(parsed.script_args), parsed.settings(), _axes(opts.axes), profile)
+    for note in job.notes:
+        print(f"hf-gpu-train tune: {note}")
     if opts.machine or opts.dry_run:
         print_space(job)
         return 0

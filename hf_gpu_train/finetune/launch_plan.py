@@ -36,7 +36,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line).
     ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values.
     ``overrides``: the command line's key=value (with ``recipe``, the job tuned values are scoped to)."""
-    from ..launch.machine_match import detect_this_machine, scope_to_this_machine
+    from ..launch.machine_match import detect_this_machine, scope_to_this_machine, unset_planned_variables
     from ..launch.run_plan import (
         APPLIED_KEYS,
         apply_run_environment,
@@ -56,14 +56,18 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides), "tuned for another recipe")
     other_recipe = plan.lines
     here = detect_this_machine() if here is None else here
+    planned = plan.plan
     # before its variables reach this process
-    plan = _noting(not_applied, plan.plan, *scope_to_this_machine(plan.plan, here), "made for another machine")
+    plan = _noting(not_applied, planned, *scope_to_this_machine(planned, here), "made for another machine")
     other_machine, plan = plan.lines, plan.plan
+    if plan is not planned:
+        other_machine += unset_planned_variables(planned, plan, environ)
     lines = [f"launch plan {plan.path} ({plan.source})", *other_machine, *apply_run_environment(plan, environ).lines(),
              *other_recipe]
-    tuned_here = tuned_keys_for(plan, recipe, overrides)
+    # what tune measured for this job and the plan still holds (a plan made for another machine holds none of it)
+    tuned_here = frozenset(k for k in tuned_keys_for(plan, recipe, overrides) if plan.value(k) is not None)
     # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
-    scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_for_this_recipe=bool(tuned_here)),
+    scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here),
                      "made for another model or shape")
     plan = scoped.plan
     lines += scoped.lines

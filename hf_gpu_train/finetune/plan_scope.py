@@ -87,17 +87,17 @@ def differences(plan, cfg: FinetuneConfig, spec) -> list[str]:
     return found
 
 
-def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = False):
+def scope_to_this_run(plan, cfg: FinetuneConfig, tuned: frozenset = frozenset()):
     """(plan, lines): the plan as this run may apply it. When its memory plan was made for another model, or for a
     shorter sequence, a smaller image or a lighter method than this run's, its memory-derived values are dropped (the
     recipe's own apply) and its memory plan is re-pointed at this run's model and shape, so the memory check
-    estimates what really trains. Values `hf-gpu-train tune` measured for this very recipe were measured on what it
-    trains, and stay."""
-    if plan.memory is None or tuned_for_this_recipe:
+    estimates what really trains. Values `hf-gpu-train tune` measured for this very recipe (``tuned``) were measured on
+    what it trains, and stay; the memory check still speaks of this run's model."""
+    if plan.memory is None:
         return plan, []
     if plan.document is not None and not (plan.document.get("memory") or {}).get("planned_for", {}).get("fingerprint"):
         return _without_memory_values(plan, None, [f"{plan.path.name} records no fingerprint of the model they were made for "
-                                                   f"(an older hf-gpu-train): regenerate it with `{plan.command}`"])
+                                                   f"(an older hf-gpu-train): regenerate it with `{plan.command}`"], tuned)
     same_name = canonical_name(plan.memory.model.name) == canonical_name(cfg.model)
     spec, why_not = (None, None) if same_name else run_model_spec(cfg)
     found = differences(plan, cfg, spec)
@@ -114,13 +114,19 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned_for_this_recipe: bool = F
         memory = dataclasses.replace(
             plan.memory, model=spec or plan.memory.model, method=_method(cfg), global_batch_target=None,
             seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len), image_size=image_size)
-    return _without_memory_values(plan, memory, found)
+    return _without_memory_values(plan, memory, found, tuned)
 
 
-def _without_memory_values(plan, memory, why: list[str]):
-    """The plan without its memory-derived values, ``memory`` as its memory plan, and the line that says so."""
-    shown = ", ".join(f"{k}={plan.value(k)}" for k in MEMORY_KEYS if plan.value(k) is not None) or "none decided"
-    line = (f"plan values made for another run not applied ({shown}): {'; '.join(why)}; the recipe's values apply"
-            + ("" if memory is not None else "; memory not checked"))
-    values = {k: v for k, v in plan.values.items() if k not in MEMORY_KEYS}
+def _without_memory_values(plan, memory, why: list[str], keep: frozenset = frozenset()):
+    """The plan without its memory-derived values (but ``keep``: measured for this run), ``memory`` as its memory
+    plan, and the line that says so."""
+    dropped = [k for k in MEMORY_KEYS if plan.value(k) is not None and k not in keep]
+    checked = "" if memory is not None else "; memory not checked"
+    if not dropped and keep:
+        line = (f"the plan's memory plan was made for another run ({'; '.join(why)}): the values hf-gpu-train tune measured "
+                f"for this recipe apply{checked or ', and the memory check estimates what this run trains'}")
+    else:
+        shown = ", ".join(f"{k}={plan.value(k)}" for k in dropped) or "none decided"
+        line = f"plan values made for another run not applied ({shown}): {'; '.join(why)}; the recipe's values apply{checked}"
+    values = {k: v for k, v in plan.values.items() if k not in dropped}
     return dataclasses.replace(plan, values=values, memory=memory), [line]

@@ -27,9 +27,13 @@ MACHINE_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES
 MEMORY_TOLERANCE = 0.03  # drivers and ECC modes report a few percent apart for the same model
 
 
-def hardware_record(profile: HardwareProfile) -> dict:
-    """What NAME.plan.json records of the machine it was planned for (the whole machine, not only the GPUs used)."""
-    return {"gpus": [{"name": g.name, "memory_bytes": g.memory_total_bytes} for g in profile.gpus],
+def hardware_record(profile: HardwareProfile, used=None) -> dict:
+    """What NAME.plan.json records of the machine it was planned for: every GPU, the GPUs the plan uses (``used``:
+    GpuInfo, None: all), and the CPU cores."""
+    def gpus(items):
+        return [{"name": g.name, "memory_bytes": g.memory_total_bytes} for g in items]
+
+    return {"gpus": gpus(profile.gpus), "used": gpus(profile.gpus if used is None else used),
             "cpu_cores": profile.host.logical_cores}
 
 
@@ -40,22 +44,33 @@ def _gpus_text(gpus: list[tuple[str, int]]) -> str:
     return " + ".join(f"{n}x {name} ({memory / 2**30:.0f} GiB)" for (name, memory), n in counts.items())
 
 
-def _same_gpus(ours: list[tuple[str, int]], theirs: list[tuple[str, int]]) -> bool:
-    if len(ours) != len(theirs):
-        return False
-    for (name_a, mem_a), (name_b, mem_b) in zip(sorted(ours), sorted(theirs), strict=True):
-        if name_a != name_b or abs(mem_a - mem_b) > MEMORY_TOLERANCE * max(mem_a, mem_b, 1):
+def _same_model(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    return a[0] == b[0] and abs(a[1] - b[1]) <= MEMORY_TOLERANCE * max(a[1], b[1], 1)
+
+
+def _holds(ours: list[tuple[str, int]], needed: list[tuple[str, int]]) -> bool:
+    """Whether this machine's GPUs include one of the same model for every GPU the plan uses."""
+    free = list(ours)
+    for gpu in needed:
+        match = next((i for i, g in enumerate(free) if _same_model(g, gpu)), None)
+        if match is None:
             return False
+        free.pop(match)
     return True
 
 
 def differences(recorded: Mapping, here: HardwareProfile) -> list[str]:
-    """What differs between the machine a plan records and this one ([]: the same hardware)."""
+    """What differs between the machine a plan records and this one ([]: it holds here). This machine matches when
+    it has a GPU of the same model for every GPU the plan uses: a scheduler or a container that shows a job only its
+    own GPUs (Slurm's ConstrainDevices, docker --gpus) is still the machine the plan was made for."""
+    def pairs(items):
+        return [(str(g.get("name")), int(g.get("memory_bytes") or 0)) for g in items or ()]
+
     found = []
-    theirs = [(str(g.get("name")), int(g.get("memory_bytes") or 0)) for g in recorded.get("gpus") or ()]
+    whole, used = pairs(recorded.get("gpus")), pairs(recorded.get("used", recorded.get("gpus")))
     ours = [(g.name, g.memory_total_bytes) for g in here.gpus]
-    if not _same_gpus(ours, theirs):
-        found.append(f"GPUs {_gpus_text(theirs)} -> {_gpus_text(ours)}")
+    if not _holds(ours, used) or (not whole and ours):
+        found.append(f"GPUs {_gpus_text(used if used else whole)} -> {_gpus_text(ours)}")
     cores, our_cores = recorded.get("cpu_cores"), here.host.logical_cores
     if cores and our_cores and int(cores) != our_cores:
         found.append(f"CPU cores {cores} -> {our_cores}")
@@ -83,7 +98,7 @@ def _memory_here(memory, here: HardwareProfile):
     if memory is None or not here.gpus:
         return None
     free = min(g.memory_free_bytes for g in here.gpus)
-    return replace(memory, device_memory_bytes=free, usable_bytes=int(usable_bytes(free)), per="GPU")
+    return replace(memory, device_memory_bytes=free, usable_bytes=int(usable_bytes(free)), per="GPU", global_batch_target=None)
 
 
 def scope_to_this_machine(plan, here: HardwareProfile) -> tuple[object, list[str]]:
@@ -108,11 +123,33 @@ def scope_to_this_machine(plan, here: HardwareProfile) -> tuple[object, list[str
     dropped += [f"{k}={v}" for k, v, _ in variables]
     if plan.cpu_binding is not None and plan.cpu_binding.cpus_by_process:
         dropped.append("CPU binding")
-    if plan.gpu_ids is not None:
-        dropped.append(f"GPU ids {plan.gpu_ids}")
     scoped = replace(plan, values={k: v for k, v in plan.values.items() if k not in MACHINE_VALUES},
                      environment=tuple(e for e in plan.environment if e not in variables), cpu_binding=None, gpu_ids=None,
                      mig_instance=None, memory=_memory_here(plan.memory, here))
+    yaml = plan.config_file.name if plan.config_file else "the launch config"
     return scoped, [f"plan made for another machine ({plan.machine}: {'; '.join(found)}): its machine values not applied "
-                    f"({', '.join(dropped) or 'none decided'}); the recipe's values and this machine's defaults apply. "
-                    f"Plan this machine with `hf-gpu-train config --output ...` here"]
+                    f"({', '.join(dropped) or 'none decided'}); the recipe's values and this machine's defaults apply "
+                    f"({yaml}'s own num_processes and gpu_ids reach accelerate as they are). Plan this machine with "
+                    "`hf-gpu-train config --output ...` here"]
+
+
+def unset_planned_variables(planned, scoped, environ) -> list[str]:
+    """Machine variables of a plan made elsewhere that reached this process anyway (a shell that sourced NAME.env
+    before the launch, the torchrun and sbatch lines): unset where they still hold the plan's value, so this machine's
+    defaults apply as the run says; also the launch config's mixed_precision, which is the plan's. Returns one line
+    per variable."""
+    kept = set(scoped.environment)
+    lines = []
+    for name, value, _ in planned.environment:
+        if (name, value, _) not in kept and environ.get(name) == value:
+            del environ[name]
+            lines.append(f"{name}={value} from the plan for {planned.machine} unset (it reached this process before the run)")
+    from .run_plan_file import plan_before_tune
+
+    yaml_precision = plan_before_tune(planned).value("precision")  # what `config` wrote in NAME.yaml (tune never changes it)
+    accelerate_words = {"fp32": "no"}.get(str(yaml_precision), str(yaml_precision))
+    if scoped.value("precision") is None and yaml_precision is not None and environ.get("ACCELERATE_MIXED_PRECISION") == accelerate_words:
+        del environ["ACCELERATE_MIXED_PRECISION"]
+        lines.append(f"mixed_precision {accelerate_words} of the launch config for {planned.machine} not used: the precision "
+                     "is decided for this machine")
+    return lines

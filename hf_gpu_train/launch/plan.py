@@ -234,7 +234,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         settings.append(Setting(key, value, reason))
     return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
                       settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding,
-                      options=options, dataloader_workers=workers[0], hardware=hardware_record(profile))
+                      options=options, dataloader_workers=workers[0], hardware=hardware_record(profile, gpus))
 
 
 def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:

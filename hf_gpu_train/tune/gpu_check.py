@@ -51,13 +51,14 @@ def planner_model(root: Path, case: TuneCase) -> str:
     return cfg.model
 
 
-def planner_errors(config_file: Path, script_args: list[str]) -> list[list[str]]:
-    """Per trial that ran: the measured peak, the planner's estimate for it, and the planner's error."""
+def planner_errors(config_file: Path, script_args: list[str], profile=None) -> list[list[str]]:
+    """Per trial that ran: the measured peak, the planner's estimate for it, and the planner's error (``profile``: the
+    machine the config is for, None: this one)."""
     from .job import load_job
     from .report import planner_error
     from .results import TrialResult
 
-    job = load_job(str(config_file), "scripts/finetune.py", script_args, {})
+    job = load_job(str(config_file), "scripts/finetune.py", script_args, {}, profile=profile)
     tuned = json.loads(config_file.with_suffix(".plan.json").read_text()).get("tuned") or {}
     rows = [["trial", "peak GiB", "planner GiB", "planner error %"]]
     for t in tuned.get("trials", []):

@@ -38,6 +38,7 @@ class TuneJob:
     cache_key: str
     identity: Mapping[str, object]
     machine: str
+    notes: tuple[str, ...] = ()  # plan values this job does not start from, and why
 
 
 def parse_script_args(script: str, script_args: list[str]) -> tuple[str | None, list[str]]:
@@ -106,6 +107,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
                         "its micro-batch in the sharded run, or compare sharded settings with separate launches")
     recipe, overrides = parse_script_args(script, script_args)
     cfg, explicit = load_config_and_keys(recipe, overrides)
+    plan, scoped = _scoped_to_this_job(plan, cfg, profile)
     recipe_keys = frozenset(read_config_values(recipe, ())) if recipe else frozenset()
     fixed = frozenset(read_config_values(None, overrides))
     world = world_size_of(plan, launch_settings)
@@ -136,7 +138,19 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
                      "job": identity, "effective_batch": space.effective_batch, "test": test_hooks.active(environ)})
     return TuneJob(config_file=path, plan=plan, recipe=recipe, overrides=tuple(overrides), recipe_keys=recipe_keys, fixed=fixed,
                    values=values, world_size=world, space=space, cache_key=key, identity=identity,
-                   machine=profile.name or profile.host.hostname)
+                   machine=profile.name or profile.host.hostname, notes=tuple(scoped))
+
+
+def _scoped_to_this_job(plan, cfg, profile):
+    """The plan as the run tune measures would apply it: without machine values made for other hardware, and
+    without memory values made for another model or a shorter sequence (tune would start from them, and record them
+    as measured)."""
+    from ..finetune.plan_scope import scope_to_this_run
+    from ..launch.machine_match import detect_this_machine, scope_to_this_machine
+
+    plan, on_another_machine = scope_to_this_machine(plan, profile if profile is not None else detect_this_machine())
+    plan, for_another_run = scope_to_this_run(plan, cfg)
+    return plan, [*on_another_machine, *for_another_run]
 
 
 def recipe_wins(job: TuneJob, keys: tuple[str, ...]) -> list[str]:

@@ -12,7 +12,7 @@ from hf_gpu_train.finetune.builtin import minilm_path
 from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+from hf_gpu_train.launch.run_plan_file import PLAN_ENV, read_run_plan
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,10 @@ def test_values_tune_measured_for_this_recipe_stay_even_when_the_memory_plan_was
     environ = {PLAN_ENV: str(tmp_path / "box.plan.json"), "ACCELERATE_MIXED_PRECISION": "bf16"}
     cfg, applied_plan = apply_launch_plan(cfg, explicit, environ=environ, recipe=str(recipe), here=load_machine("1x-h200"))
     assert (cfg.per_device_train_batch_size, cfg.torch_compile, cfg.precision) == (16, True, "fp16"), applied_plan.lines
-    assert not any("made for another run" in line for line in applied_plan.lines)
+    assert not any("made for another run not applied" in line for line in applied_plan.lines)
+    # ... and the memory check speaks of the sequence this run trains, not the plan's (review of issue 17)
+    assert applied_plan.memory.seq_len == 2048 != read_run_plan(tmp_path / "box.plan.json", "t").memory.seq_len
+    assert any("the values hf-gpu-train tune measured for this recipe apply" in line for line in applied_plan.lines)
 
 
 def test_a_plan_without_its_models_fingerprint_gives_its_environment_never_its_memory_values(t4_plan_for_minilm, tmp_path):
@@ -123,3 +126,22 @@ def test_a_larger_image_for_the_same_timm_model_is_measured_at_its_size(tmp_path
     assert any("image size 32 -> 64" in line for line in larger.lines), larger.lines
     activations = {name: value for name, value in larger.memory.breakdown_bytes}["activations"]
     assert activations > 3 * {name: value for name, value in at_plan.memory.breakdown_bytes}["activations"]
+
+
+def test_tune_of_another_model_does_not_start_from_the_plans_memory_values(t4_plan_for_minilm, llama_dir, tmp_path):
+    """Review of issue 17: tune resolved the plan for MiniLM into a Llama recipe's job (its micro-batch, its global
+    batch, MiniLM's memory check), then wrote them back as measured."""
+    import shutil
+
+    from hf_gpu_train.tune.job import load_job
+
+    for suffix in (".yaml", ".env", ".plan.json"):
+        shutil.copy(t4_plan_for_minilm.with_name(f"t4{suffix}"), tmp_path / f"t4{suffix}")
+    recipe = tmp_path / "llama.yaml"
+    recipe.write_text(f"task: causal-lm\nmodel: {llama_dir}\nmethod: full\nmax_length: 2048\ntrain_file: unused.jsonl\n")
+    job = load_job(str(tmp_path / "t4.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {},
+                   profile=load_machine("1x-t4"))
+    plan = read_run_plan(t4_plan_for_minilm, "test")
+    assert job.values["global_batch_size"] != plan.value("global_batch_size")
+    assert job.plan.memory.model.name == str(llama_dir)  # tune's memory pruning estimates the Llama
+    assert any("made for another run not applied" in note for note in job.notes), job.notes

@@ -104,3 +104,16 @@ def test_check_config_warns_about_another_machine_and_a_plan_without_fingerprint
     assert main(["check-config", str(tmp_path / "old.yaml"), "--machine", "8x-v100-dgx1"]) == 0
     out = capsys.readouterr().out
     assert "old.plan.json records no fingerprint of the model" in out and "never its micro-batch" in out
+
+
+def test_a_plan_for_some_gpus_holds_where_a_scheduler_shows_only_those(tmp_path):
+    """Slurm's ConstrainDevices and docker --gpus show a job only its GPUs: a plan for 4 of the 8 GPUs still holds
+    there, and on the whole machine; not on 4 GPUs of another model, nor on fewer than it uses."""
+    assert main(["config", "--machine", "8x-v100-dgx1", "--gpus", "4", "--output", str(tmp_path / "four")]) == 0
+    recorded = json.loads((tmp_path / "four.plan.json").read_text())["hardware"]
+    assert len(recorded["used"]) == 4 and len(recorded["gpus"]) == 8
+    dgx1 = load_machine("8x-v100-dgx1")
+    assert differences(recorded, dgx1) == []
+    assert differences(recorded, replace(dgx1, gpus=dgx1.gpus[4:])) == []
+    assert differences(recorded, replace(dgx1, gpus=dgx1.gpus[:3])) != []
+    assert differences(recorded, load_machine("2x-rtx4090")) != []

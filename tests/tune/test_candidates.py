@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from hf_gpu_train.cli import main
+from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.launch.plan_resolution import check_memory
 from hf_gpu_train.launch.run_plan_file import read_run_plan
 from hf_gpu_train.tune.candidates import CPU_COMPILE_NOTE, Candidate, CandidateSpace
@@ -65,19 +66,25 @@ def test_the_space_travels_as_json():
 
 
 def planned_t4(tmp_path: Path) -> Path:
-    """A T4 plan whose memory model is a BERT-large-shaped transformer (what `config --model` writes)."""
-    assert main(["config", "--machine", "1x-t4", "--params", "3.35e8", "--seq-len", "512", "--global-batch", "64",
-                 "--output", str(tmp_path / "t4")]) == 0
-    plan_file = tmp_path / "t4.plan.json"
-    doc = json.loads(plan_file.read_text())
-    doc["memory"]["planned_for"]["model"].update(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=30522)
-    plan_file.write_text(json.dumps(doc))
+    """A T4 plan for a BERT-large-shaped model (a config on disk: `config --model DIR`); runs name it with
+    ``t4_model(tmp_path)``, so the plan's memory values are made for what they train."""
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+               vocab_size=30522).save_pretrained(tmp_path / "bert-large")
+    assert main(["config", "--machine", "1x-t4", "--model", str(tmp_path / "bert-large"), "--seq-len", "512",
+                 "--global-batch", "64", "--output", str(tmp_path / "t4")]) == 0
     return tmp_path / "t4.yaml"
+
+
+def t4_model(tmp_path: Path) -> str:
+    return f"model={tmp_path / 'bert-large'}"
 
 
 def test_the_planner_prunes_exactly_what_it_says_does_not_fit(tmp_path):
     config = planned_t4(tmp_path)
-    job = load_job(str(config), "scripts/finetune.py", ["max_length=512", "global_batch_size=64"], {})
+    job = load_job(str(config), "scripts/finetune.py", [t4_model(tmp_path), "max_length=512", "global_batch_size=64"], {},
+                   profile=load_machine("1x-t4"))
     plan = read_run_plan(tmp_path / "t4.plan.json", "test")
     verdicts = {(v.micro_batch, v.gradient_checkpointing, v.precision): v for v in job.space.verdicts}
     assert set(verdicts) == {(m, c, "fp16") for m in job.space.micro_batches for c in (False, True)}

@@ -11,7 +11,7 @@ import pytest
 from hf_gpu_train.cli import main
 from hf_gpu_train.cli.tune import split_tune_argv
 
-from .test_candidates import planned_t4
+from .test_candidates import planned_t4, t4_model
 
 
 def test_tune_options_come_from_before_the_script_and_the_scripts_arguments_stay_its_own():
@@ -25,7 +25,7 @@ def test_tune_options_come_from_before_the_script_and_the_scripts_arguments_stay
 def test_the_dry_plan_for_a_snapshot_lists_the_candidates_and_why_some_are_skipped_without_torch(tmp_path):
     config = planned_t4(tmp_path)
     code = ("import sys; from hf_gpu_train.cli import main; "
-            f"rc = main(['tune', '--machine', '1x-t4', '--config-file', {str(config)!r}, 'scripts/finetune.py', 'max_length=512', "
+            f"rc = main(['tune', '--machine', '1x-t4', '--config-file', {str(config)!r}, 'scripts/finetune.py', {t4_model(tmp_path)!r}, 'max_length=512', "
             "'global_batch_size=64']); "
             "assert 'torch' not in sys.modules, 'tune imported torch'; sys.exit(rc)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

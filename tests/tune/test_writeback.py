@@ -19,7 +19,8 @@ def tuned_box(tmp_path, *config_args: str, recipe_text: str = "per_device_train_
     assert main(["config", "--machine", "1x-h200", "--output", str(tmp_path / "box"), *config_args]) == 0
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_text)
-    job = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {})
+    job = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {},
+                   profile=load_machine("1x-h200"))  # tuned on the machine it was planned for
     base = job.space.base
     winner = replace(base.with_micro_batch(16), precision="fp16", torch_compile=True)
     results = [TrialResult(base.with_micro_batch(64), OOM, rescued_micro_batch=32, samples_per_s=90.0),
@@ -47,7 +48,8 @@ def test_backups_first_then_the_plan_holds_the_measured_values_and_the_next_run_
         "per_device_train_batch_size": 16, "global_batch_size": 64, "torch_compile": True, "precision": "fp16"}
     assert tuned_keys_for(plan, recipe) == {"per_device_train_batch_size", "global_batch_size", "gradient_checkpointing",
                                             "dataloader_num_workers", "precision", "torch_compile"}
-    again = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {})
+    again = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {},
+                     profile=load_machine("1x-h200"))
     assert again.space == job.space and again.cache_key == job.cache_key  # a rerun starts where the first run started
     recipe.write_text(recipe.read_text() + "learning_rate: 1.0e-4\n")
     assert tuned_keys_for(plan, recipe) == frozenset()  # another recipe text: the recipe's own values win again
@@ -108,16 +110,16 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
 def test_the_gpu_check_sets_the_planner_estimate_beside_every_measured_peak(tmp_path):
     from hf_gpu_train.tune.gpu_check import planner_errors
 
-    from .test_candidates import planned_t4
+    from .test_candidates import planned_t4, t4_model
 
     config = planned_t4(tmp_path)
-    args = ["max_length=512", "global_batch_size=64"]
-    job = load_job(str(config), "scripts/finetune.py", args, {})
+    args = [t4_model(tmp_path), "max_length=512", "global_batch_size=64"]
+    job = load_job(str(config), "scripts/finetune.py", args, {}, profile=load_machine("1x-t4"))
     c = job.space.base.with_micro_batch(8)
     estimate = job.space.verdict(c).estimate_bytes
     results = [TrialResult(c, OK, samples_per_s=10.0, peak_memory_bytes=int(estimate * 1.25), device_memory_bytes=16 * 2**30)]
     write_winner(config, choose(results, job.space.metric, job.space.base), results, job.space, "S", "now", None, args, "r.md", 60.0)
-    rows = planner_errors(config, args)
+    rows = planner_errors(config, args, profile=load_machine("1x-t4"))
     assert rows[1] == [c.describe(), f"{estimate * 1.25 / 2**30:.2f}", f"{estimate / 2**30:.2f}", "+25.0"]
 
 
@@ -151,3 +153,31 @@ def test_tuned_values_are_scoped_to_the_recipe_and_the_command_lines_job(tmp_pat
     write_winner(job.config_file, choice, results, job.space, "T", "now", str(recipe), ["model=builtin:minilm"], "r.md", 60.0)
     plan = read_run_plan(tmp_path / "box.plan.json", "test")
     assert tuned_keys_for(plan, recipe, ["model=builtin:minilm"]) and not tuned_keys_for(plan, recipe, ["model=other"])
+
+
+def test_a_tuned_plan_on_another_machine_gives_neither_its_tuned_nor_its_planned_values(tmp_path):
+    """Review of issue 17: tuned for an H200, launched on this CPU box, hf-gpu-train launch passed
+    `--mixed_precision None` (accelerate refuses it) and the run said "precision=None measured by hf-gpu-train tune"."""
+    from hf_gpu_train.cli.launch import build_launch
+    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+
+    job, recipe, results, choice = tuned_box(tmp_path)
+    write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "r.md", 60.0)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    launch = build_launch(["--config-file", str(tmp_path / "box.yaml"), str(script), "--config", str(recipe)], environ={},
+                          here=load_machine("cpu-only"))
+    assert "--mixed_precision" not in launch.cmd
+    explicit = frozenset(line.split(":")[0] for line in recipe.read_text().splitlines() if ":" in line)
+    environ = {PLAN_ENV: str(tmp_path / "box.plan.json"), "ACCELERATE_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "16"}
+    cfg, plan = apply_launch_plan(load_config(str(recipe), []), explicit, environ=environ, recipe=str(recipe),
+                                  here=load_machine("cpu-only"))
+    lines = "\n".join(plan.lines)
+    assert "None measured" not in lines and "measured by hf-gpu-train tune for this recipe" not in lines, lines
+    assert cfg.per_device_train_batch_size == 32 and cfg.precision == "auto"  # the recipe's own
+    assert "plan made for another machine (1x-h200" in lines
+    # the YAML's bf16 and the plan's threads had reached the process (a sourced NAME.env): unset, and said so
+    assert "ACCELERATE_MIXED_PRECISION" not in environ and "OMP_NUM_THREADS" not in environ
+    assert "OMP_NUM_THREADS=16 from the plan for 1x-h200 unset" in lines
