@@ -80,6 +80,21 @@ def recipe_in(script_args: list[str]) -> str | None:
     return None
 
 
+def _data(recipe: str | None, overrides: list[str]) -> dict | None:
+    """The run's model and data files as the run will stamp them (None: its config cannot be read; the run says why)."""
+    import dataclasses
+
+    from ..errors import UsageError
+    from ..finetune.config import load_config_and_keys
+    from ..launch.run_plan_file import data_stamps
+
+    try:
+        cfg, _ = load_config_and_keys(recipe, overrides)
+    except UsageError:
+        return None
+    return data_stamps(dataclasses.asdict(cfg))
+
+
 def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict) -> tuple[str, str] | None:
     """(accelerate precision, note) when `hf-gpu-train tune` measured another precision for this very recipe: the
     launcher passes it to this run only (NAME.yaml's mixed_precision reaches every recipe)."""
@@ -87,7 +102,8 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
 
     recipe = recipe_in(script_args)
     overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
-    if plan is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe, overrides) \
+    if plan is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe, overrides,
+                                                                                         _data(recipe, overrides)) \
             or plan.value("precision") is None:  # a plan made for another machine: no tuned precision here
         return None
     if any(arg.startswith("precision=") for arg in script_args):  # the command line's precision always wins

@@ -207,8 +207,10 @@ def _write_and_print(job, opts, results, notes, choice, spent, startup_s, starte
     now = datetime.now(timezone.utc)
     stamp, when = now.strftime("%Y%m%d-%H%M%S"), now.strftime("%Y-%m-%d %H:%M UTC")
     report_path, plot_path = report_paths(job.config_file)
+    from ..launch.run_plan_file import data_stamps
+
     written = write_winner(job.config_file, choice, results, job.space, stamp, when, job.recipe, list(job.overrides),
-                           report_path.name, opts.budget_s)
+                           report_path.name, opts.budget_s, data=data_stamps(job.values))
     plot = write_plot(plot_path, results, job.space, choice.winner)
     items = [f"{job.config_file.name} (header block)",
              f"{written.plan.name}: {', '.join(written.keys) or 'no value'}",

@@ -45,7 +45,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         override_lines,
         resolve_with_plan,
     )
-    from ..launch.run_plan_file import tuned_keys_for
+    from ..launch.run_plan_file import data_stamps, tuned_keys_for
     from .plan_scope import scope_to_this_run
 
     environ = os.environ if environ is None else environ
@@ -53,7 +53,8 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     if plan is None:
         return cfg, None
     not_applied: dict[str, tuple[object, str]] = {}  # key -> (the plan's value, why the run does not use it)
-    plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides), "tuned for another recipe")
+    data = data_stamps(dataclasses.asdict(cfg))
+    plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides, data), "tuned for another recipe")
     other_recipe = plan.lines
     here = detect_this_machine() if here is None else here
     planned = plan.plan
@@ -65,7 +66,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     lines = [f"launch plan {plan.path} ({plan.source})", *other_machine, *apply_run_environment(plan, environ).lines(),
              *other_recipe]
     # what tune measured for this job and the plan still holds (a plan made for another machine holds none of it)
-    tuned_here = frozenset(k for k in tuned_keys_for(plan, recipe, overrides) if plan.value(k) is not None)
+    tuned_here = frozenset(k for k in tuned_keys_for(plan, recipe, overrides, data) if plan.value(k) is not None)
     # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
     scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here),
                      "made for another model or shape")
@@ -116,13 +117,13 @@ def _noting(not_applied: dict, before, after, lines: list, why: str) -> _Scoped:
     return _Scoped(after, lines)
 
 
-def tuned_for_this_recipe(plan, recipe, overrides=()) -> tuple[object, list[str]]:
+def tuned_for_this_recipe(plan, recipe, overrides=(), data=None) -> tuple[object, list[str]]:
     """Values `hf-gpu-train tune` measured are scoped to the job (recipe text and command line) they were measured for:
     any other job gets the plan as `hf-gpu-train config` wrote it, and one line says which values were left out and why."""
     from ..launch.run_plan_file import TUNED, job_overrides, plan_before_tune, tuned_keys_for
 
     measured = (plan.document or {}).get(TUNED)
-    if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe, overrides):
+    if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe, overrides, data):
         return plan, []
     measured_for = (measured.get("recipe") or {}).get("path") or "a run without a recipe file"
     keys = ", ".join(f"{k}={plan.value(k)}" for k in measured["keys"])

@@ -84,6 +84,10 @@ def differences(plan, cfg: FinetuneConfig, spec) -> list[str]:
     heavier = {"qlora": 0, "lora": 1, "full": 2}
     if heavier.get(_method(cfg), 2) > heavier.get(m.method, 2):
         found.append(f"method {m.method} -> {_method(cfg)}")
+    if m.optimizer != "adamw":  # scripts/finetune.py trains with AdamW (two fp32 moments per parameter)
+        found.append(f"optimizer {m.optimizer} -> adamw")
+    if cfg.precision == "fp32" and m.precision in ("bf16", "fp16"):  # activations at twice the bytes
+        found.append(f"precision {m.precision} -> fp32")
     return found
 
 

@@ -156,6 +156,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
+    from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
     from .fsdp import fsdp_requested, save_full_model
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
@@ -190,6 +191,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     trainer = build_trainer(cfg, runtime, model, train, validation, collator, processing_class,
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
+    check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
+                       "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
+                       "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
+                       "packing": getattr(data, "packing", cfg.packing)})
     if trainer.is_world_process_zero():
         for line in launch_plan.lines if launch_plan else ():
             print(f"hf_gpu_train: {line}", flush=True)

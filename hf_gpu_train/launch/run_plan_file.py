@@ -288,11 +288,33 @@ def recipe_identity(recipe: str | Path | None) -> dict | None:
     return {"path": str(path), "sha256": digest}
 
 
-# command-line keys that do not change what a measurement was made on: where results go, how often to log, check
-# and save, and the tuned keys themselves (key=value on the command line always wins over a tuned value)
-NOT_THE_JOB = frozenset({"output_dir", "logging_steps", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
-                         "checkpoint_minutes", "save_total_limit", "resume", "report_to", "telemetry", "generation_samples",
-                         "generation_max_new_tokens", *APPLIED_KEYS})
+# FinetuneConfig keys that change neither the speed nor the memory of a training step, or that tune decides itself:
+# where results go, how often to log, check and save, the optimiser's schedule. A tuned value measured for a job
+# holds for any run that differs only in these (and a tune cache entry, tune/cache.py, the same).
+NOT_THE_JOB = frozenset({
+    "output_dir", "num_train_epochs", "max_steps", "learning_rate", "weight_decay", "warmup_ratio", "lr_scheduler_type",
+    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "save_total_limit", "logging_steps",
+    "resume", "report_to", "telemetry", "oom_recovery", "allow_cpu", "per_device_eval_batch_size", "max_eval_samples",
+    "validation_file", "validation_split", "validation_fraction", "generation_samples", "generation_max_new_tokens",
+    "gradient_accumulation_steps", *APPLIED_KEYS,
+})
+FILE_KEYS = ("train_file", "dataset", "model", "pretrained_weights")  # local paths: their size and time join a job's identity
+
+
+def file_stamp(value: object) -> object:
+    """A local file or directory named by the config: [path, size, modification time]; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    path = Path(value).expanduser()
+    if not path.exists():
+        return value
+    stat = path.stat()
+    return [value, stat.st_size, int(stat.st_mtime)]
+
+
+def data_stamps(values: Mapping[str, object]) -> dict:
+    """What a tuned value was measured on, beyond the recipe's text: the model and data files as they are now."""
+    return {k: file_stamp(values.get(k)) for k in FILE_KEYS}
 
 
 def job_overrides(overrides) -> dict[str, str]:
@@ -306,13 +328,17 @@ def job_overrides(overrides) -> dict[str, str]:
     return found
 
 
-def tuned_keys_for(plan: RunPlan, recipe: str | Path | None, overrides=()) -> frozenset[str]:
+def tuned_keys_for(plan: RunPlan, recipe: str | Path | None, overrides=(), data: Mapping | None = None) -> frozenset[str]:
     """The keys `hf-gpu-train tune` measured for this very job: the same recipe text (wherever it is read from), or no
-    recipe file for both, and the same command-line keys that change what trains. A run may let them win over the
-    recipe file's own values (never over its command line). Empty for any other job or an untuned plan."""
+    recipe file for both, the same command-line keys that change what trains, and (``data``: ``data_stamps`` of the
+    run's config) the same model and data files. A run may let them win over the recipe file's own values (never
+    over its command line). Empty for any other job or an untuned plan."""
     tuned = (plan.document or {}).get(TUNED)
     if not isinstance(tuned, Mapping) or not tuned.get("keys"):
         return frozenset()
+    measured_on = tuned.get("data")
+    if data is not None and isinstance(measured_on, Mapping) and json.loads(json.dumps(dict(data))) != dict(measured_on):
+        return frozenset()  # the same recipe, but its files changed since (another train_file at the same path)
     measured_for, this = tuned.get("recipe"), recipe_identity(recipe)
     same_recipe = (measured_for is None and this is None) or (
         isinstance(measured_for, Mapping) and this is not None and measured_for.get("sha256") not in (None, "")

@@ -20,22 +20,14 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import UsageError
+from ..launch.run_plan_file import FILE_KEYS, NOT_THE_JOB, file_stamp
 from .results import TrialResult
 
 FORMAT = "hf_gpu_train.tune_cache"
 VERSION = 1
 SUFFIX = ".tune.json"
 PACKAGES = ("torch", "transformers", "accelerate", "timm", "hf-gpu-train")
-# FinetuneConfig keys that change neither speed nor memory of a training step (or that tune decides itself).
-NOT_IN_KEY = frozenset({
-    "output_dir", "num_train_epochs", "max_steps", "learning_rate", "weight_decay", "warmup_ratio", "lr_scheduler_type",
-    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "save_total_limit", "logging_steps",
-    "resume", "report_to", "telemetry", "oom_recovery", "allow_cpu", "per_device_eval_batch_size", "max_eval_samples",
-    "validation_file", "validation_split", "validation_fraction", "per_device_train_batch_size", "global_batch_size",
-    "gradient_checkpointing", "dataloader_num_workers", "precision", "torch_compile", "packing",
-})
-FILE_KEYS = ("train_file", "dataset", "model", "pretrained_weights")
-
+NOT_IN_KEY = NOT_THE_JOB  # the job, as tuned values are scoped (launch/run_plan_file.py)
 
 class TuneCacheError(UsageError):
     """NAME.tune.json is not ours or not readable: names the file and the fix."""
@@ -64,24 +56,13 @@ def software_fingerprint() -> dict:
     return {name: _version(name) for name in PACKAGES}
 
 
-def _file_stamp(value: object) -> object:
-    """A local file or directory named by the config: its size and modification time join the key."""
-    if not isinstance(value, str):
-        return value
-    path = Path(value).expanduser()
-    if not path.exists():
-        return value
-    stat = path.stat()
-    return [value, stat.st_size, int(stat.st_mtime)]
-
-
 def job_identity(values: Mapping[str, object]) -> dict:
     """The training job, in FinetuneConfig's words, without what does not change a step's speed or memory."""
     identity = {}
     for key, value in sorted(values.items()):
         if key in NOT_IN_KEY:
             continue
-        identity[key] = _file_stamp(value) if key in FILE_KEYS else value
+        identity[key] = file_stamp(value) if key in FILE_KEYS else value
     return identity
 
 

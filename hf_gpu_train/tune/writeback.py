@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,13 +106,15 @@ def yaml_with_block(text: str, block: list[str], precision: str | None) -> str:
 
 
 def write_winner(config_file: Path, choice: Choice, results: list[TrialResult], space: CandidateSpace, stamp: str, when: str,
-                 recipe: str | None, overrides: list[str], report_name: str, budget_s: float) -> Written:
+                 recipe: str | None, overrides: list[str], report_name: str, budget_s: float,
+                 data: Mapping | None = None) -> Written:
     """Back up NAME.plan.json and NAME.yaml, then write the winner's values and the header block."""
     plan_path = plan_path_for(config_file)
     backups = tuple(b for b in (backup(plan_path, stamp), backup(config_file, stamp)) if b is not None)
     winner = choice.winner
     values = plan_values(winner.candidate, space, f"measured by hf-gpu-train tune ({when}): {choice.reasons[0]}") if winner else {}
     tuned = {"by": "hf-gpu-train tune", "when": when, "recipe": recipe_identity(recipe), "overrides": list(overrides),
+             **({"data": dict(data)} if data is not None else {}),
              "keys": sorted(values), "metric": space.metric, "budget_s": budget_s, "effective_batch": space.effective_batch,
              "winner": winner.to_dict() if winner else None, "reasons": list(choice.reasons), "report": report_name,
              "trials": [r.to_dict() for r in results]}

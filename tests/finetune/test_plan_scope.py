@@ -145,3 +145,16 @@ def test_tune_of_another_model_does_not_start_from_the_plans_memory_values(t4_pl
     assert job.values["global_batch_size"] != plan.value("global_batch_size")
     assert job.plan.memory.model.name == str(llama_dir)  # tune's memory pruning estimates the Llama
     assert any("made for another run not applied" in note for note in job.notes), job.notes
+
+
+def test_a_plan_for_a_lighter_optimizer_or_precision_does_not_size_the_run(tmp_path):
+    """Review of issue 17: a plan made for SGD (no moments) or for fp16 kept its micro-batch for the AdamW, fp32 run."""
+    assert main(["config", "--machine", "1x-t4", "--model", minilm_path(), "--optimizer", "sgd", "--output",
+                 str(tmp_path / "sgd")]) == 0
+    _, sgd = applied(tmp_path / "sgd.plan.json", "model=builtin:minilm")
+    assert any("optimizer sgd -> adamw" in line and "not applied" in line for line in sgd.lines), sgd.lines
+    assert main(["config", "--machine", "1x-t4", "--model", minilm_path(), "--output", str(tmp_path / "fp16")]) == 0
+    _, fp32 = applied(tmp_path / "fp16.plan.json", "model=builtin:minilm", "precision=fp32")
+    assert any("precision fp16 -> fp32" in line for line in fp32.lines), fp32.lines
+    _, same = applied(tmp_path / "fp16.plan.json", "model=builtin:minilm")
+    assert not any("made for another run" in line for line in same.lines)

@@ -181,3 +181,19 @@ def test_a_tuned_plan_on_another_machine_gives_neither_its_tuned_nor_its_planned
     # the YAML's bf16 and the plan's threads had reached the process (a sourced NAME.env): unset, and said so
     assert "ACCELERATE_MIXED_PRECISION" not in environ and "OMP_NUM_THREADS" not in environ
     assert "OMP_NUM_THREADS=16 from the plan for 1x-h200 unset" in lines
+
+
+def test_tuned_values_hold_for_the_data_they_were_measured_on(tmp_path):
+    """The same recipe text naming a train_file that has changed since tune (longer texts, at the same path) is another
+    job; an edit of the learning rate on the command line is the same job."""
+    from hf_gpu_train.launch.run_plan_file import data_stamps
+
+    job, recipe, results, choice = tuned_box(tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "short"}\n')
+    values = {"train_file": str(data), "model": "builtin:minilm"}
+    write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "r.md", 60.0, data=data_stamps(values))
+    plan = read_run_plan(tmp_path / "box.plan.json", "test")
+    assert tuned_keys_for(plan, recipe, ["learning_rate=1e-4", "num_train_epochs=3"], data_stamps(values))
+    data.write_text('{"text": "a much longer text than the one tune measured on"}\n' * 50)
+    assert tuned_keys_for(plan, recipe, [], data_stamps(values)) == frozenset()
