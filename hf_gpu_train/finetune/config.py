@@ -109,6 +109,9 @@ class FinetuneConfig:
     allow_cpu: bool = False  # train on the CPU although a GPU is visible
     telemetry: bool = True
     oom_recovery: bool = True
+    # a rank without progress for this long ends the run with every rank's stacks (training/watchdog.py): auto (10 x
+    # the step time, at least 120 s; 600 s for the first step, evaluations and saves), seconds, or off
+    watchdog: float | str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # passed to TrainingArguments as they are
     # causal language models (task=causal-lm; hf_gpu_train/finetune/causal_lm/)
     method: str = "auto"  # auto (lora for causal-lm, full otherwise) | full | lora | qlora (4-bit NF4 base, CUDA only)
@@ -167,6 +170,10 @@ class FinetuneConfig:
             raise bad("eval_steps", "eval_strategy=steps needs eval_steps")
         if self.checkpoint_minutes <= 0:
             raise bad("checkpoint_minutes", "must be positive (save_strategy=no to save no checkpoint)")
+        if isinstance(self.watchdog, str) and self.watchdog not in ("auto", "off"):
+            raise bad("watchdog", "use auto, off or a number of seconds")
+        if isinstance(self.watchdog, float) and self.watchdog <= 0:
+            raise bad("watchdog", "must be > 0 seconds (or off)")
         if isinstance(self.dataloader_num_workers, str) and self.dataloader_num_workers != "auto":
             raise bad("dataloader_num_workers", "use auto or a number")
         if isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers < 0:

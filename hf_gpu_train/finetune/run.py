@@ -165,6 +165,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
     check_output_dir(cfg)
     check_extra_arguments(cfg)
+    # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
     runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
     accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
     identity = RunIdentity.of(cfg, runtime.precision, effective)
@@ -213,6 +215,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from ..training import enable_oom_recovery
 
         enable_oom_recovery(trainer)
+    if cfg.watchdog != "off":
+        from ..training.watchdog import attach_watchdog
+
+        attach_watchdog(trainer, cfg.watchdog)
     if cfg.telemetry:
         from ..callbacks import attach_telemetry
 

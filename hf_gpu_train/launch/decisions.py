@@ -178,8 +178,13 @@ def nccl_environment(
         if not profile.host.infiniband_devices:
             env.append(("NCCL_IB_DISABLE", "1", "multi-node without InfiniBand devices on this machine: NCCL uses TCP sockets"))
         env.append(("NCCL_SOCKET_IFNAME", "^docker,lo,veth", "keep NCCL's bootstrap off docker bridges and loopback"))
+    if len(gpus) * num_machines > 1:
+        # PyTorch's flight recorder: each rank keeps its last collectives; a timeout dumps them (scripts/finetune.py
+        # points the dump at output_dir/nccl-trace-rank-N), so a hang that the watchdog does not end names the collective
+        env += [("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000", "flight recorder: the last 2000 collectives of each rank, for a hang's "
+                 "post-mortem (torch's `python -m torch.distributed.flight_recorder.fr_trace`)"),
+                ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", "flight recorder: dump every rank's record when a collective times out")]
     if debug:
         env += [("NCCL_DEBUG", "INFO", "--debug-nccl"), ("NCCL_DEBUG_SUBSYS", "INIT,P2P,NET", "--debug-nccl"),
-                ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", "--debug-nccl: flight recorder dump when a collective times out"),
                 ("TORCH_DISTRIBUTED_DEBUG", "DETAIL", "--debug-nccl: name mismatched collectives")]
     return env

@@ -324,7 +324,8 @@ class WatchdogCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         progress = self.watchdog.progress
-        if model is not None and not self._hooks:
+        # a compiled model would trace the hooks (a graph break each): the step's callbacks give its phases then
+        if model is not None and not self._hooks and not args.torch_compile:
             self._hooks = [model.register_forward_pre_hook(lambda *a: self._training("forward")),
                            model.register_forward_hook(lambda *a: self._training("backward"))]
         progress.step = state.global_step
@@ -336,6 +337,9 @@ class WatchdogCallback(TrainerCallback):
             self.watchdog.progress.enter(phase)
         elif self.watchdog.progress.phase == "evaluation" and phase == "forward":
             self.watchdog.progress.enter("evaluation")  # each evaluation batch is progress
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.watchdog.progress.enter("forward")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.watchdog.progress.enter("optimizer")

@@ -15,6 +15,9 @@ from hf_gpu_train.launch.run_plan_file import RunPlanError
 WORKER = 500
 
 
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # several GPUs
+
+
 def fake_process(proc, pid, ppid, cmdline, cwd=None, environ=None, comm="python3"):
     d = proc / str(pid)
     d.mkdir(parents=True)
@@ -112,5 +115,5 @@ def test_our_older_config_with_only_its_env_still_gets_the_environment(tmp_path,
     plan = load_run_plan({"WORLD_SIZE": "2"}, proc=proc, pid=WORKER)
     assert plan.document is None and plan.values == {} and plan.launch_overrides == ()
     assert dict((k, v) for k, v, _ in plan.environment) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "NCCL_P2P_DISABLE": "1",
-                                                            "OMP_NUM_THREADS": "12"}
+                                                            "OMP_NUM_THREADS": "12", **FLIGHT_RECORDER}
     assert plan.memory_note.startswith("no box.plan.json beside box.yaml (written by an older hf-gpu-train)")

@@ -41,7 +41,8 @@ def test_a_memory_plan_travels_with_every_value_and_its_reason(tmp_path, machine
     assert run.memory.usable_bytes == int(usable_bytes(m.gpu_memory_bytes)) and run.memory.per == "GPU"
     assert dict(run.memory.breakdown_bytes)["activations"] == int(m.breakdown.activations)
     assert [(k, v) for k, v, _ in run.environment] == [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("NCCL_P2P_LEVEL", "NVL"),
-                                                       ("OMP_NUM_THREADS", "8")]
+                                                       ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                                                       ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("OMP_NUM_THREADS", "8")]
     assert run.machine == "4x-rtx3090-nvlink-pairs" and run.command == "hf-gpu-train config --output box"
     assert run.config_file == tmp_path / "box.yaml" and run.memory_note is None
 

@@ -189,4 +189,4 @@ def test_taskset_binding_prefixes_torchrun_and_the_sbatch_launch(machine):
 
 def test_torchrun_command_names_the_plan(machine):
     cmd = torchrun_command(make_plan(machine("2x-rtx4090")), "train.py", "cfg/box.yaml")
-    assert "NCCL_P2P_DISABLE=1 OMP_NUM_THREADS=12 HF_GPU_TRAIN_PLAN=cfg/box.plan.json ACCELERATE_MIXED_PRECISION=bf16 torchrun" in cmd
+    assert "NCCL_P2P_DISABLE=1 TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 OMP_NUM_THREADS=12 HF_GPU_TRAIN_PLAN=cfg/box.plan.json ACCELERATE_MIXED_PRECISION=bf16 torchrun" in cmd
