@@ -209,10 +209,14 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
     import tempfile
 
     from ..errors import USAGE_ERROR_FILE_ENV
+    from ..launch.rank_report import PROGRESS_DIR_ENV, failure_line, read_progress, root_cause
 
     with tempfile.TemporaryDirectory(prefix="hf_gpu_train_launch_") as folder:
         marker = Path(folder) / "usage_error.txt"
-        proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker)}, stderr=subprocess.PIPE)
+        progress = Path(folder) / "progress"
+        progress.mkdir()
+        proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker), PROGRESS_DIR_ENV: str(progress)},
+                                stderr=subprocess.PIPE)
         shown = b""
         while chunk := os.read(proc.stderr.fileno(), 65536):
             if marker.exists():
@@ -222,6 +226,9 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
             shown = (shown + chunk)[-65536:]
         code = proc.wait()
         if not marker.exists():
+            line = failure_line(root_cause(shown.decode(errors="replace")), read_progress(progress)) if code else None
+            if line:
+                print(f"hf-gpu-train launch: {line}", file=sys.stderr)
             return code
         message = marker.read_text().strip().splitlines()[0]
         if message.encode() not in shown:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-HANG_EXIT_CODE = 3  # documented in the README: a hang was detected and every rank's stacks were written
+from ..launch.rank_report import HANG_EXIT_CODE, write_progress  # exit 3: documented in the README
+
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
 
@@ -330,6 +331,7 @@ class WatchdogCallback(TrainerCallback):
                            model.register_forward_hook(lambda *a: self._training("backward"))]
         progress.step = state.global_step
         progress.enter("data")
+        write_progress(args.process_index, state.global_step, "data")
         self.watchdog.start()
 
     def _training(self, phase: str) -> None:
@@ -346,6 +348,7 @@ class WatchdogCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.watchdog.progress.step_done(state.global_step)
+        write_progress(args.process_index, state.global_step, "data")
 
     def on_prediction_step(self, args, state, control, **kwargs):
         self.watchdog.progress.enter("evaluation")

@@ -1,7 +1,10 @@
 """Launched with 2 gloo processes: rank 1 stalls at step 3, either asleep inside its collate function ("collate") or
 inside a collective rank 0 never enters ("collective"). The watchdog (a 4 s limit) must end both processes with
-every rank's stacks and rank 1 named; without it the run would wait out the 30-minute collective timeout."""
+every rank's stacks and rank 1 named; without it the run would wait out the 30-minute collective timeout. Or rank 1
+is killed at step 3 ("kill", SIGKILL): the launch must end and name it."""
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +38,8 @@ class CollectiveOnRankOneOnly(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if mode == "collective" and state.global_step == 3 and torch.distributed.get_rank() == 1:
             torch.distributed.all_reduce(torch.ones(1), group=self.group)  # rank 0 never enters it
+        if mode == "kill" and state.global_step == 3 and torch.distributed.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the kernel's OOM killer, a segfault
 
 
 trainer = Trainer(model=exact_bert(), args=oom_args(out, max_steps=50, per_device_train_batch_size=4),

@@ -70,3 +70,15 @@ def test_a_rank_that_stalls_ends_the_run_with_every_ranks_stacks_and_its_name(tm
     assert "<- not where the others are" in (folder / "summary.txt").read_text()
     assert "hf_gpu_train: hang: no progress" in run.stderr
     assert seconds < 120, seconds  # not the 1800 s collective timeout (the launch itself takes ~15 s here)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_is_named_with_its_signal_and_every_ranks_last_step(tmp_path):
+    """Issue 18, item 1: the launcher stopped the other rank in seconds, but nothing named the dead rank."""
+    import re
+
+    run = launch(cpu_config(tmp_path), Path(__file__).with_name("hang_probe.py"), str(tmp_path), "kill", timeout=240)
+    assert run.returncode != 0 and "training finished" not in run.stdout
+    line = next((x for x in run.stderr.splitlines() if x.startswith("hf-gpu-train launch: rank 1 died")), None)
+    assert line is not None, run.stderr[-3000:]
+    assert re.search(r"rank 1 died \(SIGKILL, exit -9\); last step finished: rank 0 [23], rank 1 [23]\.", line), line

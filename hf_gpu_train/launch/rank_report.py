@@ -1,0 +1,72 @@
+"""When a launch of several processes fails: which rank went first, how, and the last step every rank finished.
+
+The launcher (torchelastic, under `accelerate launch`) already stops the other ranks when one dies, and prints a
+"Root Cause" block with that rank and its exit code; it cannot say how far each rank got. `hf-gpu-train launch`
+gives every process a folder (``PROGRESS_DIR_ENV``) where the watchdog writes the step each rank finished, and ends a
+failed launch with one line: ``rank 1 died (SIGKILL, exit -9); last step finished: rank 0 12, rank 1 12``.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+PROGRESS_DIR_ENV = "HF_GPU_TRAIN_PROGRESS_DIR"
+HANG_EXIT_CODE = 3  # training/watchdog.py: a hang was detected and every rank's stacks were written
+
+
+def write_progress(rank: int, step: int, phase: str, environ=os.environ) -> None:
+    """This rank's last finished step, for the launcher's report (nothing when not launched by hf-gpu-train)."""
+    folder = environ.get(PROGRESS_DIR_ENV)
+    if not folder:
+        return
+    path = Path(folder) / f"rank-{rank}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"step": step, "phase": phase, "pid": os.getpid()}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the report is a courtesy: a full or gone /tmp must not stop training
+
+
+def read_progress(folder: Path) -> dict[int, dict]:
+    found = {}
+    for path in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            found[int(path.stem.split("-")[1])] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def root_cause(launcher_stderr: str) -> tuple[int, int] | None:
+    """(global rank, exit code) of torchelastic's "Root Cause (first observed failure)"; None when it printed none."""
+    at = launcher_stderr.rfind("Root Cause")
+    if at < 0:
+        return None
+    match = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", launcher_stderr[at:], re.S)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"died ({signal.Signals(-code).name}, exit {code})"
+        except ValueError:
+            return f"died (signal {-code})"
+    if code == HANG_EXIT_CODE:
+        return "ended the run on a hang (exit 3; every rank's stacks are in output_dir/hang-*)"
+    return f"failed (exit {code})"
+
+
+def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict]) -> str | None:
+    """The one line a failed launch ends with; None when there is nothing to say."""
+    if cause is None and not progress:
+        return None
+    steps = ", ".join(f"rank {r} {p.get('step')}" for r, p in sorted(progress.items())) or "none recorded (before the first step)"
+    first = f"rank {cause[0]} {_how(cause[1])}" if cause else "a rank failed"
+    return f"{first}; last step finished: {steps}. The same command again resumes from the last complete checkpoint"
