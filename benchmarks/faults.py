@@ -13,31 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from gloo_launch import ROOT, cpu_config, launch
 
-
-def _config(tmp: str) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = Path(tmp) / "cpu2"
-    subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                    "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
-    return f"{cfg}.yaml"
-
-
-def _launch(config: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config, *args],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+ARMS = {"off": "watchdog=off", "watchdog": "watchdog=auto"}
 
 
 def cost(config: str, tmp: str, rounds: int, steps: int) -> None:
@@ -45,7 +29,8 @@ def cost(config: str, tmp: str, rounds: int, steps: int) -> None:
     for r in range(rounds):
         for mode in (("off", "watchdog") if r % 2 == 0 else ("watchdog", "off")):
             round_dir = Path(tmp) / f"round{r}"
-            run = _launch(config, str(ROOT / "benchmarks" / "faults_probe.py"), str(round_dir), mode, str(steps))
+            run = launch(config, str(ROOT / "benchmarks" / "default_finetune_probe.py"), str(round_dir), mode, str(steps),
+                         ARMS[mode])
             assert run.returncode == 0, run.stderr[-2000:]
             results[mode].append(json.loads((round_dir / f"{mode}.json").read_text())["steps_per_second"])
     off, on = statistics.median(results["off"]), statistics.median(results["watchdog"])
@@ -61,7 +46,7 @@ def stalls(config: str, tmp: str) -> None:
     for mode in ("collate", "collective"):
         out = Path(tmp) / f"stall-{mode}"
         start = time.monotonic()
-        run = _launch(config, str(ROOT / "tests" / "training" / "hang_probe.py"), str(out), mode)
+        run = launch(config, str(ROOT / "tests" / "training" / "hang_probe.py"), str(out), mode)
         ended = time.monotonic() - start
         folders = list(out.glob("hang-*"))
         report = json.loads((folders[0] / "summary.json").read_text()) if folders else {}
@@ -76,7 +61,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(tmp)
+        config = cpu_config(tmp)
         stalls(config, tmp)
         cost(config, tmp, args.rounds, args.steps)
     return 0

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from gloo_launch import ROOT, cpu_config, launch
 
 
 def main() -> int:
@@ -32,21 +29,13 @@ def main() -> int:
     args = parser.parse_args()
     results: dict[str, list[float]] = {"plain": [], "recovery": []}
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        config = args.config_file
-        if config is None:
-            cfg = Path(tmp) / "cpu2"
-            subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                            "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
-            config = f"{cfg}.yaml"
+        config = args.config_file or cpu_config(tmp)
         for r in range(args.rounds):
             for mode in (("plain", "recovery") if r % 2 == 0 else ("recovery", "plain")):
                 round_dir = Path(tmp) / f"round{r}"  # a fresh output_dir per run: a finished one would not train again
-                subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config,
-                                str(ROOT / "benchmarks" / "oom_overhead_probe.py"), str(round_dir), mode, str(args.steps)],
-                               check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                run = launch(config, str(ROOT / "benchmarks" / "default_finetune_probe.py"), str(round_dir), mode,
+                             str(args.steps), f"oom_recovery={'true' if mode == 'recovery' else 'false'}")
+                assert run.returncode == 0, run.stderr[-2000:]
                 results[mode].append(json.loads((round_dir / f"{mode}.json").read_text())["steps_per_second"])
     plain, recovery = statistics.median(results["plain"]), statistics.median(results["recovery"])
     per_round = [r / p for r, p in zip(results["recovery"], results["plain"])]

@@ -16,23 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from gloo_launch import ROOT, cpu_config, launch
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def launch(config: str, out: Path, mode: str, steps: int) -> dict:
-    done = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config,
-                           str(ROOT / "benchmarks" / "overhead_in_trl_probe.py"), str(out), mode, str(steps)],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=1800)
+def run_arm(config: str, out: Path, mode: str, steps: int) -> dict:
+    done = launch(config, str(ROOT / "benchmarks" / "overhead_in_trl_probe.py"), str(out), mode, str(steps))
     if done.returncode != 0:
         raise SystemExit(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads((out / f"{mode}.json").read_text())
@@ -45,20 +38,14 @@ def main() -> int:
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cfg = Path(tmp) / "cpu2"
-        subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                        "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
-        config = f"{cfg}.yaml"
+        config = cpu_config(tmp)
         for r in range(args.rounds):
             for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 out = Path(tmp) / f"round{r}"
                 out.mkdir(exist_ok=True)
-                rates[mode].append(launch(config, out, mode, args.steps)["steps_per_second"])
+                rates[mode].append(run_arm(config, out, mode, args.steps)["steps_per_second"])
         clean_dir = Path(tmp) / "round0"
-        oom = launch(config, clean_dir, "on-oom", args.steps)
+        oom = run_arm(config, clean_dir, "on-oom", args.steps)
         clean = json.loads((clean_dir / "on.json").read_text())
         weights_clean, weights_oom = torch.load(clean_dir / "on.pt"), torch.load(clean_dir / "on-oom.pt")
         diff = max((weights_clean[k] - weights_oom[k]).abs().max().item() for k in weights_clean)

@@ -27,7 +27,7 @@ FAKE_MACHINE = "1x-h200"
 
 
 def build(out: str, steps: int, logging_steps: int, on_cuda: bool):
-    """A plain MiniLM Trainer without any hf_gpu_train callback (used by oom_overhead_probe.py)."""
+    """A plain MiniLM Trainer without any hf_gpu_train callback (used by the overhead benchmarks)."""
     import torch
     from transformers import (
         AutoModelForSequenceClassification,

@@ -209,7 +209,14 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
     import tempfile
 
     from ..errors import USAGE_ERROR_FILE_ENV
-    from ..launch.rank_report import PROGRESS_DIR_ENV, failure_line, read_progress, root_cause
+    from ..launch.rank_report import (
+        HANG_EXIT_CODE,
+        PROGRESS_DIR_ENV,
+        failure_line,
+        read_hang_report,
+        read_progress,
+        root_cause,
+    )
 
     with tempfile.TemporaryDirectory(prefix="hf_gpu_train_launch_") as folder:
         marker = Path(folder) / "usage_error.txt"
@@ -226,10 +233,11 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
             shown = (shown + chunk)[-65536:]
         code = proc.wait()
         if not marker.exists():
-            line = failure_line(root_cause(shown.decode(errors="replace")), read_progress(progress)) if code else None
+            hang = read_hang_report(progress)
+            line = failure_line(root_cause(shown.decode(errors="replace")), read_progress(progress), hang) if code else None
             if line:
                 print(f"hf-gpu-train launch: {line}", file=sys.stderr)
-            return code
+            return HANG_EXIT_CODE if code and hang is not None else code
         message = marker.read_text().strip().splitlines()[0]
         if message.encode() not in shown:
             print(message, file=sys.stderr)

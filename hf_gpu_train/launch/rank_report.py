@@ -9,6 +9,7 @@ No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,22 @@ def write_progress(rank: int, step: int, phase: str, environ=os.environ) -> None
         os.replace(tmp, path)
     except OSError:
         pass  # the report is a courtesy: a full or gone /tmp must not stop training
+
+
+def write_hang_report(report: dict, environ=os.environ) -> None:
+    """The watchdog's verdict (rank 0), for the launcher: which ranks are not where the others are, and where the
+    stacks are. torchelastic's "first failure" is only the rank that exited first, rank 0 in a hang."""
+    folder = environ.get(PROGRESS_DIR_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / "hang.json").write_text(json.dumps(report))
+
+
+def read_hang_report(folder: Path) -> dict | None:
+    try:
+        return json.loads((Path(folder) / "hang.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_progress(folder: Path) -> dict[int, dict]:
@@ -63,10 +80,16 @@ def _how(code: int) -> str:
     return f"failed (exit {code})"
 
 
-def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict]) -> str | None:
+def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang: dict | None = None) -> str | None:
     """The one line a failed launch ends with; None when there is nothing to say."""
-    if cause is None and not progress:
+    if cause is None and not progress and hang is None:
         return None
-    steps = ", ".join(f"rank {r} {p.get('step')}" for r, p in sorted(progress.items())) or "none recorded (before the first step)"
-    first = f"rank {cause[0]} {_how(cause[1])}" if cause else "a rank failed"
-    return f"{first}; last step finished: {steps}. The same command again resumes from the last complete checkpoint"
+    steps = ", ".join(f"rank {r} {p.get('step')}" for r, p in sorted(progress.items())) or "not recorded"
+    if hang is not None:
+        lagging = hang.get("behind") or []
+        first = (f"hang: rank(s) {', '.join(map(str, lagging))} not where the others are" if lagging else
+                 "hang: every rank at the same place") + f" (every rank's stacks in {hang.get('folder')}; exit 3)"
+    else:
+        first = f"rank {cause[0]} {_how(cause[1])}" if cause else "a rank failed"
+    return (f"{first}; last step finished: {steps}. Run the same command again to resume from the last complete "
+            "checkpoint, if one was saved")

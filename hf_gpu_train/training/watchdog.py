@@ -15,6 +15,7 @@ How long is "no progress": ``factor`` times the median measured step time, never
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..launch.rank_report import HANG_EXIT_CODE, write_progress  # exit 3: documented in the README
+from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
 
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
@@ -60,7 +61,10 @@ class Progress:
         self.step = 0  # optimizer steps finished
         self.phase = "data"
         self.since = time.monotonic()
-        self.step_times: deque[float] = deque(maxlen=20)
+        self.step_times: deque[float] = deque(maxlen=50)
+        # after an evaluation or a save the next step waits for the slowest rank's (rank 0 writes the checkpoint while
+        # the others wait in the next collective): the long floor holds until a step ends
+        self.after_long_phase = False
         self.eval_times: deque[float] = deque(maxlen=20)
         self._step_started: float | None = None
         self._eval_batch_at: float | None = None
@@ -72,6 +76,8 @@ class Progress:
         if phase == "evaluation" and self.phase == "evaluation" and self._eval_batch_at is not None:
             self.eval_times.append(now - self._eval_batch_at)
         self._eval_batch_at = now if phase == "evaluation" else None
+        if self.phase in ("evaluation", "save") and phase not in ("evaluation", "save"):
+            self.after_long_phase = True
         self.phase, self.since = phase, now
 
     def step_done(self, step: int) -> None:
@@ -81,17 +87,22 @@ class Progress:
         self._step_started = now
         self.step = step
         self.enter("data")
+        self.after_long_phase = False
 
     def limit(self, limits: Limits) -> tuple[float, str]:
-        """(seconds, why) allowed in the current phase."""
-        long_phase = self.phase in ("evaluation", "save") or not self.step_times
+        """(seconds, why) allowed in the current phase: the larger of ``factor`` x the median and 3 x the longest
+        recent step (a step that generates every few steps, a recompile), never below the floor."""
+        long_phase = self.phase in ("evaluation", "save") or not self.step_times or self.after_long_phase
         times = self.eval_times if self.phase == "evaluation" else self.step_times
         floor = limits.long_floor_s if long_phase else limits.floor_s
         if times:
-            typical = statistics.median(times)
-            if limits.factor * typical > floor:
-                return limits.factor * typical, f"{limits.factor:g} x the median {typical:.2f} s"
-        what = "first step" if not self.step_times and self.phase not in ("evaluation", "save") else self.phase
+            typical, longest = statistics.median(times), max(times)
+            derived, why = max((limits.factor * typical, f"{limits.factor:g} x the median {typical:.2f} s"),
+                               (3 * longest, f"3 x the longest recent {longest:.2f} s"))
+            if derived > floor:
+                return derived, why
+        what = ("first step" if not self.step_times else "step after an evaluation or save" if self.after_long_phase
+                else self.phase)
         return floor, f"the floor for {what if long_phase else 'a step'}"
 
     def state(self) -> dict:
@@ -191,7 +202,9 @@ def summary(states: dict[int, dict | None], culprit_rank: int, limit_s: float, w
                     f", not in a collective ({s.get('collectives', 0)} entered)")
                  if s else "no answer (stuck holding the interpreter, or gone)")
         lines.append(f"  rank {rank}: {where}" + ("   <- not where the others are" if rank in lagging else ""))
-    if not lagging:
+    if len(states) == 1:
+        lines.append("  one process: its stacks show where it waits")
+    elif not lagging:
         lines.append("  every rank that answered is at the same place: they wait for each other in the same collective "
                      "or on the same resource (see the stacks)")
     return lines
@@ -208,27 +221,31 @@ class Watchdog:
         self._exit = exit
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._store = None
         self.tripped: Path | None = None
 
     def start(self) -> None:
+        """Watch from now on (a thread while watched, none otherwise: nothing outlives the training it watched)."""
         if not self.active:
             self.progress.since = time.monotonic()  # time spent unwatched is not a stall
         self.active = True
         if self._thread is None:
-            self._store = _store()
-            if self._store is not None:
-                track_collectives(self.progress)
-            self._thread = threading.Thread(target=self._watch, name="hf_gpu_train-watchdog", daemon=True)
+            if self._store is None:
+                self._store = _store()
+                if self._store is not None:
+                    track_collectives(self.progress)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._watch, args=(self._stop,), name="hf_gpu_train-watchdog", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching: the thread ends within one poll."""
         self.active = False
-
-    def close(self) -> None:
         self._stop.set()
+        self._thread = None
 
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
+    def _watch(self, stopped: threading.Event) -> None:
+        while not stopped.wait(self.poll_s):
             try:
                 seen = self._store is not None and self._store.check([_KEY])
             except Exception:  # noqa: BLE001 (the store's host is gone: the launcher is ending the run)
@@ -236,14 +253,26 @@ class Watchdog:
             if seen:
                 self._report(self._store.get(_KEY).decode(), culprit=None)
                 return
-            if not self.active:
-                continue
+            if not self.active or stopped.is_set():
+                return
             limit, why = self.progress.limit(self.limits)
             if time.monotonic() - self.progress.since > limit:
                 self._report(None, culprit=(limit, why))
                 return
 
     def _report(self, stamp: str | None, culprit: tuple[float, str] | None) -> None:
+        """Dump, tell, collect, exit: whatever fails on the way (a full disk, a gone store), the process exits."""
+        try:
+            self._tell_and_dump(stamp, culprit)
+        except BaseException as error:  # noqa: BLE001 (the run is ending: nothing here may keep it alive)
+            with contextlib.suppress(BaseException):
+                print(f"hf_gpu_train: hang detected; its report failed ({type(error).__name__}: {error})", file=sys.stderr,
+                      flush=True)
+                _stacks_to_stderr()
+        finally:
+            self._exit(HANG_EXIT_CODE)
+
+    def _tell_and_dump(self, stamp: str | None, culprit: tuple[float, str] | None) -> None:
         rank, world = _rank()
         store = self._store
         if stamp is None:
@@ -255,31 +284,37 @@ class Watchdog:
                     pass
         stamp, _, first = stamp.partition("|")
         folder = self.output_dir / f"hang-{stamp}"
-        folder.mkdir(parents=True, exist_ok=True)
         state = {**self.progress.state(), "pid": os.getpid()}
         if culprit is not None:
             state["limit_s"], state["why"] = culprit
-        with open(folder / f"rank-{rank}.txt", "w") as f:
-            f.write(f"rank {rank} of {world}, pid {os.getpid()}: {json.dumps(state)}\n\n")
-            faulthandler.dump_traceback(f, all_threads=True)
+        if store is not None:  # before any file: a disk that stops answering must not keep rank 0 from the states
+            with contextlib.suppress(Exception):
+                store.set(f"{_KEY}/rank/{rank}", json.dumps(state))
+        stacks = folder / f"rank-{rank}.txt"
+
+        def dump():
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(stacks, "w") as f:
+                f.write(f"rank {rank} of {world}, pid {os.getpid()}: {json.dumps(state)}\n\n")
+                faulthandler.dump_traceback(f, all_threads=True)
+            _flight_record(folder, rank)
+
+        if not _within(self.collect_s, dump):
+            print(f"hf_gpu_train: rank {rank}: could not write {stacks}; the stacks follow", file=sys.stderr, flush=True)
+            _stacks_to_stderr()
         self.tripped = folder
         if store is None:
             self._finish({rank: state}, rank, folder, state)
-            return
-        try:
-            store.set(f"{_KEY}/rank/{rank}", json.dumps(state))
-            if rank == 0:
-                states = self._collect(store, world)
-                culprit_rank = int(first) if first.isdigit() else rank
-                self._finish(states, culprit_rank, folder, states.get(culprit_rank) or state)
+        elif rank == 0:
+            states = self._collect(store, world)
+            culprit_rank = int(first) if first.isdigit() else rank
+            self._finish(states, culprit_rank, folder, states.get(culprit_rank) or state)
+            with contextlib.suppress(Exception):
                 store.set(f"{_KEY}/done", "1")
-            else:
-                print(f"hf_gpu_train: rank {rank}: hang detected, stacks in {folder / f'rank-{rank}.txt'}", file=sys.stderr,
-                      flush=True)
+        else:
+            print(f"hf_gpu_train: rank {rank}: hang detected, stacks in {stacks}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # rank 0 gone: what this rank knows is written
                 store.wait([f"{_KEY}/done"], _timedelta(self.collect_s + 5))
-        except Exception:  # noqa: BLE001 (rank 0 or the store is gone: what this rank knows is on disk)
-            pass
-        self._exit(HANG_EXIT_CODE)
 
     def _collect(self, store, world: int) -> dict[int, dict | None]:
         deadline = time.monotonic() + self.collect_s
@@ -301,13 +336,53 @@ class Watchdog:
     def _finish(self, states, culprit_rank: int, folder: Path, culprit_state: dict) -> None:
         lines = summary(states, culprit_rank, culprit_state.get("limit_s", 0.0), culprit_state.get("why", "seen by another rank"),
                         folder)
-        (folder / "summary.txt").write_text("\n".join(lines) + "\n")
-        (folder / "summary.json").write_text(json.dumps({"ranks": {str(r): s for r, s in states.items()},
-                                                         "behind": behind({r: s for r, s in states.items() if s}),
-                                                         "first_to_trip": culprit_rank}, indent=2))
+        report = {"folder": str(folder), "ranks": {str(r): s for r, s in states.items()},
+                  "behind": behind({r: s for r, s in states.items() if s}), "first_to_trip": culprit_rank}
         print("\n".join(f"hf_gpu_train: {line}" for line in lines), file=sys.stderr, flush=True)
-        if self._store is None:
-            self._exit(HANG_EXIT_CODE)
+        write_hang_report(report)  # for hf-gpu-train launch's last line
+
+        def write():
+            (folder / "summary.txt").write_text("\n".join(lines) + "\n")
+            (folder / "summary.json").write_text(json.dumps(report, indent=2))
+
+        _within(self.collect_s, write)
+
+
+def _stacks_to_stderr() -> None:
+    """Every thread's stack to the process's stderr (faulthandler needs a real file descriptor)."""
+    for stream in (sys.stderr, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(stream, all_threads=True)
+            return
+
+
+def _within(seconds: float, work) -> bool:
+    """Run ``work`` on a thread of its own and wait at most ``seconds``: True when it finished without error (a disk
+    that stops answering blocks that thread, not the report)."""
+    done, failed = threading.Event(), []
+
+    def run():
+        try:
+            work()
+        except Exception as error:  # noqa: BLE001
+            failed.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="hf_gpu_train-watchdog-write", daemon=True).start()
+    return done.wait(seconds) and not failed
+
+
+def _flight_record(folder: Path, rank: int) -> None:
+    """On NCCL, PyTorch's flight recorder's record of this rank's last collectives (the watchdog ends the run long
+    before a collective timeout would dump it). Private torch API: silently nothing where it is missing."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            from torch._C._distributed_c10d import _dump_nccl_trace
+
+            (folder / f"nccl-trace-rank-{rank}.pkl").write_bytes(_dump_nccl_trace())
 
 
 def _timedelta(seconds: float):
@@ -371,8 +446,23 @@ def attach_watchdog(trainer, timeout="auto", output_dir: str | Path | None = Non
     trainer.add_callback(WatchdogCallback(watchdog))
     for name, phase in (("evaluate", "evaluation"), ("_save_checkpoint", "save"), ("save_model", "save")):
         _wrap_phase(trainer, name, phase, watchdog)
+    _disarm_after(trainer, "train", watchdog)
     trainer._hf_gpu_train_watchdog = watchdog
     return watchdog
+
+
+def _disarm_after(trainer, name: str, watchdog: Watchdog) -> None:
+    """However ``trainer.<name>`` ends (an exception, a KeyboardInterrupt, a callback that stops it), the watchdog
+    stops with it: an armed watchdog outliving its training would end the process minutes later."""
+    original = getattr(trainer, name)
+
+    def disarming(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            watchdog.stop()
+
+    setattr(trainer, name, disarming)
 
 
 def _wrap_phase(trainer, name: str, phase: str, watchdog: Watchdog) -> None:

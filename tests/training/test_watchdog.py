@@ -22,8 +22,14 @@ def test_the_limit_follows_the_measured_step_time_above_its_floors():
     assert progress.limit(limits) == (5, "the floor for a step")
     progress.step_times.extend([2.0, 2.0, 2.0, 2.0])
     assert progress.limit(limits)[0] == pytest.approx(20.0)  # 10 x the median 2 s
+    progress.step_times.append(30.0)  # a step that generates (GRPO), a recompile: 3 x the longest recent step
+    assert progress.limit(limits)[0] == pytest.approx(90.0)
     progress.enter("evaluation")
-    assert progress.limit(limits)[0] == 50  # evaluation has the long floor
+    assert progress.limit(limits)[0] == 50  # evaluation: the long floor (its own batches' times, none yet)
+    progress.enter("data")  # rank 0 may still write the checkpoint: the next step keeps the long floor until it ends
+    assert progress.after_long_phase and progress.limit(Limits(floor_s=5, long_floor_s=500))[0] == 500
+    progress.step_done(8)
+    assert not progress.after_long_phase
     assert Limits.from_setting("off") is None and Limits.from_setting(30) == Limits(floor_s=30, long_floor_s=30)
 
 
@@ -69,6 +75,8 @@ def test_a_rank_that_stalls_ends_the_run_with_every_ranks_stacks_and_its_name(tm
     assert report["behind"] == [1], (folder / "summary.txt").read_text()
     assert "<- not where the others are" in (folder / "summary.txt").read_text()
     assert "hf_gpu_train: hang: no progress" in run.stderr
+    # the launch's last line names the rank the watchdog found, not the rank that exited first (rank 0 here)
+    assert "hf-gpu-train launch: hang: rank(s) 1 not where the others are" in run.stderr and run.returncode == 3
     assert seconds < 120, seconds  # not the 1800 s collective timeout (the launch itself takes ~15 s here)
 
 
@@ -82,3 +90,53 @@ def test_a_rank_that_dies_is_named_with_its_signal_and_every_ranks_last_step(tmp
     line = next((x for x in run.stderr.splitlines() if x.startswith("hf-gpu-train launch: rank 1 died")), None)
     assert line is not None, run.stderr[-3000:]
     assert re.search(r"rank 1 died \(SIGKILL, exit -9\); last step finished: rank 0 [23], rank 1 [23]\.", line), line
+
+
+def test_a_training_that_ends_in_an_exception_leaves_no_watchdog_behind(tmp_path):
+    """The full suite died with exit 3: a test's finetune() ended in KeyboardInterrupt (on_train_end never ran), its
+    watchdog stayed armed, and 120 s later it ended the pytest process. Leaving train() by any way disarms it."""
+    import threading
+
+    from transformers import Trainer, TrainerCallback
+
+    from hf_gpu_train.training.watchdog import attach_watchdog
+
+    from ..callbacks.tiny import TokenDataset
+    from .test_oom import exact_bert, oom_args
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    exits = []
+    trainer = Trainer(model=exact_bert(), args=oom_args(tmp_path, max_steps=5), train_dataset=TokenDataset(n=64),
+                      callbacks=[Interrupt()])
+    attach_watchdog(trainer, timeout=0.3, poll_s=0.05, exit=exits.append)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    time.sleep(1.0)
+    assert exits == [] and not list(tmp_path.glob("hang-*"))
+    assert not [t for t in threading.enumerate() if t.name == "hf_gpu_train-watchdog"]
+    trainer.evaluate(TokenDataset(n=8))  # watched while it runs, and disarmed again after
+    time.sleep(1.0)
+    assert exits == [] and not [t for t in threading.enumerate() if t.name == "hf_gpu_train-watchdog"]
+
+
+def test_a_disk_that_fails_or_stops_answering_does_not_keep_the_run_alive(tmp_path, capsys):
+    """Review of issue 18: the dump ran before anything else, so a hung output_dir hung the watchdog too, and an
+    OSError ended its thread silently. Now the process exits whatever the disk does, with the stacks on stderr."""
+    from hf_gpu_train.training.watchdog import _within
+
+    started = time.monotonic()
+    assert _within(0.2, lambda: time.sleep(5)) is False and time.monotonic() - started < 2
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # output_dir is a file: every write under it fails
+    exits = []
+    watchdog = Watchdog(blocked, Limits(floor_s=0.2, long_floor_s=0.2), poll_s=0.05, collect_s=1, exit=exits.append)
+    watchdog.start()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [HANG_EXIT_CODE]
+    assert "could not write" in capsys.readouterr().err

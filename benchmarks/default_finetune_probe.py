@@ -1,0 +1,25 @@
+"""One arm of oom_overhead.py or faults.py, launched on 2 gloo processes: ``scripts/finetune.py``'s ``finetune()`` as
+shipped (MiniLM on the built-in text set), short, with the arm's key=value and nothing else different.
+
+    default_finetune_probe.py OUT NAME STEPS [key=value ...]   (writes OUT/NAME.json: the steps/s)
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_gpu_train.finetune.config import load_config  # noqa: E402
+from hf_gpu_train.finetune.run import finetune  # noqa: E402
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+out, name, steps, arm = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+cfg = load_config(None, [f"output_dir={out}/{name}", f"max_steps={steps}", "per_device_train_batch_size=16", "max_length=64",
+                         "logging_steps=10", "eval_strategy=no", "save_strategy=no", "telemetry=false", "resume=never", *arm])
+finetune(cfg)
+if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary
+    summary = json.loads(Path(out, name, "run_summary.json").read_text())
+    Path(out, f"{name}.json").write_text(json.dumps({"steps_per_second": summary["global_step"] / summary["train_seconds"]}))
+leave_process_group()  # Gloo's threads could otherwise abort the exit

@@ -1,0 +1,28 @@
+"""What the benchmarks that launch 2 gloo processes on the CPU share: the launch config, and one launch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_config(folder: str | Path, processes: int = 2) -> str:
+    """``hf-gpu-train config --machine cpu-only`` for ``processes`` gloo processes on a free port; the YAML's path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = Path(folder) / f"cpu{processes}"
+    subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", str(processes),
+                    "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
+    return f"{cfg}.yaml"
+
+
+def launch(config: str, *args: str) -> subprocess.CompletedProcess:
+    """``hf-gpu-train launch --config-file CONFIG ARGS`` from the repository root, the repository importable."""
+    return subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config, *args],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
