@@ -27,3 +27,32 @@ def pytest_collection_modifyitems(config, items):
 def machine():
     """machine("8x-h100-sxm") -> HardwareProfile."""
     return load_machine
+
+
+# Variables a test may set in this process only through monkeypatch: one that leaks reaches every later test's
+# subprocesses (OMP_NUM_THREADS=7 from one test once ran every later gloo test with 7 threads a process on 2 cores).
+_GUARDED_PREFIXES = ("OMP_", "MKL_", "HF_GPU_TRAIN_", "CUDA_", "ACCELERATE_", "NCCL_", "TORCH_NCCL_", "WORLD_SIZE", "RANK",
+                     "LOCAL_RANK", "MASTER_")
+
+
+def _guarded() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith(_GUARDED_PREFIXES)}
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_leaks():
+    before = _guarded()
+    yield
+    after = _guarded()
+    leaked = {k: after.get(k) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    if leaked:
+        import os
+
+        for key in leaked:  # put it back, so one leak fails one test, not every later one
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                os.environ.pop(key, None)
+        pytest.fail(f"the test changed this process's environment outside monkeypatch: {leaked}")

@@ -165,9 +165,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
     check_output_dir(cfg)
     check_extra_arguments(cfg)
-    # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
     runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
+    if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
+        # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
     accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
     identity = RunIdentity.of(cfg, runtime.precision, effective)
     previous = read_previous(cfg.output_dir)

@@ -59,8 +59,9 @@ def test_omp_threads_reach_an_already_loaded_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     apply_run_environment(plan({"OMP_NUM_THREADS": "7"}), {})
     assert calls == []  # an environment that is not this process's: this process's threads stay
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    apply_run_environment(plan({"OMP_NUM_THREADS": "7"}), os.environ)
+    monkeypatch.setenv("OMP_NUM_THREADS", "unset")  # registers the value to restore after the test (often: none)
+    monkeypatch.delenv("OMP_NUM_THREADS")  # (delenv of a missing variable registers nothing: the 7 leaked into every
+    apply_run_environment(plan({"OMP_NUM_THREADS": "7"}), os.environ)  # later test's processes, 7 threads on 2 cores)
     assert calls == [7]
 
 
