@@ -98,18 +98,20 @@ def _data(recipe: str | None, overrides: list[str]) -> dict | None:
 def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict) -> tuple[str, str] | None:
     """(accelerate precision, note) when `hf-gpu-train tune` measured another precision for this very recipe: the
     launcher passes it to this run only (NAME.yaml's mixed_precision reaches every recipe)."""
-    from ..launch.run_plan_file import tuned_keys_for
+    from ..launch.run_plan_file import accelerate_precision, tuned_keys_for
 
     recipe = recipe_in(script_args)
     overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
-    if plan is None or "mixed_precision" in settings or "precision" not in tuned_keys_for(plan, recipe, overrides,
-                                                                                         _data(recipe, overrides)) \
-            or plan.value("precision") is None:  # a plan made for another machine: no tuned precision here
+    # plan.value None: a plan made for another machine, no tuned precision here
+    if plan is None or "mixed_precision" in settings or plan.value("precision") is None \
+            or "precision" not in tuned_keys_for(plan, recipe, overrides):
+        return None
+    if "precision" not in tuned_keys_for(plan, recipe, overrides, _data(recipe, overrides)):  # read the config only now
         return None
     if any(arg.startswith("precision=") for arg in script_args):  # the command line's precision always wins
         return None
     tuned = plan.value("precision")
-    accelerate_value = {"fp32": "no"}.get(str(tuned), str(tuned))
+    accelerate_value = accelerate_precision(tuned)
     if str(config.get("mixed_precision")) == accelerate_value:
         return None
     return accelerate_value, (f"--mixed_precision {accelerate_value}: measured by hf-gpu-train tune for {recipe or 'this run'} (this recipe "

@@ -54,13 +54,11 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         return cfg, None
     not_applied: dict[str, tuple[object, str]] = {}  # key -> (the plan's value, why the run does not use it)
     data = data_stamps(dataclasses.asdict(cfg))
-    plan = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides, data), "tuned for another recipe")
-    other_recipe = plan.lines
+    planned, other_recipe = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides, data),
+                                    "tuned for another recipe")
     here = detect_this_machine() if here is None else here
-    planned = plan.plan
     # before its variables reach this process
-    plan = _noting(not_applied, planned, *scope_to_this_machine(planned, here), "made for another machine")
-    other_machine, plan = plan.lines, plan.plan
+    plan, other_machine = _noting(not_applied, planned, *scope_to_this_machine(planned, here), "made for another machine")
     if plan is not planned:
         other_machine += unset_planned_variables(planned, plan, environ)
     lines = [f"launch plan {plan.path} ({plan.source})", *other_machine, *apply_run_environment(plan, environ).lines(),
@@ -68,10 +66,8 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     # what tune measured for this job and the plan still holds (a plan made for another machine holds none of it)
     tuned_here = frozenset(k for k in tuned_keys_for(plan, recipe, overrides, data) if plan.value(k) is not None)
     # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
-    scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here),
-                     "made for another model or shape")
-    plan = scoped.plan
-    lines += scoped.lines
+    plan, scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here), "made for another model or shape")
+    lines += scoped
     if "precision" in tuned_here:
         plan, scoped = _tuned_precision_over_the_yamls(plan)
         lines += scoped
@@ -101,20 +97,14 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here)
 
 
-@dataclass(frozen=True)
-class _Scoped:
-    plan: object
-    lines: list
-
-
-def _noting(not_applied: dict, before, after, lines: list, why: str) -> _Scoped:
-    """``after`` (``before`` scoped by one rule), with each value the rule took away or replaced noted with ``why``."""
+def _noting(not_applied: dict, before, after, lines: list, why: str) -> tuple[object, list]:
+    """(after, lines): ``before`` scoped by one rule, each value the rule took away or replaced noted with ``why``."""
     from ..launch.run_plan import APPLIED_KEYS
 
     for key in APPLIED_KEYS:
         if before.value(key) is not None and before.value(key) != after.value(key):
             not_applied.setdefault(key, (before.value(key), why))
-    return _Scoped(after, lines)
+    return after, lines
 
 
 def tuned_for_this_recipe(plan, recipe, overrides=(), data=None) -> tuple[object, list[str]]:

@@ -16,10 +16,11 @@ from collections import Counter
 from collections.abc import Mapping
 
 from ..hardware.profile import HardwareProfile
+from .run_plan_file import APPLIED_KEYS, accelerate_precision, plan_before_tune
 
-# plan values that depend on the machine (the memory-derived ones on its GPU memory)
-MACHINE_VALUES = ("precision", "dataloader_num_workers", "per_device_train_batch_size", "global_batch_size",
-                  "gradient_checkpointing", "torch_compile", "packing")
+# every value a run applies depends on the machine (precision and workers directly, the memory-derived ones on its
+# GPU memory)
+MACHINE_VALUES = APPLIED_KEYS
 # environment variables the planner derives from the machine (threads from its cores, NCCL from its topology,
 # devices from its GPUs); the others (ACCELERATE_USE_CPU, NCCL_DEBUG, ...) follow the launch config, not the box
 MACHINE_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_P2P_LEVEL", "NCCL_P2P_DISABLE",
@@ -140,14 +141,13 @@ def unset_planned_variables(planned, scoped, environ) -> list[str]:
     per variable."""
     kept = set(scoped.environment)
     lines = []
-    for name, value, _ in planned.environment:
-        if (name, value, _) not in kept and environ.get(name) == value:
+    for variable in planned.environment:
+        name, value, _ = variable
+        if variable not in kept and environ.get(name) == value:
             del environ[name]
             lines.append(f"{name}={value} from the plan for {planned.machine} unset (it reached this process before the run)")
-    from .run_plan_file import plan_before_tune
-
     yaml_precision = plan_before_tune(planned).value("precision")  # what `config` wrote in NAME.yaml (tune never changes it)
-    accelerate_words = {"fp32": "no"}.get(str(yaml_precision), str(yaml_precision))
+    accelerate_words = accelerate_precision(yaml_precision)
     if scoped.value("precision") is None and yaml_precision is not None and environ.get("ACCELERATE_MIXED_PRECISION") == accelerate_words:
         del environ["ACCELERATE_MIXED_PRECISION"]
         lines.append(f"mixed_precision {accelerate_words} of the launch config for {planned.machine} not used: the precision "

@@ -82,6 +82,11 @@ def finetune_precision(mixed_precision: str | None) -> str | None:
     return None if mixed_precision is None else {"no": "fp32"}.get(mixed_precision, mixed_precision)
 
 
+def accelerate_precision(precision: object) -> str:
+    """A finetune precision in accelerate's words (fp32 is ``no``): the reverse of ``finetune_precision``."""
+    return {"fp32": "no"}.get(str(precision), str(precision))
+
+
 @dataclass(frozen=True)
 class PlanValue:
     """One decided value; ``value`` is None when the plan did not decide it (``reason`` says why)."""

@@ -121,10 +121,28 @@ class Lockstep:
 _ACTIVE: list[Lockstep] = []
 
 
+def on_default_group(kwargs) -> bool:
+    """Whether a collective call runs on the default group (a sub-group's collective is not every rank's)."""
+    return kwargs.get("group") in (None, dist.group.WORLD)
+
+
+def wrap_collectives(mark: str, wrap) -> None:
+    """Put ``wrap(name, collective)`` around each of ``torch.distributed``'s collectives not carrying ``mark`` yet
+    (idempotent). The wrapper keeps the collective as ``__wrapped__``: it can be taken off again. Accelerate, TRL and
+    most code look the collectives up on ``torch.distributed`` at call time, so they reach the wrapper."""
+    for name in GATED:
+        current = getattr(dist, name, None)
+        if current is not None and not getattr(current, mark, False):
+            wrapper = wrap(name, current)
+            wrapper.__name__, wrapper.__wrapped__ = name, current
+            setattr(wrapper, mark, True)
+            setattr(dist, name, wrapper)
+
+
 def _gated(name: str, collective):
     def gated(*args, **kwargs):
         lockstep = _ACTIVE[-1] if _ACTIVE else None
-        if lockstep is None or lockstep._inside_collective or kwargs.get("group") not in (None, dist.group.WORLD):
+        if lockstep is None or lockstep._inside_collective or not on_default_group(kwargs):
             return collective(*args, **kwargs)  # a sub-group's collective: not every rank takes part, so no ballot
         lockstep.gate()
         lockstep._inside_collective = True  # all_gather_object calls all_gather: one ballot per collective asked for
@@ -133,19 +151,13 @@ def _gated(name: str, collective):
         finally:
             lockstep._inside_collective = False
 
-    gated.__name__ = name
-    gated.__wrapped__ = collective
-    gated._hf_gpu_train_gated = True
     return gated
 
 
 def install_gates() -> None:
     """Put the gates on ``torch.distributed``'s collectives (idempotent). Outside an ``attempt`` they call the
-    collective at once; accelerate, TRL and most code look them up on ``torch.distributed`` at call time."""
-    for name in GATED:
-        current = getattr(dist, name, None)
-        if current is not None and not getattr(current, "_hf_gpu_train_gated", False):
-            setattr(dist, name, _gated(name, current))
+    collective at once."""
+    wrap_collectives("_hf_gpu_train_gated", _gated)
 
 
 def remove_gates() -> None:

@@ -117,23 +117,18 @@ def track_collectives(progress: Progress) -> None:
     """Count every collective entered on the default group and note the one this rank waits in. A rank that waits
     in its n-th collective while another has entered fewer is waiting for that other rank: the count names the
     culprit even when both ranks are in the same phase (a token-count gather while the other rank's loader hangs)."""
-    import torch.distributed as dist
-
-    from .lockstep import GATED
+    from .lockstep import wrap_collectives
 
     _TRACKED[:] = [progress]
-    for name in GATED:
-        current = getattr(dist, name, None)
-        if current is not None and not getattr(current, "_hf_gpu_train_tracked", False):
-            setattr(dist, name, _tracked(name, current))
+    wrap_collectives("_hf_gpu_train_tracked", _tracked)
 
 
 def _tracked(name: str, collective):
-    import torch.distributed as dist
+    from .lockstep import on_default_group
 
     def tracked(*args, **kwargs):
         progress = _TRACKED[0] if _TRACKED else None
-        if progress is None or kwargs.get("group") not in (None, dist.group.WORLD) or progress.in_collective:
+        if progress is None or not on_default_group(kwargs) or progress.in_collective:
             return collective(*args, **kwargs)
         progress.collectives += 1
         progress.in_collective = name
@@ -142,9 +137,6 @@ def _tracked(name: str, collective):
         finally:
             progress.in_collective = None
 
-    tracked.__name__ = name
-    tracked.__wrapped__ = collective
-    tracked._hf_gpu_train_tracked = True
     return tracked
 
 
@@ -222,7 +214,6 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._store = None
-        self.tripped: Path | None = None
 
     def start(self) -> None:
         """Watch from now on (a thread while watched, none otherwise: nothing outlives the training it watched)."""
@@ -302,7 +293,6 @@ class Watchdog:
         if not _within(self.collect_s, dump):
             print(f"hf_gpu_train: rank {rank}: could not write {stacks}; the stacks follow", file=sys.stderr, flush=True)
             _stacks_to_stderr()
-        self.tripped = folder
         if store is None:
             self._finish({rank: state}, rank, folder, state)
         elif rank == 0:

@@ -27,7 +27,6 @@ FORMAT = "hf_gpu_train.tune_cache"
 VERSION = 1
 SUFFIX = ".tune.json"
 PACKAGES = ("torch", "transformers", "accelerate", "timm", "hf-gpu-train")
-NOT_IN_KEY = NOT_THE_JOB  # the job, as tuned values are scoped (launch/run_plan_file.py)
 
 class TuneCacheError(UsageError):
     """NAME.tune.json is not ours or not readable: names the file and the fix."""
@@ -60,7 +59,7 @@ def job_identity(values: Mapping[str, object]) -> dict:
     """The training job, in FinetuneConfig's words, without what does not change a step's speed or memory."""
     identity = {}
     for key, value in sorted(values.items()):
-        if key in NOT_IN_KEY:
+        if key in NOT_THE_JOB:  # the job, as tuned values are scoped (launch/run_plan_file.py)
             continue
         identity[key] = file_stamp(value) if key in FILE_KEYS else value
     return identity
