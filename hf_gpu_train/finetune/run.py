@@ -50,16 +50,32 @@ def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished
     return cfg.resume
 
 
+def _raw_splits(opened) -> dict:
+    return {"train": opened.train, "validation": opened.validation}
+
+
+def _processed(opened, prepared):
+    """The run's ClassificationData from what ``prepare_once`` returned (built here, or loaded)."""
+    from .data import ClassificationData
+    from .prepare_once import world_size
+
+    notes = list(prepared.meta["notes"]) + ([f"data {prepared.how}"] if world_size() > 1 else [])
+    return ClassificationData(train=prepared.train, validation=prepared.validation, label_names=opened.label_names,
+                              source=opened.source, notes=notes)
+
+
 def prepare(cfg: FinetuneConfig, runtime):
     """(model, train, validation, collator, processing_class, data) for the task.
 
     The order is for whoever made a mistake: first what is cheap to check (the model's path or timm name and its
     weights; the data's files, splits, columns and labels, and whether a validation carve is possible), then the
     model (it may download, or find no network), and only then the passes over every row (label encoding, the
-    carve, opening every image, tokenizing). A typo costs seconds, not a pass over a large dataset.
+    carve, opening every image, tokenizing). A typo costs seconds, not a pass over a large dataset. With several
+    processes those passes run once per machine and the other ranks load their result (``prepare_once``).
     """
     from .checkpoints import is_main_process
     from .data import open_classification_data, process_classification_data
+    from .prepare_once import Prepared, data_key, prepare_once
 
     def say(notes):
         if is_main_process():
@@ -74,17 +90,22 @@ def prepare(cfg: FinetuneConfig, runtime):
     if cfg.task == "text-classification":
         from .checkpoints import check_label_map
         from .preflight import check_text_model
-        from .text import load_text_model, text_collator, tokenize
+        from .text import load_text_model, resolve_model_path, text_collator, tokenize
 
         model_dir = check_text_model(cfg)
         opened = open_classification_data(cfg)
         if model_dir is not None:
             check_label_map(model_dir, opened.label_names, "model")  # warm start from one of our runs
         model, tokenizer = load_text_model(cfg, opened.label_names)
-        data = process_classification_data(cfg, opened)
+
+        def tokenized() -> Prepared:
+            data = process_classification_data(cfg, opened)
+            return Prepared(*tokenize(cfg, data, tokenizer), {"notes": data.notes})
+
+        prepared = prepare_once(data_key(cfg, _raw_splits(opened), resolve_model_path(cfg.model)), tokenized)
+        data = _processed(opened, prepared)
         say(data.notes)
-        train, validation = tokenize(cfg, data, tokenizer)
-        return model, train, validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data
+        return model, prepared.train, prepared.validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data
     from .pretrained import resolve_vision_weights
     from .vision import attach_transforms, image_collator, load_vision_model
 
@@ -92,7 +113,12 @@ def prepare(cfg: FinetuneConfig, runtime):
     say([weights.describe(cfg.learning_rate)])  # the run's first line: which weights, and a from-scratch learning rate
     opened = open_classification_data(cfg)
     model = load_vision_model(cfg, opened.label_names, weights)
-    data = process_classification_data(cfg, opened)
+
+    def processed() -> Prepared:
+        data = process_classification_data(cfg, opened)
+        return Prepared(data.train, data.validation, {"notes": data.notes})
+
+    data = _processed(opened, prepare_once(data_key(cfg, _raw_splits(opened), None), processed))
     say(data.notes)
     if runtime.on_cuda:
         import torch

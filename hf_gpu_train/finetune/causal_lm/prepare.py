@@ -5,7 +5,8 @@
 3. The tokenizer (converting ``builtin:smollm2`` on first use) and, for chat data, its chat template.
 4. The model, then the method (LoRA adapters, 4-bit base).
 5. The passes over every row: tokenizing, truncating and counting, then packing where the model's attention keeps
-   packed examples apart (``packing.packing_support``), else dynamic padding, with the reason said.
+   packed examples apart (``packing.packing_support``), else dynamic padding, with the reason said. With several
+   processes, once per machine (``prepare_once``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ConfigError, FinetuneConfig
+from ..prepare_once import Prepared, data_key, prepare_once, world_size
 from .collate import PackedCollator, PaddingCollator
 from .data import CausalLMData, open_causal_lm_data
 from .packing import lengths_of
@@ -33,13 +35,30 @@ def _with_lengths(ds):
     return ds.add_column("length", lengths_of(ds))
 
 
+def _encode_and_pack(cfg: FinetuneConfig, data: CausalLMData, tokenizer, packs: bool) -> Prepared:
+    """The passes over every row: tokenizing, truncating and counting, then packing (or a length column)."""
+    from .encode import encode_split
+    from .packing import pack_dataset
+
+    train, train_report = encode_split(data.train, tokenizer, data.form, cfg, "train")
+    validation, validation_report = encode_split(data.validation, tokenizer, data.form, cfg, "validation")
+    notes = [*train_report.notes("train", cfg.max_length), *validation_report.notes("validation", cfg.max_length)]
+    packing = []
+    if packs:
+        train, packed = pack_dataset(train, cfg.max_length)
+        validation, validation_packed = pack_dataset(validation, cfg.max_length)
+        packing = [packed.note("train"), validation_packed.note("validation")]
+    else:
+        train, validation = _with_lengths(train), _with_lengths(validation)
+    return Prepared(train, validation, {"notes": notes, "packing": packing})
+
+
 def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
     from . import model as lm_model
     from .chat import require_chat_template
-    from .encode import encode_split
     from .generation import pick_prompts
     from .methods import apply_method, check_method, quantization_config, trainable_summary
-    from .packing import agreed_packing_support, pack_dataset
+    from .packing import agreed_packing_support
 
     check_method(cfg, runtime)
     lm_model.check_model(cfg)
@@ -54,21 +73,22 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
         raise ConfigError(f"packing=true, but {verdict.reason}: packing=auto (or false) to pad instead, or "
                           "attn_implementation=sdpa")
     model = apply_method(model, cfg)
-    train, train_report = encode_split(data.train, tokenizer, data.form, cfg, "train")
-    validation, validation_report = encode_split(data.validation, tokenizer, data.form, cfg, "validation")
+    packs = verdict is not None and verdict.supported
+    key = data_key(cfg, {"train": data.train, "validation": data.validation}, data.model_path, packs=packs)
+    prepared = prepare_once(key, lambda: _encode_and_pack(cfg, data, tokenizer, packs))
     notes = [f"{data.form.describe()} from {data.source}; {trainable_summary(model)} ({cfg.method})", *data.notes,
-             *train_report.notes("train", cfg.max_length), *validation_report.notes("validation", cfg.max_length)]
+             *prepared.meta["notes"]]
     multiple = 8 if runtime.on_cuda else None  # tensor cores like multiples of 8
-    if verdict is not None and verdict.supported:
-        train, packed = pack_dataset(train, cfg.max_length)
-        validation, validation_packed = pack_dataset(validation, cfg.max_length)
-        notes += [f"packing on: {verdict.reason}", packed.note("train"), validation_packed.note("validation")]
+    if packs:
+        notes += [f"packing on: {verdict.reason}", *prepared.meta["packing"]]
         collator = PackedCollator(tokenizer.pad_token_id, multiple)
     else:
         why = "packing=false" if verdict is None else verdict.reason
         notes.append(f"packing off ({why}): examples padded to the longest in each batch, grouped by length")
-        train, validation = _with_lengths(train), _with_lengths(validation)
         collator = PaddingCollator(tokenizer.pad_token_id, multiple)
+    if world_size() > 1:
+        notes.append(f"data {prepared.how}")
+    train, validation = prepared.train, prepared.validation
     data.generation_prompts = pick_prompts(data, tokenizer, cfg) if cfg.generation_samples else []
     data.notes = notes
     say(notes)

@@ -1,0 +1,153 @@
+"""The passes over every row (tokenizing, packing, the validation carve, label encoding), run once per machine.
+
+Run on every rank at once, they cost N times the CPU, and the ranks reach their first collective minutes apart: on
+a large dataset the fast ranks time out in NCCL while the slow one still tokenizes (the pattern behind many
+"NCCL timeout" reports on accelerate's and TRL's trackers). Here, with several processes, the ranks of a machine
+take a file lock on a cache entry named by everything the result depends on. The first to hold it builds the
+datasets and saves them (``save_to_disk``); the others wait on the lock, not in a collective, so no collective
+timeout runs while they wait, however long the data takes. They then load what was saved, memory-mapped. All
+ranks read the same saved files, so they train on identical datasets.
+
+- Per machine, or once for all: the cache lives under ``$HF_GPU_TRAIN_CACHE`` (see ``smollm2.cache_root``). On a
+  filesystem the machines share, the lock is shared too and the data is prepared once; on local disks, once per
+  machine. Both are correct.
+- A builder that dies releases the lock (the kernel does), leaving no marker: the next rank builds it itself, and
+  torchelastic ends the run for the dead rank anyway.
+- A filesystem without locks (``ENOLCK``) prepares on every rank, as before, and says so.
+- One process: nothing is cached (``datasets`` keeps its own cache for file-backed data); the result is the same.
+
+The key holds the config's values that shape the data (every field but the training-only ones), the raw splits'
+``datasets`` fingerprints (their contents), the tokenizer's files, and this package's source for the passes: a
+change to any of them is a new entry, never a stale one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import FinetuneConfig
+
+MARKER = "prepared.json"
+# Fields that change how the model trains, never which rows it sees: left out of the key so that a new learning
+# rate or batch size reuses the prepared data. A field missing here only costs a cache miss.
+TRAINING_ONLY = frozenset({
+    "pretrained", "pretrained_weights", "augmentation", "output_dir", "num_train_epochs", "max_steps",
+    "per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size", "learning_rate", "weight_decay",
+    "warmup_ratio", "lr_scheduler_type", "precision", "gradient_checkpointing", "torch_compile",
+    "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes",
+    "save_total_limit", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery", "watchdog",
+    "extra", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_adapter",
+    "generation_samples", "generation_max_new_tokens",
+})
+# The modules whose code decides the prepared rows: their source is part of the key.
+PASSES = ("data.py", "carve.py", "text.py", "prepare_once.py", "causal_lm/encode.py", "causal_lm/packing.py",
+          "causal_lm/chat.py", "causal_lm/data.py")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+
+
+@dataclass
+class Prepared:
+    train: object  # datasets.Dataset
+    validation: object
+    meta: dict = field(default_factory=dict)  # JSON: what the passes found (notes, counts), saved beside the rows
+    how: str = "prepared in this process"  # or "prepared once on this machine by rank N" / "loaded from ..."
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _stamp(path: Path) -> list | None:
+    return [path.name, path.stat().st_size, int(path.stat().st_mtime_ns)] if path.is_file() else None
+
+
+def tokenizer_stamps(model_path: str | None) -> list:
+    """The tokenizer's files as they are now (size, modification time); a hub id stands for itself."""
+    if not model_path or not Path(model_path).is_dir():
+        return [model_path]
+    return [s for s in (_stamp(Path(model_path) / name) for name in TOKENIZER_FILES) if s]
+
+
+def _source_digest() -> str:
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in PASSES:
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def data_key(cfg: FinetuneConfig, raw_splits: dict[str, object], model_path: str | None, **extra) -> str:
+    """The cache entry's name: a digest of all the data depends on (see the module's docstring)."""
+    from .. import __version__
+    from ..launch.run_plan_file import file_stamp
+
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY}
+    values = {k: file_stamp(v) if k in ("train_file", "validation_file", "chat_template") else v for k, v in values.items()}
+    parts = {"config": values, "splits": {name: getattr(ds, "_fingerprint", None) if ds is not None else None
+                                          for name, ds in raw_splits.items()},
+             "tokenizer": tokenizer_stamps(model_path), "version": __version__, "source": _source_digest(), **extra}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    from .causal_lm.smollm2 import cache_root
+
+    return cache_root() / "prepared"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def _load(folder: Path, how: str) -> Prepared:
+    from datasets import load_from_disk
+
+    meta = json.loads((folder / MARKER).read_text())
+    return Prepared(load_from_disk(str(folder / "train")), load_from_disk(str(folder / "validation")), meta["meta"], how)
+
+
+def _save(prepared: Prepared, folder: Path) -> None:
+    staging = folder.parent / f"{folder.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    prepared.train.save_to_disk(str(staging / "train"))
+    prepared.validation.save_to_disk(str(staging / "validation"))
+    (staging / MARKER).write_text(json.dumps({"meta": prepared.meta, "rank": int(os.environ.get("RANK", "0")),
+                                              "time": time.time()}))
+    try:
+        staging.rename(folder)
+    except OSError:  # another machine on a shared filesystem renamed its own first: the same rows
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def prepare_once(key: str, build: Callable[[], Prepared]) -> Prepared:
+    """``build()`` on one rank of this machine, the others loading its result; ``build()`` itself with one process."""
+    if world_size() < 2:
+        return build()
+    import fcntl
+
+    folder = cache_dir() / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{key}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank preparing: wait for it (no collective runs meanwhile)
+        except OSError as error:
+            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            prepared = build()
+            prepared.how = f"prepared on every rank: the cache directory {folder.parent} cannot be locked ({error.strerror})"
+            return prepared
+        if _is_complete(folder):
+            rank = json.loads((folder / MARKER).read_text()).get("rank")
+            return _load(folder, f"loaded from {folder} (prepared once, by rank {rank})")
+        _save(build(), folder)
+    return _load(folder, f"prepared once on this machine by rank {os.environ.get('RANK', '0')}, saved to {folder}")

@@ -1,0 +1,47 @@
+"""One rank of ``run.prepare`` (no process group: ``prepare_once`` reads only RANK and WORLD_SIZE), counting the
+passes over the rows and writing a digest of the datasets it got. argv: out_dir config_args [-- config_args]...
+(several runs in one process: each process costs the imports)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def digest(ds) -> str:
+    rows = ds.with_format(None).to_dict()
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def main() -> None:
+    from hf_gpu_train.finetune import text
+    from hf_gpu_train.finetune.causal_lm import encode
+    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.run import prepare
+    from hf_gpu_train.finetune.runtime import resolve_runtime
+
+    out = Path(sys.argv[1])
+    runs = " ".join(sys.argv[2:]).split(" -- ")
+    rank = os.environ.get("RANK", "0")
+
+    def counted(function):
+        def wrapper(*a, **kw):
+            with open(out / f"passes-{run}.txt", "a") as f:
+                f.write(f"{rank}\n")
+            return function(*a, **kw)
+        return wrapper
+
+    text.tokenize = counted(text.tokenize)
+    encode.encode_split = counted(encode.encode_split)
+    for run, args in enumerate(runs):
+        cfg = load_config(None, args.split())
+        _, train, validation, _, _, data = prepare(cfg, resolve_runtime(cfg))
+        (out / f"rank{rank}-{run}.json").write_text(json.dumps({"train": digest(train), "validation": digest(validation),
+                                                                "rows": [len(train), len(validation)], "notes": data.notes}))
+
+
+if __name__ == "__main__":
+    main()
