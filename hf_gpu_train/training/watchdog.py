@@ -105,6 +105,9 @@ class Progress:
                 else self.phase)
         return floor, f"the floor for {what if long_phase else 'a step'}"
 
+    def position(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "collectives": self.collectives, "in_collective": self.in_collective}
+
     def state(self) -> dict:
         return {"step": self.step, "phase": self.phase, "stalled_s": round(time.monotonic() - self.since, 1),
                 "collectives": self.collectives, "in_collective": self.in_collective}
@@ -206,8 +209,10 @@ class Watchdog:
     """The thread, the trip protocol and the dump. One per process."""
 
     def __init__(self, output_dir: str | Path, limits: Limits, poll_s: float = 1.0, collect_s: float = 10.0,
-                 exit=os._exit):
+                 exit=os._exit, namespace: int | None = None):
         self.output_dir, self.limits, self.poll_s, self.collect_s = Path(output_dir), limits, poll_s, collect_s
+        self.namespace = namespace  # where this rank's position is published for the entry gate (collective_gate)
+        self._published: dict | None = None
         self.progress = Progress()
         self.active = False
         self._exit = exit
@@ -246,10 +251,23 @@ class Watchdog:
                 return
             if not self.active or stopped.is_set():
                 return
+            self._publish_position()
             limit, why = self.progress.limit(self.limits)
             if time.monotonic() - self.progress.since > limit:
                 self._report(None, culprit=(limit, why))
                 return
+
+    def _publish_position(self) -> None:
+        """Tell the other ranks' entry gates where this rank is, when that changed (from this thread: the training
+        path never waits on the store for it)."""
+        where = self.progress.position()
+        if self._store is None or self.namespace is None or where == self._published:
+            return
+        from .collective_gate import publish_position
+
+        with contextlib.suppress(Exception):  # the store's host gone: the launcher is ending the run
+            publish_position(self._store, self.namespace, _rank()[0], where)
+            self._published = where
 
     def _report(self, stamp: str | None, culprit: tuple[float, str] | None) -> None:
         """Dump, tell, collect, exit: whatever fails on the way (a full disk, a gone store), the process exits."""
@@ -428,12 +446,18 @@ class WatchdogCallback(TrainerCallback):
 def attach_watchdog(trainer, timeout="auto", output_dir: str | Path | None = None, **options) -> Watchdog | None:
     """Watch ``trainer`` (anyone's Trainer, TRL's included) on this rank. ``timeout``: ``auto`` (a floor of 120 s per
     step and 600 s for the first step, evaluations and saves, or 10 x the measured time when longer), seconds, or
-    ``off``. Returns the Watchdog (None when off)."""
+    ``off``. With several processes its evaluations and saves are made collective-safe too
+    (``collective_gate.make_collective_safe``). Returns the Watchdog (None when off)."""
+    from .collective_gate import make_collective_safe, new_namespace
+
     limits = Limits.from_setting(timeout)
     if limits is None:
         return None
-    watchdog = Watchdog(output_dir or trainer.args.output_dir, limits, **options)
+    namespace = new_namespace()
+    watchdog = Watchdog(output_dir or trainer.args.output_dir, limits, namespace=namespace, **options)
     trainer.add_callback(WatchdogCallback(watchdog))
+    # evaluations and saves every rank enters, or a clear error (inside the phase wrappers: the wait is watched too)
+    make_collective_safe(trainer, namespace, watchdog.progress)
     for name, phase in (("evaluate", "evaluation"), ("_save_checkpoint", "save"), ("save_model", "save")):
         _wrap_phase(trainer, name, phase, watchdog)
     _disarm_after(trainer, "train", watchdog)

@@ -1,7 +1,12 @@
 """Launched with 2 gloo processes: rank 1 stalls at step 3, either asleep inside its collate function ("collate") or
 inside a collective rank 0 never enters ("collective"). The watchdog (a 4 s limit) must end both processes with
 every rank's stacks and rank 1 named; without it the run would wait out the 30-minute collective timeout. Or rank 1
-is killed at step 3 ("kill", SIGKILL): the launch must end and name it."""
+is killed at step 3 ("kill", SIGKILL): the launch must end and name it.
+
+Saves and evaluations every rank enters, or none ("alone"): rank 1 alone sets ``should_save`` and
+``should_evaluate`` at step 2 (both ranks must save and evaluate), rank 0 alone calls ``trainer.save_model()`` at step
+3 (plain DDP: allowed), then rank 0 alone calls ``trainer.evaluate()`` at step 4 (a clear error naming rank 1, not a
+hang)."""
 
 import os
 import signal
@@ -40,11 +45,20 @@ class CollectiveOnRankOneOnly(TrainerCallback):
             torch.distributed.all_reduce(torch.ones(1), group=self.group)  # rank 0 never enters it
         if mode == "kill" and state.global_step == 3 and torch.distributed.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the kernel's OOM killer, a segfault
+        if mode == "alone" and state.global_step == 2 and torch.distributed.get_rank() == 1:
+            control.should_save = control.should_evaluate = True  # from something only rank 1 sees
+        if mode == "alone" and state.global_step == 3 and torch.distributed.get_rank() == 0:
+            trainer.save_model(f"{out}/rank-0-model")  # plain DDP gathers nothing: the documented idiom
+        if mode == "alone" and state.global_step == 4 and torch.distributed.get_rank() == 0:
+            trainer.evaluate()  # gathers from every rank
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        print(f"hang_probe: rank {torch.distributed.get_rank()} evaluated at step {state.global_step}", flush=True)
 
 
 trainer = Trainer(model=exact_bert(), args=oom_args(out, max_steps=50, per_device_train_batch_size=4),
-                  train_dataset=TokenDataset(n=400), data_collator=collate_that_stalls_on_rank_1,
-                  callbacks=[CollectiveOnRankOneOnly()])
+                  train_dataset=TokenDataset(n=400), eval_dataset=TokenDataset(n=16),
+                  data_collator=collate_that_stalls_on_rank_1, callbacks=[CollectiveOnRankOneOnly()])
 attach_watchdog(trainer, timeout=4, poll_s=0.25, collect_s=5)
 trainer.train()
 print("hang_probe: training finished, which it must not", flush=True)

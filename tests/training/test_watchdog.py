@@ -92,6 +92,26 @@ def test_a_rank_that_dies_is_named_with_its_signal_and_every_ranks_last_step(tmp
     assert re.search(r"rank 1 died \(SIGKILL, exit -9\); last step finished: rank 0 [23], rank 1 [23]\.", line), line
 
 
+@pytest.mark.slow
+def test_saves_and_evaluations_are_every_ranks_or_a_clear_error(tmp_path):
+    """Issue 18, item 6. Rank 1 alone sets should_save and should_evaluate at step 2: both ranks save and evaluate.
+    Rank 0 alone calls save_model() at step 3 (plain DDP gathers nothing: allowed). Rank 0 alone calls evaluate() at
+    step 4, which gathers from every rank: a clear error naming rank 1, in seconds, not a hang."""
+    start = time.monotonic()
+    run = launch(cpu_config(tmp_path), Path(__file__).with_name("hang_probe.py"), str(tmp_path), "alone", timeout=240)
+    seconds = time.monotonic() - start
+    evaluated = sorted(line for line in run.stdout.splitlines() if " evaluated at step " in line)
+    assert evaluated == ["hang_probe: rank 0 evaluated at step 2", "hang_probe: rank 1 evaluated at step 2"], run.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / "rng_state_0.pth").is_file() and (checkpoint / "rng_state_1.pth").is_file()
+    assert (tmp_path / "rank-0-model" / "model.safetensors").is_file()
+    assert run.returncode not in (0, 3) and "training finished" not in run.stdout  # an error, before any watchdog trip
+    # rank 1 went on to the all-reduce of the next step's flags, which rank 0 has not entered
+    assert "RankMismatch: trainer.evaluate() was entered by rank 0 at step 4, but rank 1 waits in all_reduce" in run.stderr, \
+        run.stderr[-3000:]
+    assert not list(tmp_path.glob("hang-*")) and seconds < 90, seconds
+
+
 def test_a_training_that_ends_in_an_exception_leaves_no_watchdog_behind(tmp_path):
     """The full suite died with exit 3: a test's finetune() ended in KeyboardInterrupt (on_train_end never ran), its
     watchdog stayed armed, and 120 s later it ended the pytest process. Leaving train() by any way disarms it."""
