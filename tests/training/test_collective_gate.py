@@ -29,6 +29,6 @@ def test_a_position_seen_late_is_no_evidence():
 
 
 def test_one_process_keeps_its_flags():
-    control = SimpleNamespace(**dict.fromkeys(FLAGS, False), should_save=True)
+    control = SimpleNamespace(**{**dict.fromkeys(FLAGS, False), "should_save": True})
     agree_flags(control, "cpu")
     assert control.should_save and not control.should_evaluate
