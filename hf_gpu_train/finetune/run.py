@@ -201,6 +201,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
         return _report_finished(cfg, previous.results)
     set_seed(cfg.seed)
+    if runtime.world_size > 1:  # every rank joined and the collectives work, in seconds, before the model and data load
+        from ..training.preflight_collective import preflight
+
+        preflight(cpu=not runtime.on_cuda)
     if fsdp_requested():
         # the process group must exist before the model loads, or transformers loads the whole model on every rank
         # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)

@@ -96,9 +96,16 @@ class StopAfterSaving(TrainerCallback):
             raise KeyboardInterrupt("stopped after saving")
 
 
-def test_another_number_of_processes_with_the_same_effective_batch_resumes_at_the_same_sample(tmp_path, case):
-    whole = tmp_path / "whole"
+@pytest.fixture(scope="module")
+def uninterrupted(case, tmp_path_factory) -> Path:
+    """One process, the whole run: the weights every interrupted and resumed run must end with."""
+    whole = tmp_path_factory.mktemp("uninterrupted") / "whole"
     assert main(args(case, whole)) == 0
+    return whole
+
+
+def test_another_number_of_processes_with_the_same_effective_batch_resumes_at_the_same_sample(tmp_path, case, uninterrupted):
+    whole = uninterrupted
     out = tmp_path / "out"
     saving = ["save_strategy=steps", "save_steps=2"]
     with pytest.raises(KeyboardInterrupt):
@@ -113,6 +120,24 @@ def test_another_number_of_processes_with_the_same_effective_batch_resumes_at_th
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "CPU x2" in resumed.stdout
     assert_same_params(load_file(out / "model.safetensors"), load_file(whole / "model.safetensors"))
+
+
+def test_a_rank_killed_mid_run_then_the_same_command_again_ends_with_the_uninterrupted_weights(tmp_path, case, uninterrupted):
+    """Issue 18, item 1: 2 gloo processes, rank 1 SIGKILLed after the checkpoint at step 4; the launch ends naming it,
+    and the same command again resumes from that checkpoint and ends where one uninterrupted process ends."""
+    out = tmp_path / "out"
+    command = [*case, *COMMON, *QUIET, f"output_dir={out}", "save_strategy=steps", "save_steps=2",
+               f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"global_batch_size={GLOBAL_BATCH}"]
+    config = cpu_config(tmp_path)
+    killed = launch(config, Path(__file__).with_name("kill_probe.py"), *command, env={"KILL_RANK": "1", "KILL_AT_STEP": "5"})
+    assert killed.returncode != 0 and not (out / "model.safetensors").exists(), killed.stderr[-3000:]
+    assert "hf-gpu-train launch: rank 1 died (SIGKILL, exit -9)" in killed.stderr, killed.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    again = launch(config, SCRIPT, *command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-4'}" in again.stdout and "CPU x2" in again.stdout
+    assert "hf_gpu_train: preflight: 2 processes joined, all-reduce and broadcast work" in again.stdout
+    assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
 
 
 def test_scripts_finetune_into_a_closed_pipe_ends_quietly(tmp_path, case):

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
 from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery  # noqa: E402
+from hf_gpu_train.training.watchdog import attach_watchdog  # noqa: E402
 from tests.integrations.peers import build  # noqa: E402
 
 
@@ -39,6 +40,7 @@ def train(out: Path, kind: str, per_device: int, ours: bool = True, oom: dict | 
     if ours:
         attach_telemetry(trainer, compact_console=False, write_report=False)
         recovery = enable_oom_recovery(trainer)
+        attach_watchdog(trainer)  # its flag agreement and entry gate must change nothing in anyone's trainer
     try:
         trainer.train()
         evaluation = trainer.evaluate() if evaluate else {}

@@ -1,11 +1,15 @@
-"""The entry gate's evidence that a rank will not come (``collective_gate.not_coming``): only what a late position
+"""The preflight at the start of a launch of several processes, and the entry gate's evidence that a rank will not come (``collective_gate.not_coming``): only what a late position
 cannot undo counts, so a rank seen late is never taken for a rank that went elsewhere."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
+import pytest
+
 from hf_gpu_train.training.collective_gate import FLAGS, agree_flags, not_coming
+from hf_gpu_train.training.preflight_collective import _ranges, local_pairs
 
 
 def where(step, phase, collectives=0, in_collective=None):
@@ -32,3 +36,46 @@ def test_one_process_keeps_its_flags():
     control = SimpleNamespace(**{**dict.fromkeys(FLAGS, False), "should_save": True})
     agree_flags(control, "cpu")
     assert control.should_save and not control.should_evaluate
+
+
+def _torchrun_environment(monkeypatch, rank: int, world: int, port: int) -> None:
+    for name, value in dict(RANK=str(rank), WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_rank_that_cannot_reach_the_rendezvous_names_itself_in_seconds(monkeypatch):
+    """Issue 18, item 4: without the preflight it would wait in init_process_group for 30 minutes."""
+    from hf_gpu_train.training.preflight_collective import PreflightError, check_ranks_join
+
+    from ..launching import free_port
+
+    _torchrun_environment(monkeypatch, 1, 2, free_port())  # nobody listens there: a wrong port, a firewall
+    start = time.monotonic()
+    with pytest.raises(PreflightError) as raised:
+        check_ranks_join(3.0)
+    assert "rank 1 on " in str(raised.value) and "cannot reach the rendezvous at 127.0.0.1:" in str(raised.value)
+    assert "MASTER_ADDR=127.0.0.1" in str(raised.value) and "NCCL_SOCKET_IFNAME" in str(raised.value)  # the fix, this run's values
+    assert time.monotonic() - start < 3.0  # before the others give up on it (they would end the run first)
+
+
+def test_the_preflight_names_ranks_as_ranges_and_copies_each_local_pair_once_in_one_order():
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert local_pairs([4, 5, 6]) == [(4, 5), (4, 6), (5, 6)]
+
+
+def test_the_ranks_that_never_join_are_named_by_those_that_did(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hf_gpu_train.training.preflight_collective import PreflightError, check_ranks_join
+
+    from ..launching import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set("hf_gpu_train/preflight/run/0/joined/1", "other-host")  # rank 1 joined; 2 and 3 never do
+    _torchrun_environment(monkeypatch, 0, 4, port)
+    with pytest.raises(PreflightError, match=r"rank\(s\) 2-3 of 4 did not join within 1 s \(joined: 0-1 on other-host, "):
+        check_ranks_join(1.0)

@@ -1,0 +1,24 @@
+"""scripts/finetune.py with one rank SIGKILLed at the end of a step (the kernel's OOM killer, a segfault):
+``KILL_RANK`` and ``KILL_AT_STEP`` say which and when. Everything else is the real entry point."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformers import TrainerCallback  # noqa: E402
+
+from hf_gpu_train.finetune import run  # noqa: E402
+
+
+class KillAt(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ["KILL_AT_STEP"]) and args.process_index == int(os.environ["KILL_RANK"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+defaults = run.default_callbacks
+run.default_callbacks = lambda cfg, labels: [*defaults(cfg, labels), KillAt()]
+sys.exit(run.main(sys.argv[1:]))
