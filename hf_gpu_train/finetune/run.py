@@ -182,6 +182,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
+    from ..training.disk_full import guard_saves
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
     from .fsdp import fsdp_requested, save_full_model
@@ -224,6 +225,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     trainer = build_trainer(cfg, runtime, model, train, validation, collator, processing_class,
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
+    guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
     check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
                        "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
