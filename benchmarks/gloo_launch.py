@@ -22,7 +22,8 @@ def cpu_config(folder: str | Path, processes: int = 2) -> str:
     return f"{cfg}.yaml"
 
 
-def launch(config: str, *args: str) -> subprocess.CompletedProcess:
+def launch(config: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``hf-gpu-train launch --config-file CONFIG ARGS`` from the repository root, the repository importable."""
     return subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config, *args],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})

@@ -29,6 +29,20 @@ def leave_process_group() -> bool:
     return True
 
 
+def rendezvous_store():
+    """A private connection to the store the default process group was made with (None: no group, or a store
+    without ``clone``): for words between ranks that must never wait in a collective."""
+    torch = sys.modules.get("torch")
+    if torch is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store().clone()
+    except Exception:  # noqa: BLE001 (a backend without a store: the callers go without)
+        return None
+
+
 def exit_process(code: int) -> NoReturn:
     """An entry point's last line: leave the process group after a run that finished (exit 0), then exit with ``code``.
     After a failure the group is left as it is: a peer may still be inside a collective."""

@@ -5,8 +5,9 @@ a large dataset the fast ranks time out in NCCL while the slow one still tokeniz
 "NCCL timeout" reports on accelerate's and TRL's trackers). Here, with several processes, the ranks of a machine
 take a file lock on a cache entry named by everything the result depends on. The first to hold it builds the
 datasets and saves them (``save_to_disk``); the others wait on the lock, not in a collective, so no collective
-timeout runs while they wait, however long the data takes. They then load what was saved, memory-mapped. All
-ranks read the same saved files, so they train on identical datasets.
+timeout runs while they wait, however long the data takes. They then load what was saved, memory-mapped, and every
+rank waits on the rendezvous store (not in a collective) until all ranks of all machines are ready. All ranks read
+the same saved files, so they train on identical datasets.
 
 - Per machine, or once for all: the cache lives under ``$HF_GPU_TRAIN_CACHE`` (see ``smollm2.cache_root``). On a
   filesystem the machines share, the lock is shared too and the data is prepared once; on local disks, once per
@@ -16,9 +17,13 @@ ranks read the same saved files, so they train on identical datasets.
 - A filesystem without locks (``ENOLCK``) prepares on every rank, as before, and says so.
 - One process: nothing is cached (``datasets`` keeps its own cache for file-backed data); the result is the same.
 
-The key holds the config's values that shape the data (every field but the training-only ones), the raw splits'
-``datasets`` fingerprints (their contents), the tokenizer's files, and this package's source for the passes: a
-change to any of them is a new entry, never a stale one.
+The key holds the config's values that shape the data (every field but the training-only ones; files by path, size
+and modification time), the raw splits' ``datasets`` fingerprints (their contents), the tokenizer as loaded (its
+``datasets`` hash) and its files, the versions of this package, transformers, tokenizers and datasets, and this
+package's source for the passes: a change to any of them is a new entry, never a stale one. A raw split whose
+fingerprint ``datasets`` draws at random (a transform it cannot hash) gives each rank its own key: every rank then
+prepares its own, which is still correct. Entries are not evicted: delete ``$HF_GPU_TRAIN_CACHE/prepared`` to free
+the space.
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import itertools
 import json
 import os
 import shutil
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import FinetuneConfig
+from .config import ConfigError, FinetuneConfig
 
 MARKER = "prepared.json"
 # Fields that change how the model trains, never which rows it sees: left out of the key so that a new learning
@@ -50,7 +58,7 @@ TRAINING_ONLY = frozenset({
 })
 # The modules whose code decides the prepared rows: their source is part of the key.
 PASSES = ("data.py", "carve.py", "text.py", "prepare_once.py", "causal_lm/encode.py", "causal_lm/packing.py",
-          "causal_lm/chat.py", "causal_lm/data.py")
+          "causal_lm/chat.py", "causal_lm/data.py", "causal_lm/model.py", "causal_lm/prepare.py")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 
@@ -68,14 +76,37 @@ def world_size() -> int:
 
 
 def _stamp(path: Path) -> list | None:
-    return [path.name, path.stat().st_size, int(path.stat().st_mtime_ns)] if path.is_file() else None
+    return [str(path), path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else None
 
 
-def tokenizer_stamps(model_path: str | None) -> list:
-    """The tokenizer's files as they are now (size, modification time); a hub id stands for itself."""
-    if not model_path or not Path(model_path).is_dir():
-        return [model_path]
-    return [s for s in (_stamp(Path(model_path) / name) for name in TOKENIZER_FILES) if s]
+def tokenizer_stamps(model_path: str | None, tokenizer=None) -> list:
+    """The tokenizer as loaded (its hash: vocabulary, special tokens, chat template, whatever the run changed in it),
+    and its files as they are now (size, modification time); a hub id stands for itself."""
+    stamps: list = [model_path]
+    if tokenizer is not None:
+        from datasets.fingerprint import Hasher
+
+        try:
+            stamps.append(Hasher.hash(tokenizer))
+        except Exception:  # noqa: BLE001 (a tokenizer dill cannot pickle: its files still count)
+            stamps.append(repr(type(tokenizer)))
+    if model_path and Path(model_path).is_dir():
+        stamps += [s for s in (_stamp(Path(model_path) / name) for name in TOKENIZER_FILES) if s]
+    return stamps
+
+
+def _versions() -> dict:
+    import importlib.metadata as metadata
+
+    from .. import __version__
+
+    found = {"hf_gpu_train": __version__}
+    for name in ("transformers", "tokenizers", "datasets"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def _source_digest() -> str:
@@ -86,16 +117,15 @@ def _source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def data_key(cfg: FinetuneConfig, raw_splits: dict[str, object], model_path: str | None, **extra) -> str:
+def data_key(cfg: FinetuneConfig, raw_splits: dict[str, object], model_path: str | None, tokenizer=None, **extra) -> str:
     """The cache entry's name: a digest of all the data depends on (see the module's docstring)."""
-    from .. import __version__
-    from ..launch.run_plan_file import file_stamp
-
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY}
-    values = {k: file_stamp(v) if k in ("train_file", "validation_file", "chat_template") else v for k, v in values.items()}
+    values = {k: _stamp(Path(v).expanduser()) or v if k in ("train_file", "validation_file", "chat_template") and v else v
+              for k, v in values.items()}
     parts = {"config": values, "splits": {name: getattr(ds, "_fingerprint", None) if ds is not None else None
                                           for name, ds in raw_splits.items()},
-             "tokenizer": tokenizer_stamps(model_path), "version": __version__, "source": _source_digest(), **extra}
+             "tokenizer": tokenizer_stamps(model_path, tokenizer), "versions": _versions(), "source": _source_digest(),
+             **extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -117,8 +147,8 @@ def _load(folder: Path, how: str) -> Prepared:
 
 
 def _save(prepared: Prepared, folder: Path) -> None:
-    staging = folder.parent / f"{folder.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    # a name no other machine can take on a shared filesystem (pids repeat across containers)
+    staging = folder.parent / f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     prepared.train.save_to_disk(str(staging / "train"))
     prepared.validation.save_to_disk(str(staging / "validation"))
     (staging / MARKER).write_text(json.dumps({"meta": prepared.meta, "rank": int(os.environ.get("RANK", "0")),
@@ -129,25 +159,64 @@ def _save(prepared: Prepared, folder: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)  # e.g. Lustre mounted without flock
+
+
 def prepare_once(key: str, build: Callable[[], Prepared]) -> Prepared:
-    """``build()`` on one rank of this machine, the others loading its result; ``build()`` itself with one process."""
+    """``build()`` on one rank of this machine, the others loading its result; ``build()`` itself with one process.
+    Then every rank waits for all the others (machines without a shared cache prepare at their own pace) on the
+    rendezvous store, never in a collective."""
     if world_size() < 2:
         return build()
     import fcntl
 
     folder = cache_dir() / key
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f"{key}.lock", "w") as lock:
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(folder.parent / f"{key}.lock", "w")
+    except OSError as error:
+        raise ConfigError(f"cannot write the prepared-data cache in {folder.parent} ({error.strerror}): set "
+                          "HF_GPU_TRAIN_CACHE to a writable directory (shared by the machines, ideally)") from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another rank preparing: wait for it (no collective runs meanwhile)
         except OSError as error:
-            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            if error.errno not in NO_LOCKS:
                 raise
             prepared = build()
             prepared.how = f"prepared on every rank: the cache directory {folder.parent} cannot be locked ({error.strerror})"
+            wait_for_every_rank(key)
             return prepared
-        if _is_complete(folder):
-            rank = json.loads((folder / MARKER).read_text()).get("rank")
-            return _load(folder, f"loaded from {folder} (prepared once, by rank {rank})")
-        _save(build(), folder)
-    return _load(folder, f"prepared once on this machine by rank {os.environ.get('RANK', '0')}, saved to {folder}")
+        built = not _is_complete(folder)
+        if built:
+            _save(build(), folder)
+    # loaded outside the lock: the ranks of a machine load at once
+    rank = json.loads((folder / MARKER).read_text()).get("rank")
+    prepared = _load(folder, f"prepared once on this machine by rank {rank}, saved to {folder}" if built else
+                     f"loaded from {folder} (prepared once, by rank {rank})")
+    wait_for_every_rank(key)
+    return prepared
+
+
+_waits = itertools.count()
+
+
+def wait_for_every_rank(key: str) -> None:
+    """Every rank posts that its data is ready and waits for all (``HF_GPU_TRAIN_PREPARE_TIMEOUT`` seconds, default
+    a day: preparing a large dataset may take hours, and a rank that dies ends the launch anyway)."""
+    from datetime import timedelta
+
+    from ..process_group import rendezvous_store
+
+    store = rendezvous_store()
+    if store is None:
+        return
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = f"hf_gpu_train/prepared/{run}/{key}/{next(_waits)}"
+    store.set(f"{prefix}/{os.environ.get('RANK', '0')}", "1")
+    seconds = float(os.environ.get("HF_GPU_TRAIN_PREPARE_TIMEOUT", "86400"))
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world_size())], timedelta(seconds=seconds))
+    except RuntimeError as error:  # DistStoreError: the timeout
+        raise ConfigError(f"not every rank had its data ready within {seconds:.0f} s ({str(error).splitlines()[0]}): "
+                          "a machine still preparing? HF_GPU_TRAIN_PREPARE_TIMEOUT=SECONDS to wait longer") from None

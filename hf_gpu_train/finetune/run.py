@@ -102,7 +102,7 @@ def prepare(cfg: FinetuneConfig, runtime):
             data = process_classification_data(cfg, opened)
             return Prepared(*tokenize(cfg, data, tokenizer), {"notes": data.notes})
 
-        prepared = prepare_once(data_key(cfg, _raw_splits(opened), resolve_model_path(cfg.model)), tokenized)
+        prepared = prepare_once(data_key(cfg, _raw_splits(opened), resolve_model_path(cfg.model), tokenizer), tokenized)
         data = _processed(opened, prepared)
         say(data.notes)
         return model, prepared.train, prepared.validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data
@@ -182,7 +182,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
-    from ..training.disk_full import guard_saves
+    from ..training.disk_full import guard_saves, saving_to
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
     from .fsdp import fsdp_requested, save_full_model
@@ -202,16 +202,14 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
         return _report_finished(cfg, previous.results)
     set_seed(cfg.seed)
-    if runtime.world_size > 1:  # every rank joined and the collectives work, in seconds, before the model and data load
+    if runtime.world_size > 1 or fsdp_requested():
+        # every rank joined and the collectives work, in seconds, before the model and data load. The process group
+        # must exist before the model loads anyway under FSDP, or transformers loads the whole model on every rank
+        # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
         from ..training.preflight_collective import preflight
 
-        preflight(cpu=not runtime.on_cuda)
-    if fsdp_requested():
-        # the process group must exist before the model loads, or transformers loads the whole model on every rank
-        # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
-        from accelerate.state import PartialState
-
-        PartialState()
+        preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
+                  backend=cfg.extra.get("ddp_backend"))
     model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
     resume = _resume_point(cfg, data.label_names, previous.finished)
     back_up_config(cfg.output_dir, cfg)
@@ -285,7 +283,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from .causal_lm.outputs import merge_and_save
 
         samples.generate_after(trainer)  # generations.json, and a section of report.md
-        merge_and_save(cfg, trainer, processing_class, data.model_path, compute_dtype(runtime))
+        with saving_to(trainer, Path(cfg.output_dir), "the adapter and the merged model"):
+            merge_and_save(cfg, trainer, processing_class, data.model_path, compute_dtype(runtime))
     write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
     return metrics
 

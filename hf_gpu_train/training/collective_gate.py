@@ -24,6 +24,7 @@ import json
 import time
 
 FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop", "should_epoch_stop")
+STOP_FLAGS = ("should_training_stop", "should_epoch_stop")
 _KEY = "hf_gpu_train/gate"
 PASSED_PHASES = ("forward", "backward", "optimizer")  # a rank in one of these at my step has begun the next step
 _namespaces = itertools.count()
@@ -44,29 +45,47 @@ def _distributed():
     return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def agree_flags(control, device) -> None:
-    """Every rank's flags become the OR of all ranks' (one all-reduce of ``len(FLAGS)`` integers)."""
+def agree_flags(control, names=FLAGS) -> None:
+    """Every rank's flags become the OR of all ranks' (one all-reduce of ``len(names)`` integers, on the CPU: never a
+    GPU synchronisation per step; on NCCL through a gloo group made for it)."""
     import torch
 
     dist = _distributed()
     if dist is None:
         return
-    flags = torch.tensor([int(bool(getattr(control, name))) for name in FLAGS], dtype=torch.int32, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    for name, value in zip(FLAGS, flags.tolist()):
+    flags = torch.tensor([int(bool(getattr(control, name))) for name in names], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_cpu_group(dist))
+    for name, value in zip(names, flags.tolist()):
         setattr(control, name, bool(value))
+
+
+_CPU_GROUP: list = []
+
+
+def _cpu_group(dist):
+    """None (the default group) where it takes CPU tensors, else a gloo group over every rank, made on first use (every
+    rank reaches its first step's flags: the collective ``new_group`` is safe there)."""
+    if dist.get_backend() == "gloo":
+        return None
+    if not _CPU_GROUP:
+        _CPU_GROUP.append(dist.new_group(backend="gloo"))
+    return _CPU_GROUP[0]
 
 
 def agree_on_control(trainer) -> None:
     """Agree the control flags before the Trainer logs, evaluates, saves or stops after a step (whatever callback set
-    them, in whatever order callbacks were added)."""
+    them, in whatever order callbacks were added), and the stop flags again after (a callback's ``on_log``,
+    ``on_evaluate`` or ``on_save`` may set them from what its rank alone sees)."""
     original = getattr(trainer, "_maybe_log_save_evaluate", None)
     if original is None:  # a Trainer without this step: nothing to agree on here
         return
 
     def agreed(*args, **kwargs):
-        agree_flags(trainer.control, trainer.args.device)
-        return original(*args, **kwargs)
+        agree_flags(trainer.control)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            agree_flags(trainer.control, STOP_FLAGS)
 
     trainer._maybe_log_save_evaluate = agreed
 
@@ -157,13 +176,30 @@ def gated(trainer, name: str, gate: EntryGate, when=lambda *args, **kwargs: True
     setattr(trainer, name, through_the_gate)
 
 
-def make_collective_safe(trainer, namespace: int, progress=None, timeout_s: float = 120.0) -> EntryGate:
+def gathers_in_save_model(trainer) -> bool:
+    """Whether ``save_model`` needs every rank: FSDP with a full state dict, DeepSpeed ZeRO-3 (the shards are gathered).
+    Plain DDP, ZeRO-1/2 and FSDP's sharded state dict write from each rank's own copy."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        plugin = getattr(getattr(trainer.accelerator, "state", None), "fsdp_plugin", None)
+        return "FULL_STATE_DICT" in str(getattr(plugin, "state_dict_type", "FULL_STATE_DICT"))
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        config = getattr(getattr(trainer, "deepspeed", None), "config", None) or {}
+        return (config.get("zero_optimization", {}) or {}).get("stage") == 3
+    return False
+
+
+def _user_call(*args, _internal_call=False, **kwargs) -> bool:
+    return not (_internal_call or (len(args) > 1 and args[1] is True))
+
+
+def make_collective_safe(trainer, namespace: int, progress=None, timeout_s: float = 600.0) -> EntryGate:
     """Agree the control flags after each step, and gate evaluations, checkpoints and (where it gathers) save_model.
-    ``progress``: this rank's ``watchdog.Progress`` (its collective count tells a stale position from a real one)."""
+    ``progress``: this rank's ``watchdog.Progress`` (its collective count tells a stale position from a real one).
+    ``timeout_s``: how long a rank waits for the others without evidence that they will not come (the watchdog's long
+    floor: rank 0 may still be writing a report or a checkpoint while the others wait)."""
     gate = EntryGate(namespace, progress, timeout_s)
     agree_on_control(trainer)
-    gathers = bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
-    gated(trainer, "save_model", gate, when=lambda *a, _internal_call=False, **kw: gathers and not _internal_call)
+    gated(trainer, "save_model", gate, when=lambda *a, **kw: _user_call(*a, **kw) and gathers_in_save_model(trainer))
     gated(trainer, "evaluate", gate)
     gated(trainer, "_save_checkpoint", gate)
     return gate

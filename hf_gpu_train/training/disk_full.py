@@ -3,14 +3,15 @@
 Without this the run ends in a traceback from deep inside ``torch.save`` or safetensors ("PytorchStreamWriter failed
 writing file", "IoError ... StorageFull"), with a half-written ``checkpoint-N`` next to the good ones. Here the save
 that failed on a full disk (``ENOSPC`` / ``EDQUOT``, however the writer wrapped it) becomes ``DiskFullError``, a usage
-error (exit 2), naming the directory, the space free and what the save needs. The half-written checkpoint is set
-aside at once (``incomplete-checkpoints/``, as a resume would), so that the rotation never counts it and the next run
-resumes from the last complete one; the earlier checkpoints and the config are never touched. The Trainer rotates
-old checkpoints only after a save succeeded, so a failed save deletes nothing.
+error (exit 2), naming the directory, the space free and what the save needs. The half-written checkpoint has no
+completion marker, so the next run sets it aside (``incomplete-checkpoints/``) and resumes from the last complete
+one; it is not moved at once, as the other ranks may still be writing their RNG states into it. The earlier
+checkpoints and the config are never touched: the Trainer rotates old checkpoints only after a save succeeded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from pathlib import Path
@@ -19,6 +20,10 @@ from ..errors import UsageError
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NO_SPACE_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "QuotaExceeded")
+# torch.save's zip writer on a full disk can fail without the errno: "[enforce fail at inline_container.cc] ...
+# unexpected pos 46906560 vs 46906448" or "PytorchStreamWriter failed writing file": a full disk when the space left
+# is less than the save needs
+WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed", "unexpected pos")
 
 
 class DiskFullError(UsageError):
@@ -36,6 +41,18 @@ def is_disk_full(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _writer_failed_for_space(error: BaseException, folder: Path, needed: int) -> bool:
+    if not any(word in str(error) for word in WRITER_FAILURES):
+        return False
+    return shutil.disk_usage(_existing(folder)).free < needed
+
+
+def _existing(folder: Path) -> Path:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def folder_bytes(folder: Path) -> int:
@@ -62,47 +79,48 @@ def state_bytes(trainer) -> int:
     return total
 
 
-def _needed(trainer, output_dir: Path, failed: Path) -> str:
+def needed_bytes(trainer, output_dir: Path, failed: Path) -> tuple[int, str]:
+    """(bytes, how they were counted) a save needs: the last complete checkpoint's size, else the state's tensors."""
     from ..finetune.checkpoints import checkpoints, is_complete
 
     complete = next((c for c in checkpoints(output_dir) if c != failed and is_complete(c)), None)
     if complete is not None:
-        return f"about {human(folder_bytes(complete))}, the size of {complete.name}"
-    return f"about {human(state_bytes(trainer))} (the model's and the optimizer's tensors)"
+        return folder_bytes(complete), f"the size of {complete.name}"
+    return state_bytes(trainer), "the model's and the optimizer's tensors"
 
 
-def disk_full_message(trainer, folder: Path, what: str, set_aside: Path | None) -> str:
+def disk_full_message(trainer, folder: Path, what: str, needed: tuple[int, str]) -> str:
     from ..finetune.checkpoints import checkpoints, is_complete
 
     output_dir = Path(trainer.args.output_dir)
-    usage = shutil.disk_usage(folder if folder.exists() else output_dir if output_dir.exists() else output_dir.parent)
+    usage = shutil.disk_usage(_existing(folder))
     kept = [c.name for c in checkpoints(output_dir) if is_complete(c)]
     lines = [f"the disk holding {output_dir} is full: writing {what} to {folder} failed with {human(usage.free)} free of "
-             f"{human(usage.total)}; it needs {_needed(trainer, output_dir, folder)}."]
-    if set_aside is not None:
-        lines.append(f"The half-written {folder.name} was set aside as {set_aside} (delete it to free its space).")
+             f"{human(usage.total)}; it needs about {human(needed[0])} ({needed[1]})."]
+    if folder.name.startswith("checkpoint-"):
+        lines.append(f"The half-written {folder.name} has no completion marker: the next run sets it aside (delete it to "
+                     "free its space now).")
     lines.append(f"Kept: {', '.join(kept) if kept else 'no complete checkpoint yet'}, and the config.")
     lines.append("Free space (or save_total_limit=1, or an output_dir on a larger disk) and run the same command again"
                  + (f": it resumes from {kept[0]}." if kept else "."))
     return " ".join(lines)
 
 
-def _set_aside(folder: Path) -> Path | None:
-    """Move a half-written checkpoint out of the Trainer's namespace (main process; a rename needs no space)."""
-    import time
-
-    from ..finetune.checkpoints import SET_ASIDE_DIR, is_main_process
-
-    if not folder.is_dir() or not is_main_process():
-        return None
-    aside = folder.parent / SET_ASIDE_DIR
+@contextlib.contextmanager
+def saving_to(trainer, folder: Path, what: str):
+    """A save into ``folder``: a full disk inside becomes ``DiskFullError`` (the half-written files stay where they are:
+    the other ranks may still write theirs into it; a resume sets an incomplete checkpoint aside)."""
     try:
-        aside.mkdir(exist_ok=True)
-        target = aside / f"{folder.name}.{int(time.time() * 1000)}"
-        folder.rename(target)
-        return target
-    except OSError:  # not even a directory entry fits: the next run's resume sets it aside
-        return None
+        yield
+    except DiskFullError:  # save_model inside _save_checkpoint: said once
+        raise
+    except Exception as error:
+        output_dir = Path(trainer.args.output_dir)
+        needed = needed_bytes(trainer, output_dir, folder)
+        if not (is_disk_full(error) or _writer_failed_for_space(error, folder, needed[0])):
+            raise
+        checkpoint = folder.name.startswith("checkpoint-")  # save_model writes a checkpoint's weights too
+        raise DiskFullError(disk_full_message(trainer, folder, "a checkpoint" if checkpoint else what, needed)) from error
 
 
 def guard_saves(trainer) -> None:
@@ -111,18 +129,8 @@ def guard_saves(trainer) -> None:
         original = getattr(trainer, name)
 
         def saving(*args, **kwargs):
-            try:
+            with saving_to(trainer, folder_of(args, kwargs), what):
                 return original(*args, **kwargs)
-            except DiskFullError:  # save_model inside _save_checkpoint: said once
-                raise
-            except Exception as error:
-                if not is_disk_full(error):
-                    raise
-                folder = folder_of(args, kwargs)
-                checkpoint = folder.name.startswith("checkpoint-")  # save_model writes a checkpoint's weights too
-                set_aside = _set_aside(folder) if checkpoint else None
-                raise DiskFullError(disk_full_message(trainer, folder, "a checkpoint" if checkpoint else what,
-                                                      set_aside)) from error
 
         setattr(trainer, name, saving)
 

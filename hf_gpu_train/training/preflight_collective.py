@@ -15,6 +15,11 @@ up) lets the group form, then hangs the first all-reduce. Both are found here, b
 Each failure is a ``PreflightError`` (a usage error: exit 2) naming the ranks and hosts, and the variables that fix
 it, with the values this process has (the plan's). ``HF_GPU_TRAIN_PREFLIGHT_TIMEOUT`` sets the timeout (seconds,
 default 60; ``0`` turns the check off).
+
+Under a launcher that is not torchelastic (``srun`` or ``mpirun`` starting the script itself) the join check is
+skipped (rank 0 hosts the store, once the group forms); the group's forming and the collectives are still bounded.
+Under torchrun's ``c10d`` rendezvous the agents meet before any worker starts, so the join check re-tests a path
+already proven; under the ``static`` one (accelerate's multi-machine launches) it is what names a missing machine.
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ def check_ranks_join(seconds: float) -> None:
             hosts = sorted({store.get(f"{prefix}/{r}").decode() for r in joined})
             raise PreflightError(f"rank(s) {_ranges(sorted(waiting))} of {world} did not join within {seconds:.0f} s "
                                  f"(joined: {_ranges(joined)} on {', '.join(hosts)}): the machine running them did not "
-                                 f"start its launch, or cannot reach this one; {network_fix()}")
+                                 f"start its launch, started late (slow imports: HF_GPU_TRAIN_PREFLIGHT_TIMEOUT=300), or "
+                                 f"cannot reach this one; {network_fix()}")
         if waiting:
             time.sleep(0.1)
 
@@ -163,19 +169,53 @@ def _check_local_pairs(seconds: float, device) -> None:
                                  "these GPUs is broken; NCCL_P2P_DISABLE=1 works around it (run hf-gpu-train doctor)")
 
 
-def preflight(cpu: bool = False) -> None:
+def preflight(cpu: bool = False, timeout: float = 1800.0, backend: str | None = None) -> None:
     """Both checks, in a training process of several (nothing with one, or with the timeout 0). Makes the process
-    group between them through accelerate, as the Trainer would (``cpu``: as ``TrainingArguments(use_cpu=...)``)."""
+    group between them through accelerate, as the Trainer would: ``cpu``, ``backend`` and ``timeout`` (the collective
+    timeout the run keeps) as ``TrainingArguments(use_cpu=, ddp_backend=, ddp_timeout=)``. The group is made with the
+    short timeout, so that gloo's connections between the ranks (made while the group forms) and NCCL's (made in the
+    first collective) are bounded too, and gets the run's own afterwards."""
     seconds = timeout_s()
     if seconds <= 0 or _rank_world()[1] < 2:
+        make_process_group(cpu, timeout, backend)
         return
     start = time.monotonic()
     check_ranks_join(seconds)
-    from accelerate.state import PartialState
-
-    state = PartialState(cpu=cpu)
-    check_collectives(seconds, state.device)
+    try:
+        state = make_process_group(cpu, seconds, backend)
+        check_collectives(seconds, state.device)
+    except PreflightError:
+        raise
+    except RuntimeError as error:  # the group could not form in time (gloo connects every pair while it forms)
+        raise PreflightError(f"rank {_rank_world()[0]} on {socket.gethostname()}: the process group did not form within "
+                             f"{seconds:.0f} s ({str(error).splitlines()[0]}): the ranks joined but cannot connect to each "
+                             f"other; {network_fix()}") from None
+    keeps = _run_timeout(timeout, state.device)
     if state.is_main_process:
         print(f"hf_gpu_train: preflight: {state.num_processes} processes joined, all-reduce and broadcast "
               f"{'and the copies between local GPUs ' if state.device.type == 'cuda' else ''}work "
-              f"({time.monotonic() - start:.1f} s)", flush=True)
+              f"({time.monotonic() - start:.1f} s); collective timeout {keeps}", flush=True)
+
+
+def _run_timeout(seconds: float, device) -> str:
+    """Give the default group the run's collective timeout (it was made with the preflight's); what it now holds, as
+    read back from its backend ("?" where the backend does not say)."""
+    import torch
+    import torch.distributed as dist
+
+    setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    setter(timedelta(seconds=seconds))
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device))
+        return f"{backend.options._timeout.total_seconds():.0f} s"
+    except Exception:  # noqa: BLE001 (private API: only the report of it is lost)
+        return "?"
+
+
+def make_process_group(cpu: bool, timeout: float, backend: str | None):
+    """accelerate's ``PartialState`` with what ``TrainingArguments`` would give it (a group made here is the one the
+    Trainer uses: it does not make another)."""
+    from accelerate.state import PartialState
+
+    options = {"timeout": timedelta(seconds=timeout), **({"backend": backend} if backend else {})}
+    return PartialState(cpu=cpu, **options)

@@ -153,16 +153,9 @@ def _rank() -> tuple[int, int]:
 
 def _store():
     """A private connection to the store the process group was made with (None: one process, or no store)."""
-    import torch.distributed as dist
+    from ..process_group import rendezvous_store
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store().clone()
-    except Exception:  # noqa: BLE001 (a store without clone, a backend without store: the rank reports alone)
-        return None
+    return rendezvous_store()
 
 
 def behind(states: dict[int, dict]) -> list[int]:
@@ -405,6 +398,7 @@ class WatchdogCallback(TrainerCallback):
     def __init__(self, watchdog: Watchdog):
         self.watchdog = watchdog
         self._hooks = []
+        self._in_step = False
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         progress = self.watchdog.progress
@@ -418,18 +412,23 @@ class WatchdogCallback(TrainerCallback):
         self.watchdog.start()
 
     def _training(self, phase: str) -> None:
-        if self.watchdog.progress.phase not in ("evaluation", "save"):
-            self.watchdog.progress.enter(phase)
-        elif self.watchdog.progress.phase == "evaluation" and phase == "forward":
-            self.watchdog.progress.enter("evaluation")  # each evaluation batch is progress
+        progress = self.watchdog.progress
+        if progress.phase == "evaluation" and phase == "forward":
+            progress.enter("evaluation")  # each evaluation batch is progress
+        elif self._in_step and progress.phase not in ("evaluation", "save"):
+            # only inside a step: a forward between steps (a callback generating samples in on_log) is not the next
+            # step, and the entry gates read "forward at step N" as a rank that went on past step N
+            progress.enter(phase)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._in_step = True
         self.watchdog.progress.enter("forward")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.watchdog.progress.enter("optimizer")
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._in_step = False
         self.watchdog.progress.step_done(state.global_step)
         write_progress(args.process_index, state.global_step, "data")
 
@@ -457,7 +456,7 @@ def attach_watchdog(trainer, timeout="auto", output_dir: str | Path | None = Non
     watchdog = Watchdog(output_dir or trainer.args.output_dir, limits, namespace=namespace, **options)
     trainer.add_callback(WatchdogCallback(watchdog))
     # evaluations and saves every rank enters, or a clear error (inside the phase wrappers: the wait is watched too)
-    make_collective_safe(trainer, namespace, watchdog.progress)
+    make_collective_safe(trainer, namespace, watchdog.progress, timeout_s=limits.long_floor_s)
     for name, phase in (("evaluate", "evaluation"), ("_save_checkpoint", "save"), ("save_model", "save")):
         _wrap_phase(trainer, name, phase, watchdog)
     _disarm_after(trainer, "train", watchdog)

@@ -1,9 +1,11 @@
 """scripts/finetune.py with one rank SIGKILLed at the end of a step (the kernel's OOM killer, a segfault):
-``KILL_RANK`` and ``KILL_AT_STEP`` say which and when. Everything else is the real entry point."""
+``KILL_RANK`` and ``KILL_AT_STEP`` say which and when (``KILL_STAMP``: a file for the time of the kill, for
+benchmarks/faults.py). Everything else is the real entry point."""
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -16,6 +18,8 @@ from hf_gpu_train.finetune import run  # noqa: E402
 class KillAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == int(os.environ["KILL_AT_STEP"]) and args.process_index == int(os.environ["KILL_RANK"]):
+            if os.environ.get("KILL_STAMP"):
+                Path(os.environ["KILL_STAMP"]).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
 

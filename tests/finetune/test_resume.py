@@ -137,6 +137,7 @@ def test_a_rank_killed_mid_run_then_the_same_command_again_ends_with_the_uninter
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-4'}" in again.stdout and "CPU x2" in again.stdout
     assert "hf_gpu_train: preflight: 2 processes joined, all-reduce and broadcast work" in again.stdout
+    assert "collective timeout 1800 s" in again.stdout  # the Trainer's ddp_timeout, not the preflight's short one
     assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
 
 

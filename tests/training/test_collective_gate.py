@@ -34,7 +34,7 @@ def test_a_position_seen_late_is_no_evidence():
 
 def test_one_process_keeps_its_flags():
     control = SimpleNamespace(**{**dict.fromkeys(FLAGS, False), "should_save": True})
-    agree_flags(control, "cpu")
+    agree_flags(control)
     assert control.should_save and not control.should_evaluate
 
 
@@ -79,3 +79,34 @@ def test_the_ranks_that_never_join_are_named_by_those_that_did(monkeypatch):
     _torchrun_environment(monkeypatch, 0, 4, port)
     with pytest.raises(PreflightError, match=r"rank\(s\) 2-3 of 4 did not join within 1 s \(joined: 0-1 on other-host, "):
         check_ranks_join(1.0)
+
+
+def test_a_forward_between_steps_is_not_the_next_step():
+    """A rank-0 callback that runs the model in on_log (samples) must not read as "went on to step N+1" to the gates."""
+    from hf_gpu_train.training.watchdog import Limits, Watchdog, WatchdogCallback
+
+    callback = WatchdogCallback(Watchdog("/nonexistent", Limits()))
+    state = SimpleNamespace(global_step=3)
+    callback.on_step_begin(None, state, None)
+    callback._training("backward")
+    assert callback.watchdog.progress.phase == "backward"
+    callback.on_step_end(SimpleNamespace(process_index=0), state, None)
+    callback._training("forward")  # the model run by a callback after the step
+    assert callback.watchdog.progress.position()["phase"] == "data"
+    assert not_coming(callback.watchdog.progress.position(), step=3, collectives=0) is None
+
+
+def test_save_model_is_gated_only_where_it_gathers_and_only_when_the_user_calls_it():
+    from hf_gpu_train.training.collective_gate import _user_call, gathers_in_save_model
+
+    def trainer(fsdp=None, zero=None):
+        return SimpleNamespace(is_fsdp_enabled=fsdp is not None, is_deepspeed_enabled=zero is not None,
+                               accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(state_dict_type=fsdp))),
+                               deepspeed=SimpleNamespace(config={"zero_optimization": {"stage": zero}}))
+
+    assert not gathers_in_save_model(trainer())  # plain DDP: rank 0 alone may save
+    assert gathers_in_save_model(trainer(fsdp="StateDictType.FULL_STATE_DICT"))
+    assert not gathers_in_save_model(trainer(fsdp="StateDictType.SHARDED_STATE_DICT"))
+    assert gathers_in_save_model(trainer(zero=3)) and not gathers_in_save_model(trainer(zero=2))
+    # save_model(output_dir, _internal_call): the Trainer's own call from _save_checkpoint is gated there
+    assert _user_call("dir") and not _user_call("dir", _internal_call=True) and not _user_call("dir", True)

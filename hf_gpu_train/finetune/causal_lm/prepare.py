@@ -74,7 +74,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
                           "attn_implementation=sdpa")
     model = apply_method(model, cfg)
     packs = verdict is not None and verdict.supported
-    key = data_key(cfg, {"train": data.train, "validation": data.validation}, data.model_path, packs=packs)
+    key = data_key(cfg, {"train": data.train, "validation": data.validation}, data.model_path, tokenizer, packs=packs)
     prepared = prepare_once(key, lambda: _encode_and_pack(cfg, data, tokenizer, packs))
     notes = [f"{data.form.describe()} from {data.source}; {trainable_summary(model)} ({cfg.method})", *data.notes,
              *prepared.meta["notes"]]
