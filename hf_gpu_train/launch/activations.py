@@ -40,7 +40,9 @@ Gradient checkpointing (transformers' per-layer, non-reentrant) keeps each layer
 fp32 for full fine-tuning and QLoRA, the compute dtype for LoRA) and recomputes one layer at a time. A causal LM's
 loss adds 12 bytes per token per vocabulary entry at its peak: transformers upcasts the logits to fp32
 (``loss_utils.ForCausalLMLoss``), log-softmax keeps its fp32 output, and the backward holds its gradient and the
-input gradient beside it.
+input gradient beside it. With the chunked head and loss (``TrainingShape.chunked_loss``) the logits exist for one
+chunk of rows at a time (the same 12 bytes per vocabulary entry, for ``loss_chunk`` rows), and the backward keeps the
+hidden states' gradient instead of the logits.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ EAGER_SCORES_BYTES_PER_HEAD_TOKEN = 5  # x a x s per token and layer: eager atte
 LOGITS_PEAK_BYTES_PER_VOCAB = 12  # per token: fp32 logits' log-softmax, its gradient and the input gradient
 NORM_STATS_BYTES = 4  # one fp32 rsqrt per token per RMSNorm
 LSE_BYTES_PER_HEAD = 4  # one fp32 log-sum-exp per token per head, kept by flash / memory-efficient SDPA
+CHUNKED_MASK_BYTES = 1  # per token: the boolean mask of labelled positions the chunked loss gathers by
 
 
 def residual_bytes(shape: TrainingShape) -> int:
@@ -129,8 +132,12 @@ def activation_terms(spec: ModelSpec, shape: TrainingShape) -> dict[str, float]:
     if _gated(spec):
         layer = gated_layer_bytes_per_token(spec, shape)
         kept = residual_bytes(shape) * h
-        # the final norm as in the layers; a trained output head also keeps its input (a cast copy under autocast)
-        head = 4 * h + NORM_STATS_BYTES + ((4 + shape.compute_bytes) * h if shape.method == "full" else 0)
+        # the final norm as in the layers; a trained output head also keeps its input (a cast copy under autocast).
+        # Chunked, the head keeps nothing (its gradients are computed in the forward), but the final norm keeps its
+        # normalised input for its weight's gradient (measured: tests/launch/test_activation_memory.py)
+        chunked = shape.chunked_loss and spec.causal_lm
+        trained_head = (4 * h if chunked else (4 + shape.compute_bytes) * h) if shape.method == "full" else 0
+        head = 4 * h + NORM_STATS_BYTES + trained_head
         terms["output head"] = head * s * b
     else:
         layer = generic_layer_bytes_per_token(spec, shape)
@@ -141,7 +148,14 @@ def activation_terms(spec: ModelSpec, shape: TrainingShape) -> dict[str, float]:
     else:
         terms["layers"] = layer * L * s * b
     if spec.causal_lm and spec.vocab_size:
-        terms["loss"] = LOGITS_PEAK_BYTES_PER_VOCAB * spec.vocab_size * s * b
+        if shape.chunked_loss:
+            # the logits' peak of one chunk, and kept for the backward: the hidden states' gradient (the final
+            # norm's output dtype, the residual's) and the mask of labelled positions (every position counted)
+            rows = min(shape.loss_chunk, s * b)
+            kept = (residual_bytes(shape) if _gated(spec) else shape.compute_bytes) * h + CHUNKED_MASK_BYTES
+            terms["loss"] = LOGITS_PEAK_BYTES_PER_VOCAB * spec.vocab_size * rows + kept * s * b
+        else:
+            terms["loss"] = LOGITS_PEAK_BYTES_PER_VOCAB * spec.vocab_size * s * b
     return terms
 
 

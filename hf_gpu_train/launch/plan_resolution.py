@@ -95,10 +95,11 @@ def _planner_precision(precision: object, planned: str) -> str:
 
 
 def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | None = None, seq_len: int | None = None,
-                 image_size: int | None = None, method: str = "full", lora_rank: int | None = None) -> MemoryCheck | None:
+                 image_size: int | None = None, method: str = "full", lora_rank: int | None = None,
+                 chunked_loss: bool = True) -> MemoryCheck | None:
     """Re-run the planner (``launch/memory.py``) for the plan's model with the run's micro-batch, checkpointing,
-    precision, process count, sequence length and image size (None: the plan's). None when the plan has no
-    memory plan (no --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
+    precision, process count, sequence length and image size (None: the plan's), and a causal LM's head chunked
+    (``chunked_lm_loss``, the entry point's default) or not. None when the plan has no memory plan (no --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
     m = plan.memory
     if m is None:
         return None
@@ -109,7 +110,8 @@ def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | 
     # the method the run trains with (LoRA's frozen base needs no gradients or optimizer states), not the plan's
     peft = {"method": method, **({"lora_rank": lora_rank} if lora_rank else {})} if method in ("lora", "qlora") else {}
     shape = TrainingShape(micro_batch=micro, seq_len=seq_len or m.seq_len, image_size=image_size or m.image_size,
-                          precision=precision, optimizer=m.optimizer, gradient_checkpointing=checkpointing, num_gpus=world, **peft)
+                          precision=precision, optimizer=m.optimizer, gradient_checkpointing=checkpointing, num_gpus=world,
+                          chunked_loss=chunked_loss, **peft)
     breakdown = estimate(m.model, shape, m.strategy)
     total = int(breakdown.total)
     fits = total <= m.usable_bytes

@@ -119,6 +119,31 @@ def test_whole_model_within_half_a_percent_of_what_autograd_keeps():
     assert terms["loss"] == 12 * VOCAB * TOKENS
 
 
+def test_the_chunked_head_and_loss_keep_what_the_planner_says():
+    """Issue 19, lever 1: with the chunked LM head and loss the backward keeps the hidden states' gradient (fp32 here:
+    the final norm's output, full fine-tuning), the labelled rows' mask and the head weight's gradient (computed in
+    the forward: it is the gradient the planner counts per parameter, early), not the logits' log-softmax and not the
+    head's input or its bf16 weight copy."""
+    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="full", padded=True, chunked_loss=True,
+                          loss_chunk=64)
+    spec = replace(SPEC, num_layers=4)
+    terms = activation_terms(spec, shape)
+    labelled = BATCH * (SEQ - 1)  # labels = ids: the last position of each row predicts nothing
+    kept_by_the_loss = 4 * H * labelled + TOKENS  # the hidden states' gradient, and the boolean mask
+    head_gradient = 4 * H * VOCAB
+    predicted = terms["layers"] + terms["output head"] + kept_by_the_loss + head_gradient + 2 * LAYER_LINEAR_WEIGHTS * 4
+    model = build("full", 4, "bf16")
+    install(model, chunk=64)
+    measured = saved_bytes(model, padded=True, autocast=True)
+    assert abs(measured - predicted) / measured < 0.005, (measured, predicted)
+    assert terms["output head"] == (8 * H + 4) * TOKENS  # the final norm only: its input and normalised input, fp32
+    assert terms["loss"] == 12 * VOCAB * 64 + (4 * H + 1) * TOKENS  # one chunk's peak, and what is kept (all rows)
+    unchunked = activation_terms(spec, replace(shape, chunked_loss=False))
+    assert sum(terms.values()) < sum(unchunked.values())
+
+
 def test_meta_census_matches_the_config_arithmetic():
     spec = from_config(config(4), name="tiny")
     assert spec.gated_mlp and spec.causal_lm

@@ -53,6 +53,21 @@ def _encode_and_pack(cfg: FinetuneConfig, data: CausalLMData, tokenizer, packs: 
     return Prepared(train, validation, {"notes": notes, "packing": packing})
 
 
+def _chunk_the_head(model, cfg: FinetuneConfig) -> str:
+    """``chunked_lm_loss``: the LM head and loss in chunks where exact (auto), asked for (true: refused with the reason
+    where not exact), or the model's own (false)."""
+    from . import lm_head_loss
+
+    if cfg.chunked_lm_loss is False:
+        return "LM head and loss: the model's own (chunked_lm_loss=false): full logits"
+    verdict = lm_head_loss.install(model)
+    if not verdict.supported and cfg.chunked_lm_loss is True:
+        raise ConfigError(f"chunked_lm_loss=true, but {verdict.reason}: chunked_lm_loss=auto (or false) to use the model's "
+                          "own head and loss")
+    return (f"LM head and loss: chunked ({verdict.reason}; no full logits)" if verdict.supported else
+            f"LM head and loss: the model's own ({verdict.reason})")
+
+
 def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
     from . import model as lm_model
     from .chat import require_chat_template
@@ -73,6 +88,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
         raise ConfigError(f"packing=true, but {verdict.reason}: packing=auto (or false) to pad instead, or "
                           "attn_implementation=sdpa")
     model = apply_method(model, cfg)
+    head_note = _chunk_the_head(model, cfg)
     packs = verdict is not None and verdict.supported
     key = data_key(cfg, {"train": data.train, "validation": data.validation}, data.model_path, tokenizer, packs=packs)
     prepared = prepare_once(key, lambda: _encode_and_pack(cfg, data, tokenizer, packs))
@@ -86,6 +102,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
         why = "packing=false" if verdict is None else verdict.reason
         notes.append(f"packing off ({why}): examples padded to the longest in each batch, grouped by length")
         collator = PaddingCollator(tokenizer.pad_token_id, multiple)
+    notes.append(head_note)
     if world_size() > 1:
         notes.append(f"data {prepared.how}")
     train, validation = prepared.train, prepared.validation

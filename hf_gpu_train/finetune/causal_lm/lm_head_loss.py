@@ -1,0 +1,149 @@
+"""The LM head and its loss in chunks: neither the full logits nor their gradient ever exist at once.
+
+A causal LM's forward computes ``logits = hidden @ W.T`` for every position (batch x length x vocabulary: SmolLM2's
+49k vocabulary makes 0.4 GB of fp32 logits for 2 rows of 1024 tokens), then upcasts them to fp32 for the loss, and
+backward keeps their gradient as large again. Here, when the forward is given labels:
+
+1. positions whose (shifted) label is ignored (-100: prompts, padding) are dropped before the head's matmul: their
+   logits were computed and thrown away;
+2. the rest go through the head and the cross-entropy ``chunk`` rows at a time, and each chunk's gradients (with
+   respect to the hidden states, and to the head's weight when it trains) are computed at once from its softmax and
+   accumulated, so backward is one multiplication by the incoming gradient. Per chunk, the logits and their gradient
+   are ``chunk x vocabulary``; nothing is recomputed (a checkpointed chunk would run its matmul twice).
+
+Exact: the loss is transformers' ``ForCausalLMLoss`` (labels shifted left, fp32 cross-entropy, summed and divided by
+``num_items_in_batch`` when the Trainer passes it, else averaged), the gradients those of the same expression; only
+the order of the fp32 sums differs. Without labels (generation, a caller that wants logits) the model's own forward
+runs. Models whose head does more than a matmul (logit soft-capping, a logit scale, a loss of their own) are left as
+they are: ``support`` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+DEFAULT_CHUNK = 1024  # rows of the head's matmul at a time: 1024 x 49k fp32 logits = 200 MB, and a matmul this wide is efficient
+# config attributes that change what the head computes beyond hidden @ W.T (+ b): the chunked path would not be exact
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class Support:
+    supported: bool
+    reason: str
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(hidden_i @ W.T + b, target_i) * scale, with the gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk: int):
+        ctx.weight_dtype = weight.dtype  # gradients accumulate in fp32 and leave in the parameter's dtype
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            logits = torch.nn.functional.linear(h, weight, bias).float()
+            total += torch.nn.functional.cross_entropy(logits, t, reduction="sum")
+            if not (needs_hidden or needs_weight or needs_bias):
+                continue
+            grad = torch.softmax(logits, dim=-1)  # d(sum CE)/d(logits) = softmax - one-hot
+            grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            grad *= scale
+            if needs_hidden:
+                grad_hidden[start:start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+            if needs_weight:
+                grad_weight += grad.t() @ h.float()
+            if needs_bias:
+                grad_bias += grad.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # scaled in place: the buffers made in forward become the gradients (no second copy of the head's gradient)
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = grad_output.float()
+        if grad_hidden is not None:
+            grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(scale).to(ctx.weight_dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.mul_(scale).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, bias, targets, scale, chunk: int = DEFAULT_CHUNK):
+    return LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk)
+
+
+def causal_lm_of(model):
+    """The ``*ForCausalLM`` module inside a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def support(model) -> Support:
+    base = causal_lm_of(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
+        return Support(False, f"{type(base).__name__} has no linear output head after a decoder")
+    config = base.config
+    extras = [name for name in HEAD_EXTRAS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if extras:
+        return Support(False, f"its head also applies {', '.join(extras)}")
+    if getattr(config, "loss_type", None) not in (None, "ForCausalLM", "ForCausalLMLoss"):
+        return Support(False, f"it computes its own loss (loss_type={config.loss_type!r})")
+    if hasattr(head, "base_layer") or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return Support(False, "its output head is adapted (LoRA on lm_head) or quantized")
+    return Support(True, "the head's matmul and the loss in chunks of rows with a label")
+
+
+def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int):
+    """transformers' ForCausalLMLoss on ``hidden`` through ``base``'s head, in chunks of the labelled rows only."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:].to(hidden.device)
+    keep = shifted != IGNORE
+    rows, targets = hidden[keep], shifted[keep]
+    count = num_items_in_batch if num_items_in_batch is not None else targets.shape[0]
+    if torch.is_tensor(count):
+        scale = 1.0 / count.to(hidden.device, torch.float32)
+    else:
+        scale = torch.tensor(1.0 / max(int(count), 1), device=hidden.device)
+    if num_items_in_batch is None and targets.shape[0] == 0:  # transformers' mean over no token: nan
+        scale = torch.tensor(float("nan"), device=hidden.device)
+    head = base.get_output_embeddings()
+    return linear_cross_entropy(rows, head.weight, head.bias, targets, scale, chunk)
+
+
+def install(model, chunk: int = DEFAULT_CHUNK) -> Support:
+    """Give ``model``'s causal LM the chunked head and loss (when ``support`` allows); returns the verdict."""
+    verdict = support(model)
+    if not verdict.supported:
+        return verdict
+    base = causal_lm_of(model)
+    original = base.forward
+
+    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        if labels is None or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False:
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                     **kwargs)
+        loss = chunked_loss(base, outputs[0], labels, num_items_in_batch, chunk)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None))
+
+    base.forward = forward
+    base._hf_gpu_train_chunked_loss = chunk
+    return verdict

@@ -1,0 +1,120 @@
+"""The chunked LM head and loss (issue 19, lever 1) is exact: the same loss and gradients as the model's own forward
+(transformers' ForCausalLMLoss), for plain and packed batches, with and without num_items_in_batch, full and LoRA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_gpu_train.finetune.causal_lm import lm_head_loss
+from hf_gpu_train.finetune.causal_lm.lm_head_loss import install, linear_cross_entropy, support
+
+from .tiny import tiny_llama
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def test_the_function_matches_cross_entropy_of_the_full_logits():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    bias = torch.randn(50, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    scale = torch.tensor(1 / 29.0)
+    got = linear_cross_entropy(hidden, weight, bias, targets, scale, chunk=8) * 3.0  # a later factor (accumulation)
+    got.backward()
+    grads = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, bias).float(), targets,
+                                             reduction="sum") / 29.0 * 3.0
+    want.backward()
+    torch.testing.assert_close(got, want, **TOL)
+    for g, t in zip(grads, (hidden, weight, bias)):
+        torch.testing.assert_close(g, t.grad, **TOL)
+
+
+def _batch(packed: bool):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 120, (2, 24))
+    labels = ids.clone()
+    labels[0, :7] = -100  # a prompt
+    labels[1, 18:] = -100  # padding
+    batch = {"input_ids": ids, "labels": labels, "use_cache": False}
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    else:
+        batch["attention_mask"] = (labels != -100).long() | (torch.arange(24) < 7).long()
+    return batch
+
+
+def _loss_and_grads(model, batch, **extra):
+    model.zero_grad()
+    out = model(**batch, **extra)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("items", [None, 40], ids=["mean", "num_items_in_batch"])
+def test_full_fine_tuning_same_loss_and_gradients_as_the_models_own_forward(packed, items):
+    reference = tiny_llama(128).train()
+    chunked = copy.deepcopy(reference)
+    assert install(chunked, chunk=5).supported
+    extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    want, want_grads = _loss_and_grads(reference, _batch(packed), **extra)
+    got, got_grads = _loss_and_grads(chunked, _batch(packed), **extra)
+    torch.testing.assert_close(got, want, **TOL)
+    assert got_grads.keys() == want_grads.keys() and "lm_head.weight" in got_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=name)
+
+
+def test_lora_same_loss_and_adapter_gradients_and_generation_untouched():
+    from peft import LoraConfig, get_peft_model
+
+    def lora(model):
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+
+    base = tiny_llama(128)
+    reference, chunked = lora(copy.deepcopy(base)), lora(copy.deepcopy(base))
+    chunked.load_state_dict(reference.state_dict())
+    assert install(chunked, chunk=7).supported
+    want, want_grads = _loss_and_grads(reference, _batch(True))
+    got, got_grads = _loss_and_grads(chunked, _batch(True))
+    torch.testing.assert_close(got, want, **TOL)
+    assert all("lora_" in n for n in got_grads) and got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=name)
+    prompt = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():  # no labels: the model's own forward, logits and all
+        torch.testing.assert_close(chunked(input_ids=prompt).logits, reference(input_ids=prompt).logits)
+
+
+def test_a_head_that_does_more_than_a_matmul_is_left_alone():
+    model = tiny_llama(64)
+    model.config.final_logit_softcapping = 30.0
+    verdict = support(model)
+    assert not verdict.supported and "final_logit_softcapping" in verdict.reason
+    assert not install(model).supported and not hasattr(model, "_hf_gpu_train_chunked_loss")
+
+
+def test_no_full_logits_are_made(monkeypatch):
+    """The head's matmul never sees more than ``chunk`` rows, and only rows with a label."""
+    seen = []
+    linear = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        seen.append(x.shape[0])
+        return linear(x, w, b)
+
+    model = tiny_llama(128)
+    install(model, chunk=6)
+    monkeypatch.setattr(lm_head_loss.torch.nn.functional, "linear", spy)
+    batch = _batch(False)
+    model(**batch).loss.backward()
+    labelled = int((torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:] != -100).sum())
+    head_rows = seen[-(-(-labelled // 6)):]  # the last calls are the head's chunks
+    assert max(head_rows) <= 6 and sum(head_rows) == labelled
