@@ -91,7 +91,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     lines.append("plan values not applied: " + (", ".join(f"{k}={v} ({why})" for k, (v, why) in not_applied.items()) or "none"))
     vision = cfg.task == "image-classification"
     memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
-                          method=cfg.method, lora_rank=cfg.lora_r, chunked_loss=cfg.chunked_lm_loss is not False)
+                          method=cfg.method, lora_rank=cfg.lora_r, chunked_loss=cfg.chunked_lm_loss is True)  # auto may step aside: counted off
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
     return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here)

@@ -201,7 +201,7 @@ def prepare_once(key: str, build: Callable[[], Prepared]) -> Prepared:
 _waits = itertools.count()
 
 
-def wait_for_every_rank(key: str) -> None:
+def wait_for_every_rank(key: str | None = None) -> None:
     """Every rank posts that its data is ready and waits for all (``HF_GPU_TRAIN_PREPARE_TIMEOUT`` seconds, default
     a day: preparing a large dataset may take hours, and a rank that dies ends the launch anyway)."""
     from datetime import timedelta
@@ -212,7 +212,8 @@ def wait_for_every_rank(key: str) -> None:
     if store is None:
         return
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    prefix = f"hf_gpu_train/prepared/{run}/{key}/{next(_waits)}"
+    # by count, not by cache key: machines may name the same data differently (local copies, other mtimes)
+    prefix = f"hf_gpu_train/prepared/{run}/{next(_waits)}"
     store.set(f"{prefix}/{os.environ.get('RANK', '0')}", "1")
     seconds = float(os.environ.get("HF_GPU_TRAIN_PREPARE_TIMEOUT", "86400"))
     try:

@@ -182,7 +182,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
-    from ..training.disk_full import guard_saves, saving_to
+    from ..training.disk_full import MERGED, guard_saves, saving_to
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
     from .fsdp import fsdp_requested, save_full_model
@@ -283,7 +283,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from .causal_lm.outputs import merge_and_save
 
         samples.generate_after(trainer)  # generations.json, and a section of report.md
-        with saving_to(trainer, Path(cfg.output_dir), "the adapter and the merged model"):
+        with saving_to(trainer, Path(cfg.output_dir), MERGED):
             merge_and_save(cfg, trainer, processing_class, data.model_path, compute_dtype(runtime))
     write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
     return metrics

@@ -131,7 +131,7 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tupl
     shape = TrainingShape(seq_len=options.seq_len, image_size=options.image_size,
                           precision={"no": "fp32", "fp8": "bf16"}.get(precision, precision),
                           optimizer=options.optimizer, num_gpus=world_size, method=options.method, lora_rank=options.lora_rank,
-                          chunked_loss=True)  # scripts/finetune.py's default for causal LMs (chunked_lm_loss=auto)
+                          chunked_loss=False)  # a plan also serves scripts that do not chunk the head: the full logits
     plan = plan_memory(options.model, memory, world_size, shape, options.global_batch, strategies=candidates)
     if plan is None:
         raise PlanError(

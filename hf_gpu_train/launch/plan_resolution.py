@@ -96,10 +96,10 @@ def _planner_precision(precision: object, planned: str) -> str:
 
 def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | None = None, seq_len: int | None = None,
                  image_size: int | None = None, method: str = "full", lora_rank: int | None = None,
-                 chunked_loss: bool = True) -> MemoryCheck | None:
+                 chunked_loss: bool = False) -> MemoryCheck | None:
     """Re-run the planner (``launch/memory.py``) for the plan's model with the run's micro-batch, checkpointing,
     precision, process count, sequence length and image size (None: the plan's), and a causal LM's head chunked
-    (``chunked_lm_loss``, the entry point's default) or not. None when the plan has no memory plan (no --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
+    (``chunked_lm_loss=true``; ``auto`` may step aside for a model, so it is counted as the full logits). None when the plan has no memory plan (no --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
     m = plan.memory
     if m is None:
         return None

@@ -62,13 +62,14 @@ def agree_flags(control, names=FLAGS) -> None:
 _CPU_GROUP: list = []
 
 
-def _cpu_group(dist):
-    """None (the default group) where it takes CPU tensors, else a gloo group over every rank, made on first use (every
-    rank reaches its first step's flags: the collective ``new_group`` is safe there)."""
+def _cpu_group(dist, timeout=None):
+    """None (the default group) where it takes CPU tensors, else a gloo group over every rank, made on first use: in
+    the preflight (``timeout``: its short one, then the run's), or at every rank's first step's flags (the collective
+    ``new_group`` is safe there: every rank reaches it in the same order)."""
     if dist.get_backend() == "gloo":
         return None
     if not _CPU_GROUP:
-        _CPU_GROUP.append(dist.new_group(backend="gloo"))
+        _CPU_GROUP.append(dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {})))
     return _CPU_GROUP[0]
 
 
@@ -82,10 +83,9 @@ def agree_on_control(trainer) -> None:
 
     def agreed(*args, **kwargs):
         agree_flags(trainer.control)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            agree_flags(trainer.control, STOP_FLAGS)
+        result = original(*args, **kwargs)  # an exception leaves at once: no collective while it is in flight
+        agree_flags(trainer.control, STOP_FLAGS)
+        return result
 
     trainer._maybe_log_save_evaluate = agreed
 

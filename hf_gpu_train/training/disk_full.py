@@ -24,6 +24,7 @@ NO_SPACE_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded
 # unexpected pos 46906560 vs 46906448" or "PytorchStreamWriter failed writing file": a full disk when the space left
 # is less than the save needs
 WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed", "unexpected pos")
+MERGED = "the adapter and the merged model"  # a save the size of the whole model, not of a checkpoint
 
 
 class DiskFullError(UsageError):
@@ -46,7 +47,8 @@ def is_disk_full(error: BaseException) -> bool:
 def _writer_failed_for_space(error: BaseException, folder: Path, needed: int) -> bool:
     if not any(word in str(error) for word in WRITER_FAILURES):
         return False
-    return shutil.disk_usage(_existing(folder)).free < needed
+    # what the save already wrote was space it had: a late I/O error with room left is not a full disk
+    return shutil.disk_usage(_existing(folder)).free + folder_bytes(folder) < needed
 
 
 def _existing(folder: Path) -> Path:
@@ -116,7 +118,7 @@ def saving_to(trainer, folder: Path, what: str):
         raise
     except Exception as error:
         output_dir = Path(trainer.args.output_dir)
-        needed = needed_bytes(trainer, output_dir, folder)
+        needed = needed_bytes(trainer, output_dir, folder) if what != MERGED else (state_bytes(trainer), "the model's tensors")
         if not (is_disk_full(error) or _writer_failed_for_space(error, folder, needed[0])):
             raise
         checkpoint = folder.name.startswith("checkpoint-")  # save_model writes a checkpoint's weights too

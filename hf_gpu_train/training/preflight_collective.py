@@ -140,6 +140,11 @@ def check_collectives(seconds: float, device) -> None:
     _wait(dist.broadcast(sent, src=0, async_op=True), "the preflight broadcast", seconds)
     if not torch.equal(sent.cpu(), torch.arange(4, dtype=torch.float32)):
         raise PreflightError(f"the preflight broadcast arrived as {sent.tolist()} on rank {rank}: run hf-gpu-train doctor")
+    if dist.get_backend() != "gloo":  # the gloo group the Trainer's flags are agreed on (collective_gate), made now
+        from .collective_gate import _cpu_group
+
+        _wait(dist.all_reduce(torch.ones(1), group=_cpu_group(dist, timedelta(seconds=seconds)), async_op=True),
+              "the preflight all-reduce on the gloo group (GLOO_SOCKET_IFNAME)", seconds)
     if device is not None and torch.device(device).type == "cuda":
         _check_local_pairs(seconds, device)
 
@@ -203,8 +208,17 @@ def _run_timeout(seconds: float, device) -> str:
     import torch
     import torch.distributed as dist
 
+    from .collective_gate import _CPU_GROUP
+
     setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     setter(timedelta(seconds=seconds))
+    for group in _CPU_GROUP:  # the flags' gloo group, made with the preflight's timeout
+        setter(timedelta(seconds=seconds), group)
+    try:  # the rendezvous store too: later groups (FSDP's, TRL's, DeepSpeed's) exchange their ids through it
+        store = dist.distributed_c10d._get_default_store()
+        getattr(store, "underlying_store", store).set_timeout(timedelta(seconds=seconds))
+    except Exception:  # noqa: BLE001 (private API: the store keeps the short timeout)
+        pass
     try:
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device))
         return f"{backend.options._timeout.total_seconds():.0f} s"

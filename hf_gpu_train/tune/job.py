@@ -121,7 +121,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     def memory_check(candidate_values: dict):
         merged = {**values, **candidate_values}
         return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size, method=cfg.method,
-                            lora_rank=cfg.lora_r, chunked_loss=cfg.chunked_lm_loss is not False)
+                            lora_rank=cfg.lora_r, chunked_loss=cfg.chunked_lm_loss is True)  # auto may step aside: counted off
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),

@@ -41,9 +41,8 @@ def test_the_run_is_checked_with_its_own_method(machine, llama3, tmp_path):
     run_plan = read_run_plan(path, "test", {})
     assert run_plan.memory.method == "lora"
     values = {"per_device_train_batch_size": 4, "gradient_checkpointing": True, "precision": "bf16"}
-    # with the model's own head (chunked_lm_loss=false): full fine-tuning at 4 x 2048 then needs the full logits too
-    as_lora = check_memory(run_plan, values, seq_len=2048, method="lora", lora_rank=16, chunked_loss=False)
-    as_full = check_memory(run_plan, values, seq_len=2048, chunked_loss=False)
+    as_lora = check_memory(run_plan, values, seq_len=2048, method="lora", lora_rank=16)
+    as_full = check_memory(run_plan, values, seq_len=2048)
     assert as_lora.fits and as_lora.warning is None
     assert not as_full.fits and "optimizer states" in as_full.warning  # what the run was wrongly warned about before
 

@@ -109,7 +109,8 @@ def test_saves_and_evaluations_are_every_ranks_or_a_clear_error(tmp_path):
     # rank 1 went on to the all-reduce of the next step's flags, which rank 0 has not entered
     assert "RankMismatch: trainer.evaluate() was entered by rank 0 at step 4, but rank 1 waits in all_reduce" in run.stderr, \
         run.stderr[-3000:]
-    assert not list(tmp_path.glob("hang-*")) and seconds < 90, seconds
+    # the error is the run's end (rank 1's 4 s watchdog may still trip while rank 0's process exits, under load)
+    assert "hf-gpu-train launch: rank 0 failed (exit 1)" in run.stderr and seconds < 90, (seconds, run.stderr[-2000:])
 
 
 def test_a_training_that_ends_in_an_exception_leaves_no_watchdog_behind(tmp_path):

@@ -40,9 +40,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i @ W.T + b, target_i) * scale, with the gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk: int, grad_enabled: bool = True):
         ctx.weight_dtype = weight.dtype  # gradients accumulate in fp32 and leave in the parameter's dtype
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        # needs_input_grad follows requires_grad only, not the grad mode: an evaluation under no_grad computes no grads
+        needs_hidden, needs_weight, needs_bias = (n and grad_enabled for n in ctx.needs_input_grad[:3])
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
@@ -59,7 +60,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if needs_hidden:
                 grad_hidden[start:start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if needs_weight:
-                grad_weight += grad.t() @ h.float()
+                grad_weight.addmm_(grad.t(), h.float())  # in place: no vocabulary x hidden temporary
             if needs_bias:
                 grad_bias += grad.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -76,11 +77,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_weight = grad_weight.mul_(scale).to(ctx.weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def linear_cross_entropy(hidden, weight, bias, targets, scale, chunk: int = DEFAULT_CHUNK):
-    return LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk)
+    return LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk, torch.is_grad_enabled())
 
 
 def causal_lm_of(model):
@@ -89,19 +90,32 @@ def causal_lm_of(model):
     return get_base() if callable(get_base) else model
 
 
-def support(model) -> Support:
+def support(model, precision: str | None = None) -> Support:
+    """Whether the chunked head and loss is exact for ``model`` (trained in ``precision``), and why not."""
     base = causal_lm_of(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
-        return Support(False, f"{type(base).__name__} has no linear output head after a decoder")
+    if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder") or not type(base).__name__.endswith("ForCausalLM"):
+        return Support(False, f"{type(base).__name__} is not a decoder with a linear output head (*ForCausalLM)")
     config = base.config
-    extras = [name for name in HEAD_EXTRAS if getattr(config, name, None) not in (None, 1, 1.0)]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    extras = [name for name in HEAD_EXTRAS for c in {id(config): config, id(text): text}.values()
+              if getattr(c, name, None) not in (None, 1, 1.0)]
     if extras:
-        return Support(False, f"its head also applies {', '.join(extras)}")
+        return Support(False, f"its head also applies {', '.join(sorted(set(extras)))}")
+    if getattr(text, "output_router_logits", False) or getattr(config, "output_router_logits", False):
+        return Support(False, "it adds a router's auxiliary loss to the language-model loss (output_router_logits)")
     if getattr(config, "loss_type", None) not in (None, "ForCausalLM", "ForCausalLMLoss"):
         return Support(False, f"it computes its own loss (loss_type={config.loss_type!r})")
     if hasattr(head, "base_layer") or not isinstance(getattr(head, "weight", None), torch.Tensor):
         return Support(False, "its output head is adapted (LoRA on lm_head) or quantized")
+    if precision == "fp16":
+        # the gradients are scaled by 1/tokens before the GradScaler's factor reaches them (in backward): in fp16
+        # they would flush to zero on a large global batch
+        return Support(False, "fp16 training (the loss scale arrives after the gradients are made)")
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return Support(False, "DeepSpeed ZeRO-3 partitions the head's weight outside its own forward")
     return Support(True, "the head's matmul and the loss in chunks of rows with a label")
 
 
@@ -121,26 +135,27 @@ def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int):
     return linear_cross_entropy(rows, head.weight, head.bias, targets, scale, chunk)
 
 
-def install(model, chunk: int = DEFAULT_CHUNK) -> Support:
+def install(model, chunk: int = DEFAULT_CHUNK, precision: str | None = None) -> Support:
     """Give ``model``'s causal LM the chunked head and loss (when ``support`` allows); returns the verdict."""
-    verdict = support(model)
+    verdict = support(model, precision)
     if not verdict.supported:
         return verdict
     base = causal_lm_of(model)
     original = base.forward
 
-    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        if labels is None or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False:
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+    def forward(*args, **kwargs):
+        # the model's own forward, as called, unless it is given labels by keyword and asked for nothing but the loss
+        # (logits, hidden states, a labels shift of its own: context parallelism's shift_labels)
+        own = (args or kwargs.get("labels") is None or kwargs.get("output_hidden_states") or "shift_labels" in kwargs
+               or kwargs.get("return_dict") is False)
+        if own:
+            return original(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        outputs = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                                     **kwargs)
+        kwargs.pop("logits_to_keep", None)
+        outputs = base.get_decoder()(**kwargs)
         loss = chunked_loss(base, outputs[0], labels, num_items_in_batch, chunk)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None))
 

@@ -53,14 +53,14 @@ def _encode_and_pack(cfg: FinetuneConfig, data: CausalLMData, tokenizer, packs: 
     return Prepared(train, validation, {"notes": notes, "packing": packing})
 
 
-def _chunk_the_head(model, cfg: FinetuneConfig) -> str:
+def _chunk_the_head(model, cfg: FinetuneConfig, precision: str) -> str:
     """``chunked_lm_loss``: the LM head and loss in chunks where exact (auto), asked for (true: refused with the reason
     where not exact), or the model's own (false)."""
     from . import lm_head_loss
 
     if cfg.chunked_lm_loss is False:
         return "LM head and loss: the model's own (chunked_lm_loss=false): full logits"
-    verdict = lm_head_loss.install(model)
+    verdict = lm_head_loss.install(model, precision=precision)
     if not verdict.supported and cfg.chunked_lm_loss is True:
         raise ConfigError(f"chunked_lm_loss=true, but {verdict.reason}: chunked_lm_loss=auto (or false) to use the model's "
                           "own head and loss")
@@ -88,7 +88,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
         raise ConfigError(f"packing=true, but {verdict.reason}: packing=auto (or false) to pad instead, or "
                           "attn_implementation=sdpa")
     model = apply_method(model, cfg)
-    head_note = _chunk_the_head(model, cfg)
+    head_note = _chunk_the_head(model, cfg, runtime.precision)
     packs = verdict is not None and verdict.supported
     key = data_key(cfg, {"train": data.train, "validation": data.validation}, data.model_path, tokenizer, packs=packs)
     prepared = prepare_once(key, lambda: _encode_and_pack(cfg, data, tokenizer, packs))

@@ -119,3 +119,31 @@ def test_no_full_logits_are_made(monkeypatch):
     chunks = (labelled + 5) // 6
     head_rows = seen[-chunks:]  # the last calls are the head's chunks
     assert max(head_rows) <= 6 and sum(head_rows) == labelled
+
+
+def test_tied_embeddings_get_both_gradients():
+    """SmolLM2 ties its head to the input embeddings: the shared weight's gradient sums both uses."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=2)
+    reference = LlamaForCausalLM(config).train()
+    chunked = copy.deepcopy(reference)
+    chunked.tie_weights()
+    assert chunked.lm_head.weight is chunked.model.embed_tokens.weight
+    assert install(chunked, chunk=5).supported
+    want, want_grads = _loss_and_grads(reference, _batch(True))
+    got, got_grads = _loss_and_grads(chunked, _batch(True))
+    torch.testing.assert_close(got, want, **TOL)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=name)
+
+
+def test_an_evaluation_makes_no_gradients_and_fp16_keeps_the_models_own():
+    model = tiny_llama(128).train()
+    install(model, chunk=5)
+    with torch.no_grad():
+        loss = model(**_batch(False)).loss
+    assert loss.grad_fn is None and torch.isfinite(loss)
+    assert not support(tiny_llama(64), precision="fp16").supported  # the loss scale would reach the gradients too late
