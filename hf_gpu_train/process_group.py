@@ -29,6 +29,14 @@ def leave_process_group() -> bool:
     return True
 
 
+def launch_attempt() -> str:
+    """This launch and its restart (torchelastic's), for keys in the rendezvous store: a restarted launch keeps the
+    store, and must not read the keys of its earlier attempt."""
+    import os
+
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def rendezvous_store():
     """A private connection to the store the default process group was made with (None: no group, or a store
     without ``clone``): for words between ranks that must never wait in a collective."""

@@ -206,14 +206,13 @@ def wait_for_every_rank(key: str | None = None) -> None:
     a day: preparing a large dataset may take hours, and a rank that dies ends the launch anyway)."""
     from datetime import timedelta
 
-    from ..process_group import rendezvous_store
+    from ..process_group import launch_attempt, rendezvous_store
 
     store = rendezvous_store()
     if store is None:
         return
-    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     # by count, not by cache key: machines may name the same data differently (local copies, other mtimes)
-    prefix = f"hf_gpu_train/prepared/{run}/{next(_waits)}"
+    prefix = f"hf_gpu_train/prepared/{launch_attempt()}/{next(_waits)}"
     store.set(f"{prefix}/{os.environ.get('RANK', '0')}", "1")
     seconds = float(os.environ.get("HF_GPU_TRAIN_PREPARE_TIMEOUT", "86400"))
     try:

@@ -119,9 +119,9 @@ class EntryGate:
 
     def _connect(self):
         if self._store is None:
-            from .watchdog import _store
+            from ..process_group import rendezvous_store
 
-            self._store = _store()
+            self._store = rendezvous_store()
         return self._store
 
     def enter(self, call: str, step: int) -> None:

@@ -62,10 +62,6 @@ def network_fix() -> str:
             f"(this process has {now}); hf-gpu-train config --machines writes them per machine")
 
 
-def _run_id() -> str:
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
 def check_ranks_join(seconds: float) -> None:
     """Every rank posts itself to the launcher's rendezvous store within ``seconds``, or the ranks that did not are
     named. Only under torchelastic (its agent hosts the store; without it rank 0 would, once the group forms)."""
@@ -83,7 +79,9 @@ def check_ranks_join(seconds: float) -> None:
     except (RuntimeError, TimeoutError) as error:  # DistNetworkError / DistStoreError are RuntimeErrors
         raise PreflightError(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous at {host}:{port} within "
                              f"{connect_s:.0f} s ({str(error).splitlines()[0]}): {network_fix()}") from None
-    prefix = f"{_KEY}/{_run_id()}/joined"
+    from ..process_group import launch_attempt
+
+    prefix = f"{_KEY}/{launch_attempt()}/joined"
     store.set(f"{prefix}/{rank}", socket.gethostname())
     deadline, waiting = time.monotonic() + seconds, set(range(world)) - {rank}
     while waiting:
