@@ -31,20 +31,21 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _devices(args) -> tuple[int, int, str]:
-    """(memory per process in bytes, GPU count, what they are) from --gpu-memory-gib or the machine."""
+def _devices(args) -> tuple[int, int, str, object]:
+    """(memory per process in bytes, GPU count, what they are, the first GPU or None) from --gpu-memory-gib or the
+    machine."""
     from ..errors import UsageError
     from ..launch.gpu_selection import select_devices
 
     if args.gpu_memory_gib:
-        return int(args.gpu_memory_gib * 2**30), args.gpus or 1, "GPU(s)"
+        return int(args.gpu_memory_gib * 2**30), args.gpus or 1, "GPU(s)", None
     profile, _ = resolve_profile(args)
     # the same selection as `config`: a MIG box plans one process against its instance's memory, not the GPU's
     selection = select_devices(profile, str(args.gpus) if args.gpus else "all")
     if not selection.gpus:
         raise UsageError("no GPU on this machine: pass --machine NAME_OR_FILE or --gpu-memory-gib")
     devices = "GPU(s)" if selection.mig_instance is None else f"MIG instance ({selection.mig_instance.uuid})"
-    return selection.memory_free_bytes, len(selection.gpus), devices
+    return selection.memory_free_bytes, len(selection.gpus), devices, selection.gpus[0]
 
 
 def _check(args, spec) -> None:
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if spec is None:
         raise UsageError("give --model NAME_OR_PATH or --params N")
     _check(args, spec)
-    memory, count, devices = _devices(args)
+    memory, count, devices, gpu = _devices(args)
     shape = TrainingShape(seq_len=args.seq_len, image_size=args.image_size, precision=args.precision,
                           optimizer=args.optimizer, num_gpus=count, method="full" if args.method == "auto" else args.method,
                           lora_rank=args.lora_rank)
@@ -75,7 +76,37 @@ def run(args: argparse.Namespace) -> int:
           f"{args.precision}, {args.optimizer}, seq {args.seq_len}, image {args.image_size}{adapters}")
     if args.method == "auto":
         return _run_auto(args, spec, shape, memory, count)
-    return _run_one(args, spec, shape, memory, count)
+    status = _run_one(args, spec, shape, memory, count)
+    if spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32:
+        status = min(status, _print_levers(args, spec, shape, memory, count, gpu))  # 0: the plan or the levers fit
+    return status
+
+
+def _print_levers(args, spec, shape, memory, count, gpu) -> int:
+    """The per-lever table (launch/lever_table.py); 0 when the recommended set fits, 1 when nothing does."""
+    import math
+
+    from ..hardware.peaks import peak_flops
+    from ..launch.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second, recommended_config
+    from ..launch.method_choice import USEFUL_MICRO_BATCH
+    from ..textfmt import table
+
+    # the plan's own threshold (memory.plan_memory turns checkpointing on below it), so the table and the plan agree
+    useful = min(USEFUL_MICRO_BATCH, math.ceil(args.global_batch / count))
+    peak = peak_flops(getattr(gpu, "name", None), args.precision) if gpu is not None else None
+    pcie = pcie_bytes_per_second(getattr(gpu, "pcie_link_gen", None), getattr(gpu, "pcie_link_width", None))
+    levers = lever_table(spec, shape, "single" if count == 1 else "ddp", memory, useful, peak_flops=peak, pcie_bytes_per_s=pcie)
+    print(f"\nMemory levers ({shape.method}, {'1 GPU' if count == 1 else f'DDP x{count}'}; each exact, "
+          "hf_gpu_train/launch/lever_table.py):")
+    print(table(format_rows(levers)))
+    note = host_memory_note(levers)
+    if note:
+        print(f"  {note}")
+    print(f"Recommended levers: {levers.reason}")
+    values = recommended_config(levers)
+    if values:
+        print(f"  scripts/finetune.py ... {' '.join(values)}")
+    return 0 if levers.recommended is not None else 1
 
 
 def _run_one(args, spec, shape, memory, count) -> int:

@@ -12,7 +12,8 @@ import json
 from .config import ConfigError
 
 MUST_AGREE = ("per_device_train_batch_size", "gradient_accumulation_steps", "effective_batch", "precision",
-              "gradient_checkpointing", "torch_compile", "packing", "method")
+              "gradient_checkpointing", "checkpoint_layers", "offload_activations", "optimizer_in_backward", "torch_compile",
+              "packing", "method")
 
 
 def _gather(values: dict) -> list[dict] | None:

@@ -93,6 +93,11 @@ class FinetuneConfig:
     # speed and safety
     precision: str = "auto"
     gradient_checkpointing: bool = False
+    # memory levers (finetune/memory_levers.py): which layers checkpointing covers and what they keep (all | every-N
+    # | selective), saved activations in pinned host memory, the optimizer step inside the backward (full, 1 process)
+    checkpoint_layers: str = "all"
+    offload_activations: bool = False
+    optimizer_in_backward: bool = False
     torch_compile: bool = False
     dataloader_num_workers: int | str = "auto"
     seed: int = 42
@@ -156,6 +161,7 @@ class FinetuneConfig:
             raise bad("learning_rate", "must be positive")
         self._check_pretrained()
         self._check_causal_lm()
+        self._check_memory_levers()
         if self.learning_rate is None:  # resolved here, once: everything after validation reads a number
             self.learning_rate = SCRATCH_LEARNING_RATE if self.trains_from_scratch else FINETUNE_LEARNING_RATE
             if self.task == "causal-lm":
@@ -224,6 +230,11 @@ class FinetuneConfig:
             raise bad("generation_max_new_tokens", "must be at least 1")
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
             raise bad("chat_template", "give the path of a Jinja chat template file that exists")
+
+    def _check_memory_levers(self) -> None:
+        from .memory_levers import check_levers
+
+        check_levers(self)
 
     def _check_pretrained(self) -> None:
         vision = self.task == "image-classification"

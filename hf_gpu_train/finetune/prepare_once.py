@@ -50,7 +50,8 @@ MARKER = "prepared.json"
 TRAINING_ONLY = frozenset({
     "pretrained", "pretrained_weights", "augmentation", "output_dir", "num_train_epochs", "max_steps",
     "per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size", "learning_rate", "weight_decay",
-    "warmup_ratio", "lr_scheduler_type", "precision", "gradient_checkpointing", "torch_compile",
+    "warmup_ratio", "lr_scheduler_type", "precision", "gradient_checkpointing", "checkpoint_layers", "offload_activations",
+    "optimizer_in_backward", "torch_compile",
     "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes",
     "save_total_limit", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery", "watchdog",
     "extra", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_adapter",

@@ -186,6 +186,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
     from .fsdp import fsdp_requested, save_full_model
+    from .memory_levers import apply_levers
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
@@ -224,9 +225,12 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
     guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
+    lever_lines = apply_levers(trainer, cfg, runtime)  # selective checkpointing, activation offloading, optimizer in backward
     check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
-                       "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
+                       "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,
+                       "offload_activations": cfg.offload_activations, "optimizer_in_backward": cfg.optimizer_in_backward,
+                       "torch_compile": cfg.torch_compile,
                        "packing": getattr(data, "packing", cfg.packing)})
     if trainer.is_world_process_zero():
         for line in launch_plan.lines if launch_plan else ():
@@ -236,13 +240,18 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
               f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
               f"x {runtime.world_size} = {effective}; workers {runtime.dataloader_workers}"
               + (f"; resuming from {resume}" if resume else ""), flush=True)
+        for line in lever_lines:
+            print(f"hf_gpu_train: {line}", flush=True)
     samples = None
     if cfg.task == "causal-lm":
         from .causal_lm.generation import GenerationSamples
 
         samples = GenerationSamples(cfg, data.generation_prompts, processing_class)
         samples.generate_before(trainer)
-    if cfg.oom_recovery:
+    if cfg.oom_recovery and cfg.optimizer_in_backward:
+        print("hf_gpu_train: in-place OOM recovery off: it splits a step into micro-batches, and with optimizer_in_backward each "
+              "micro-batch's backward would step the parameters", flush=True)
+    elif cfg.oom_recovery:
         from ..training import enable_oom_recovery
 
         enable_oom_recovery(trainer)

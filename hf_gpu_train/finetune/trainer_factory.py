@@ -12,6 +12,7 @@ from transformers import Trainer, TrainingArguments
 
 from .config import FinetuneConfig
 from .fsdp import fsdp_checkpoints_activations, shard_on_cpu_too, wrap_repeated_blocks
+from .memory_levers import training_arguments as lever_arguments
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
 from .sampling import evaluate_in_dataset_order, group_by_length_over_the_global_batch
@@ -44,9 +45,6 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str, packed:
         fp16=runtime.precision == "fp16",
         tf32=True if ampere else None,
         optim="adamw_torch_fused",  # torch has a fused AdamW for CUDA and for the CPU (~7x the foreach one on 2 cores)
-        # transformers 5 name of gradient_checkpointing; under FSDP the launch config's own flag does it (the Trainer
-        # refuses both at once)
-        activation_checkpointing=cfg.gradient_checkpointing and not fsdp_checkpoints_activations(),
         torch_compile=cfg.torch_compile,
         dataloader_num_workers=runtime.dataloader_workers,
         dataloader_pin_memory=runtime.on_cuda,
@@ -66,6 +64,9 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str, packed:
         ddp_find_unused_parameters=False,
         disable_tqdm=True,
     )
+    # transformers 5's activation_checkpointing (gradient_checkpointing); under FSDP the launch config's own flag does it
+    # (the Trainer refuses both at once); which layers, and gradient clipping under optimizer_in_backward
+    kwargs.update(lever_arguments(cfg, fsdp_checkpoints=fsdp_checkpoints_activations()))
     if task == "text-classification" or (task == "causal-lm" and not packed):  # packed rows are all about max_length long
         kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
     kwargs.update(cfg.extra)

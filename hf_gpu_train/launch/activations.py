@@ -47,6 +47,8 @@ hidden states' gradient instead of the logits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .model_spec import ModelSpec, adapter_shape
 from .training_shape import TrainingShape
 
@@ -56,6 +58,7 @@ LOGITS_PEAK_BYTES_PER_VOCAB = 12  # per token: fp32 logits' log-softmax, its gra
 NORM_STATS_BYTES = 4  # one fp32 rsqrt per token per RMSNorm
 LSE_BYTES_PER_HEAD = 4  # one fp32 log-sum-exp per token per head, kept by flash / memory-efficient SDPA
 CHUNKED_MASK_BYTES = 1  # per token: the boolean mask of labelled positions the chunked loss gathers by
+OFFLOAD_RESIDENT_LAYERS = 2  # activation offloading: layers whose saved activations are on the GPU at once
 
 
 def residual_bytes(shape: TrainingShape) -> int:
@@ -111,6 +114,53 @@ def generic_layer_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> floa
     return per_token
 
 
+def selective_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
+    """What a layer under selective checkpointing keeps besides its input, per token: the outputs of its matmuls
+    (q, k, v and output projections; gate, up and down for a gated MLP, up and down otherwise; for LoRA each adapter's
+    A and B products) and of attention (its output and log-sum-exp; eager attention also keeps its score matrix).
+    Measured byte for byte on small Llamas (tests/launch/test_activation_memory.py)."""
+    h, q, a = spec.hidden_size, spec.query_width, spec.num_heads
+    kv = spec.kv_width
+    c = shape.compute_bytes
+    inter = spec.intermediate_size or 4 * h
+    mlp = (2 if _gated(spec) else 1) * inter + h  # gate and up (or up), then down
+    matmuls = c * (q + 2 * kv + h + mlp)
+    attention = c * q + LSE_BYTES_PER_HEAD * a
+    if shape.attention == "eager":
+        attention += c * a * shape.seq_len
+    adapters = 0.0
+    if shape.method in ("lora", "qlora"):
+        count, _, d_out = adapter_shape(spec) or (0, 0, 0)
+        adapters = c * (shape.lora_rank * count + d_out) / spec.num_layers
+    return matmuls + attention + adapters
+
+
+def _checkpointed_terms(spec: ModelSpec, shape: TrainingShape, layer: float, kept: float, tokens: int) -> dict[str, float]:
+    """``layer inputs`` (what the checkpointed layers keep through the forward) and ``layers`` (the layers that are not
+    checkpointed, and the one being recomputed at the backward's peak)."""
+    L = spec.num_layers
+    if shape.checkpoint_layers == "selective":
+        saved = min(layer, selective_kept_bytes_per_token(spec, shape))
+        return {"layer inputs": (kept + saved) * resident_layers(L, shape) * tokens, "layers": (layer - saved) * tokens}
+    checkpointed = shape.checkpointed_layers(L)
+    plain = L - checkpointed  # every-N: the layers outside the checkpoints keep everything (offloaded too)
+    return {"layer inputs": kept * resident_layers(checkpointed, shape) * tokens,
+            "layers": layer * (resident_layers(plain, shape) + 1) * tokens}
+
+
+def resident_layers(layers: int, shape: TrainingShape) -> int:
+    """Of ``layers`` layers' saved activations, how many stay on the GPU: all, or with activation offloading two (the
+    one whose copy to the host is in flight in the forward, the one brought back for the backward)."""
+    return min(layers, OFFLOAD_RESIDENT_LAYERS) if shape.offload_activations else layers
+
+
+def offloaded_bytes(spec: ModelSpec, shape: TrainingShape) -> float:
+    """Host (pinned) memory activation offloading needs per process: what it takes off the GPU."""
+    if not shape.offload_activations:
+        return 0.0
+    return activation_bytes(spec, replace(shape, offload_activations=False)) - activation_bytes(spec, shape)
+
+
 def _gated(spec: ModelSpec) -> bool:
     return bool(spec.gated_mlp and spec.intermediate_size and spec.is_transformer_shaped)
 
@@ -143,10 +193,9 @@ def activation_terms(spec: ModelSpec, shape: TrainingShape) -> dict[str, float]:
         layer = generic_layer_bytes_per_token(spec, shape)
         kept = 2 * h * shape.compute_bytes / 2  # Korthikanti's layer input, 16-bit units
     if shape.gradient_checkpointing:
-        terms["layer inputs"] = kept * L * s * b
-        terms["layers"] = layer * s * b
+        terms.update(_checkpointed_terms(spec, shape, layer, kept, s * b))
     else:
-        terms["layers"] = layer * L * s * b
+        terms["layers"] = layer * resident_layers(L, shape) * s * b
     if spec.causal_lm and spec.vocab_size:
         if shape.chunked_loss:
             # the logits' peak of one chunk, and kept for the backward: the hidden states' gradient (the final

@@ -104,8 +104,10 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
     base = strategy.removesuffix("-offload")
     zero = dict(weights=0.0, gradients=0.0, optimizer=0.0, master_weights=0.0, comm_buffers=0.0, gathered_params=0.0)
     if base in ("ddp", "single"):
-        # torch AMP keeps fp32 weights and grads; DDP's reducer keeps gradient buckets beside them
-        parts = dict(zero, weights=4 * P, gradients=4 * P, optimizer=opt * P, comm_buffers=4 * P if base == "ddp" and N > 1 else 0.0)
+        # torch AMP keeps fp32 weights and grads; DDP's reducer keeps gradient buckets beside them. The optimizer in
+        # backward (one process) frees each gradient as its parameter steps: two parameters' gradients at once
+        grads = 4 * 2 * largest_parameter(spec) if shape.optimizer_in_backward and base == "single" else 4 * P
+        parts = dict(zero, weights=4 * P, gradients=grads, optimizer=opt * P, comm_buffers=4 * P if base == "ddp" and N > 1 else 0.0)
     elif base == "fsdp-shard-grad-op":
         parts = dict(zero, weights=4 * P / N + w * P, gradients=4 * P / N, optimizer=opt * P / N, gathered_params=0.0)
     elif base == "fsdp":
@@ -125,6 +127,13 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
     else:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     return MemoryBreakdown(strategy=strategy, activations=acts, context=CUDA_CONTEXT_BYTES, **parts)
+
+
+def largest_parameter(spec: ModelSpec) -> float:
+    """The largest single parameter: the embedding or output head (vocabulary x hidden) or the largest linear weight."""
+    embedding = (spec.vocab_size or 0) * (spec.hidden_size or 0)
+    linear = spec.largest_linear_params or (spec.largest_layer_params or spec.params / max(1, spec.num_layers or 12))
+    return float(min(spec.params, max(embedding, linear)))
 
 
 def usable_bytes(gpu_memory_bytes: int) -> float:

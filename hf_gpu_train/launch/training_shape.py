@@ -30,8 +30,32 @@ class TrainingShape:
     # default for causal LMs): no full logits, see activations.activation_terms.
     chunked_loss: bool = False
     loss_chunk: int = 1024
+    # With gradient_checkpointing: which layers and what they keep (finetune config ``checkpoint_layers``): "all"
+    # (each layer keeps its input), "every-N" (every N-th layer checkpointed, the others keep everything) or
+    # "selective" (each layer keeps its matmuls' and attention's outputs, training/selective_checkpoint.py).
+    checkpoint_layers: str = "all"
+    # Saved activations held in pinned host memory (training/activation_offload.py): the GPU keeps one layer's.
+    offload_activations: bool = False
+    # Each parameter stepped as its gradient is ready (training/optimizer_in_backward.py): one layer's gradients.
+    optimizer_in_backward: bool = False
+
+    def checkpointed_layers(self, layers: int) -> int:
+        """How many of ``layers`` are checkpointed (transformers' ``every_n_layers``: indices 0, N, 2N, ...)."""
+        if not self.gradient_checkpointing:
+            return 0
+        return -(-layers // checkpoint_every(self.checkpoint_layers)) if self.checkpoint_layers.startswith("every-") else layers
 
     @property
     def compute_bytes(self) -> int:
         """Bytes of one activation element: 2 under bf16/fp16 autocast, 4 in fp32."""
         return 2 if self.precision in ("bf16", "fp16") else 4
+
+
+def checkpoint_every(policy: str) -> int:
+    """N of "every-N" (1 for "all" and "selective"); ValueError for anything else."""
+    if policy in ("all", "selective"):
+        return 1
+    head, _, count = policy.partition("-")
+    if head != "every" or not count.isdigit() or int(count) < 2:
+        raise ValueError(f"checkpoint_layers={policy!r}: use all, selective or every-N with N >= 2 (every-2: half the layers)")
+    return int(count)

@@ -72,3 +72,28 @@ def test_adapters_need_the_model_layers(capsys):
     assert "--method lora needs the model's linear layers: give --model" in capsys.readouterr().err
     assert main(["plan-memory", "--gpu-memory-gib", "24", "--params", "1e8", "--method", "auto", "--lora-rank", "0"]) == 2
     assert "--lora-rank 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_plan_memory_prints_the_levers_and_exits_0_when_they_make_it_fit(llama3_dir, capsys):
+    """Full fine-tuning of Llama-3-8B at 8k tokens on one 141 GiB GPU: the plan (checkpointing its only lever) does
+    not fit; the optimizer in the backward frees 30 GiB of gradients, and with checkpointing it fits."""
+    assert main(["plan-memory", "--model", llama3_dir, "--gpu-memory-gib", "141", "--seq-len", "8192", "--global-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Does not fit even at micro-batch 1 with checkpointing" in out
+    assert "Memory levers (full, 1 GPU" in out and "+ activation offloading" in out
+    assert "+ optimizer step in the backward" in out
+    recommended = next(line for line in out.splitlines() if "<- recommended" in line)
+    assert "checkpointing every layer" in recommended
+    assert "optimizer_in_backward=true gradient_checkpointing=true checkpoint_layers=all" in out
+    assert main(["plan-memory", "--model", llama3_dir, "--gpu-memory-gib", "80", "--seq-len", "8192", "--global-batch", "4"]) == 1
+    assert "Recommended levers: nothing fits" in capsys.readouterr().out  # the weights and Adam's states alone: 96 GiB
+
+
+def test_plan_memory_levers_recommend_a_config_line_for_lora(llama3_dir, capsys):
+    assert main(["plan-memory", "--model", llama3_dir, "--gpu-memory-gib", "40", "--seq-len", "8192", "--method", "lora",
+                 "--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("Recommended levers:"))
+    assert "micro-batch" in line
+    assert "+ optimizer step in the backward" not in out  # full fine-tuning only
+    assert "scripts/finetune.py ... " in out and "chunked_lm_loss=true" in out

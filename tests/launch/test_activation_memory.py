@@ -175,3 +175,92 @@ def test_qlora_keeps_the_mlp_in_fp32(tmp_path):
     lora = replace(shape, method="lora")
     assert gated_layer_bytes_per_token(SPEC, shape) - gated_layer_bytes_per_token(SPEC, lora) == 3 * (4 - 2) * INTER
     assert (four - two) / 2 / TOKENS == gated_layer_bytes_per_token(SPEC, shape) + 2 * LAYER_ADAPTER_PARAMS / TOKENS
+
+
+class LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every storage an op creates, weakly held: what is still alive when the forward ends is what the forward
+    leaves for the backward (and its outputs). Unlike ``saved_tensors_hooks`` it sees what a checkpoint keeps,
+    which it holds outside autograd's saved tensors (the layer inputs, selective checkpointing's cached outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.created.append((storage.data_ptr(), StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def alive_bytes(self, leave_out: set) -> int:
+        return sum({ptr: size for ptr, ref, size in self.created if not ref.expired() and ptr not in leave_out}.values())
+
+
+def checkpoint(model, policy: str) -> None:
+    from hf_gpu_train.training import selective_checkpoint
+
+    if policy == "selective":
+        selective_checkpoint.enable(model)
+    else:
+        every = 1 if policy == "all" else int(policy.split("-")[1])
+        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
+
+
+def alive_after_forward(model, padded: bool, autocast: bool) -> int:
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    if padded:
+        mask[1, 100:] = 0
+    model.train()
+    live = LiveStorages()
+    with live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    alive = live.alive_bytes(leave_out={p.untyped_storage().data_ptr() for p in model.parameters()})  # views of weights
+    del out
+    return alive
+
+
+@pytest.mark.parametrize("method,precision,padded,policy", [
+    ("full", "bf16", True, "all"), ("full", "bf16", True, "every-2"), ("full", "bf16", False, "selective"),
+    ("full", "fp32", True, "selective"), ("lora", "bf16", False, "selective"), ("lora", "fp32", True, "every-2")])
+def test_checkpointing_policies_keep_what_the_planner_says(method, precision, padded, policy):
+    """Issue 19, lever 2: per-layer checkpointing keeps each layer's input; every-N keeps that for every N-th layer
+    and everything for the others; selective keeps the input plus the matmuls' and attention's outputs. Two layers'
+    difference, measured as the storages alive after the forward, equals the planner's (the recompute peak of one
+    layer, counted in its "layers" term, cancels out)."""
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision=precision, method=method, lora_rank=RANK, padded=padded,
+                          gradient_checkpointing=True, checkpoint_layers=policy)
+    spec = replace(SPEC, adapted_linears=7, adapted_in_features=256 * 5 + 256 + 704,
+                   adapted_out_features=256 + 64 * 2 + 256 + 704 * 2 + 256) if method == "lora" else SPEC
+
+    def predicted(layers):
+        scaled = replace(spec, num_layers=layers, **({} if method == "full" else {
+            "adapted_linears": spec.adapted_linears * layers, "adapted_in_features": spec.adapted_in_features * layers,
+            "adapted_out_features": spec.adapted_out_features * layers}))
+        return sum(activation_terms(scaled, shape).values())
+
+    def measured(layers):
+        model = build(method, layers, precision)
+        checkpoint(model, policy)
+        return alive_after_forward(model, padded, autocast=precision == "bf16")
+
+    # layers outside the checkpoints also keep autocast's bf16 copies of their weights (full) or adapters (LoRA)
+    copies = 0
+    if precision == "bf16":
+        per_layer = 2 * (LAYER_LINEAR_WEIGHTS if method == "full" else LAYER_ADAPTER_PARAMS)
+        copies = per_layer * ((4 - shape.checkpointed_layers(4)) - (2 - shape.checkpointed_layers(2)))
+    assert measured(4) - measured(2) == predicted(4) - predicted(2) + copies
+
+
+def test_selective_checkpointing_keeps_about_half_of_a_layer():
+    full = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="full", padded=False)
+    selective = replace(full, gradient_checkpointing=True, checkpoint_layers="selective")
+    every_layer = replace(selective, checkpoint_layers="all")
+    kept = {name: activation_terms(replace(SPEC, num_layers=32), s)["layer inputs" if s.gradient_checkpointing else "layers"]
+            for name, s in (("none", full), ("selective", selective), ("all", every_layer))}
+    assert kept["all"] < kept["selective"] < 0.75 * kept["none"]

@@ -186,3 +186,31 @@ def test_chat_data_for_a_tokenizer_without_a_chat_template_exits_2(tmp_path, cas
     assert main(arguments) == 2
     assert "has no chat template: give one with chat_template=FILE.jinja" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_levers_train_the_weights_of_a_run_without_them(tmp_path, case, capsys):
+    """Issue 19 through the entry point: selective checkpointing, the optimizer in the backward and activation
+    offloading (nothing to offload on the CPU, said) end with the weights of the same run without them."""
+    common = [*case, "method=full", "packing=false", "learning_rate=1e-3", "telemetry=false", "generation_samples=0",
+              "extra={max_grad_norm: 0}"]
+    assert main([*common, f"output_dir={tmp_path / 'plain'}"]) == 0
+    capsys.readouterr()
+    assert main([*common, f"output_dir={tmp_path / 'levers'}", "gradient_checkpointing=true", "checkpoint_layers=selective",
+                 "optimizer_in_backward=true", "offload_activations=true"]) == 0
+    said = capsys.readouterr().out
+    assert "checkpointing: selective" in said
+    assert "optimizer in backward: each parameter steps (AdamW)" in said
+    assert "activation offloading: nothing to do on the CPU" in said
+    assert "in-place OOM recovery off" in said
+    plain, levers = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "levers"))
+    assert_same_params(levers, plain, atol=1e-6)
+    from .tiny import tiny_llama
+
+    untrained = {k: v for k, v in tiny_llama(plain["model.embed_tokens.weight"].shape[0]).state_dict().items() if k in plain}
+    assert_trained(plain, untrained)
+
+
+def test_optimizer_in_backward_with_accumulation_exits_2_naming_the_fix(tmp_path, case, capsys):
+    assert main([*case, f"output_dir={tmp_path / 'acc'}", "method=full", "optimizer_in_backward=true", "global_batch_size=8",
+                 "telemetry=false"]) == 2
+    assert "set global_batch_size to the micro-batch" in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""The memory levers of a fine-tune, from the config to the Trainer: which layers checkpointing covers and what they
+keep (``checkpoint_layers``), saved activations in pinned host memory (``offload_activations``) and the optimizer
+step inside the backward (``optimizer_in_backward``). The chunked LM head (``chunked_lm_loss``) is the causal-LM
+branch's (causal_lm/lm_head_loss.py).
+
+Each lever is exact (tests/training/test_memory_levers.py: the same losses and weights as without it), so none
+changes what a run learns, only what it keeps in GPU memory and how long a step takes. The planner counts each
+(``launch.training_shape.TrainingShape``: ``shape_levers`` gives its fields from a config).
+
+This module imports no torch at the top: ``check_levers`` runs in config validation.
+"""
+
+from __future__ import annotations
+
+from .config import ConfigError
+
+
+def check_levers(cfg) -> None:
+    """The config's levers against each other and the task; what needs the runtime (precision, processes,
+    accumulation) is checked by ``apply_levers``."""
+    from ..launch.training_shape import checkpoint_every
+
+    try:
+        checkpoint_every(cfg.checkpoint_layers)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.checkpoint_layers != "all":
+        if not cfg.gradient_checkpointing:
+            raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} chooses what gradient checkpointing keeps: add "
+                              "gradient_checkpointing=true (or drop checkpoint_layers)")
+        if cfg.task == "image-classification":
+            raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} is for transformers models; timm models checkpoint "
+                              "every block (checkpoint_layers=all)")
+        if cfg.checkpoint_layers == "selective" and cfg.method == "qlora":
+            raise ConfigError("checkpoint_layers='selective' with method=qlora: bitsandbytes' 4-bit matmul is not covered by the "
+                              "selective policy; use checkpoint_layers=all or every-N")
+    if cfg.optimizer_in_backward:
+        if cfg.method != "full":
+            raise ConfigError(f"optimizer_in_backward=true with method={cfg.method}: it saves the gradients of full fine-tuning "
+                              "(an adapter's are small already); use method=full or drop optimizer_in_backward")
+        clip = cfg.extra.get("max_grad_norm")
+        if clip not in (None, 0, 0.0):
+            raise ConfigError(f"optimizer_in_backward=true with max_grad_norm={clip}: each parameter steps before the global "
+                              "gradient norm exists, so gradients cannot be clipped; drop max_grad_norm or optimizer_in_backward")
+
+
+def shape_levers(cfg) -> dict:
+    """The levers as ``TrainingShape`` fields, as the planner counts them. ``chunked_lm_loss=auto`` may step aside
+    for a model, so only ``true`` is counted as chunked (the full logits otherwise: conservative)."""
+    return {"chunked_loss": cfg.chunked_lm_loss is True, "checkpoint_layers": cfg.checkpoint_layers,
+            "offload_activations": bool(cfg.offload_activations), "optimizer_in_backward": bool(cfg.optimizer_in_backward)}
+
+
+def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
+    """The TrainingArguments for checkpointing: the Trainer enables "all" and "every-N" itself (JSON-able keyword
+    arguments), selective checkpointing is enabled on the model (``apply_levers``) since its policy is a function;
+    optimizer_in_backward turns gradient clipping off (``check_levers`` refused an explicit one)."""
+    from ..launch.training_shape import checkpoint_every
+
+    if fsdp_checkpoints and cfg.checkpoint_layers != "all":
+        raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} with the launch config's fsdp_activation_checkpointing: "
+                          "FSDP checkpoints every layer itself; set fsdp_activation_checkpointing: false in the launch config")
+    kwargs: dict = {"activation_checkpointing": cfg.gradient_checkpointing and not fsdp_checkpoints
+                    and cfg.checkpoint_layers != "selective"}
+    every = checkpoint_every(cfg.checkpoint_layers)
+    if kwargs["activation_checkpointing"] and every > 1:
+        kwargs["activation_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
+    if cfg.optimizer_in_backward:
+        kwargs["max_grad_norm"] = 0.0
+    return kwargs
+
+
+def apply_levers(trainer, cfg, runtime) -> list[str]:
+    """The levers on a built Trainer; the lines to print (what each does here, or why it stepped aside)."""
+    lines = []
+    if cfg.gradient_checkpointing and cfg.checkpoint_layers == "selective":
+        from ..training import selective_checkpoint
+
+        selective_checkpoint.enable(trainer.model)
+        lines.append("checkpointing: selective (each layer keeps its matmuls' and attention's outputs, recomputes the rest)")
+    elif cfg.gradient_checkpointing and cfg.checkpoint_layers != "all":
+        lines.append(f"checkpointing: {cfg.checkpoint_layers} (one layer in {cfg.checkpoint_layers.split('-')[1]} checkpointed, the others "
+                     "keep their activations)")
+    if cfg.offload_activations:
+        from ..training import activation_offload
+
+        lines.append(activation_offload.attach(trainer.model))
+    if cfg.optimizer_in_backward:
+        from ..training import optimizer_in_backward
+
+        lines.append(optimizer_in_backward.attach(trainer, world_size=runtime.world_size, precision=runtime.precision))
+    return lines

@@ -1,0 +1,115 @@
+"""Activation offloading: what autograd saves in the forward is held in pinned host memory until the backward needs it.
+
+Through ``torch.autograd.graph.saved_tensors_hooks``: each saved CUDA tensor of at least ``min_bytes`` (not a
+parameter, nor a view of one) is copied to pinned host memory on a side stream, so the copy overlaps the next
+kernels; the GPU tensor's memory is reused once its copy has finished (``record_stream``), and the backward copies it back just before use.
+With gradient checkpointing, what the forward saves is each layer's input (the rest is recomputed inside the
+checkpoint): offloading then moves the last per-layer term off the GPU. Without checkpointing it moves every
+layer's activations. Either way the GPU keeps about one layer's worth, and the host needs room for the rest
+(the planner counts both: ``launch/activations.py``).
+
+transformers' ``activation_checkpointing_kwargs={"offload": true}`` does the checkpointed half with
+``torch.autograd.graph.save_on_cpu``, whose copies run on the compute stream and stall it; torchtune's
+``OffloadActivations`` is the side-stream design this follows.
+
+Exact: a copy out and back is bitwise the same tensor (tests/training/test_memory_levers.py runs the copy path on
+the CPU, with ``offload_cpu_tensors``; the GPU saving is measured by ``scripts/gpu_check.py``). On a CPU run the
+activations already live in host memory: ``attach`` says so and does nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+MIN_BYTES = 1 << 20  # smaller tensors (norm statistics, masks) are not worth a copy and a stream sync
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """The saved-tensor hooks; ``offloaded_bytes`` counts what went to the host in this context's forwards."""
+
+    def __init__(self, parameters=(), min_bytes: int = MIN_BYTES, offload_cpu_tensors: bool = False):
+        self.min_bytes = min_bytes
+        self.offload_cpu_tensors = offload_cpu_tensors  # tests: the copy path on a machine without a GPU
+        self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self.offloaded_bytes = 0
+        self._stream = None
+        self._copies: dict[tuple, tuple] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def _offloads(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cuda" and not (self.offload_cpu_tensors and t.device.type == "cpu"):
+            return False
+        if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.parameter_storages:
+            return False
+        return t.numel() * t.element_size() >= self.min_bytes
+
+    def _pack(self, t: torch.Tensor):
+        if not self._offloads(t):
+            return t
+        # a tensor saved by several nodes (a norm's output feeds the q, k and v projections) is copied once
+        # (while its storage lives: a freed storage's address is reused by the next allocation)
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        alive, packed = self._copies.get(key, (None, None))
+        if alive is not None and not alive.expired():
+            return packed
+        packed = self._copy(t)
+        self._copies[key] = (StorageWeakRef(storage), packed)
+        return packed
+
+    def _copy(self, t: torch.Tensor):
+        self.offloaded_bytes += t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            return (t.device, t.clone(), None)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        self._stream.wait_stream(torch.cuda.current_stream(t.device))  # t was made on the compute stream
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        t.record_stream(self._stream)  # the allocator keeps t's memory until the side stream's copy is done
+        return (t.device, host, done)
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host, done = packed
+        if done is None:
+            return host
+        torch.cuda.current_stream(device).wait_event(done)
+        return host.to(device, non_blocking=True)
+
+
+def _innermost(model):
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def attach(model, min_bytes: int = MIN_BYTES, offload_cpu_tensors: bool = False) -> str:
+    """Every training forward of ``model`` (its innermost transformers or timm module, so a peft or DDP wrapper runs
+    it) under ``OffloadActivations``; the line to print."""
+    target = _innermost(model)
+    on_cuda = any(p.device.type == "cuda" for p in target.parameters())
+    if not on_cuda and not offload_cpu_tensors:
+        return "activation offloading: nothing to do on the CPU (the activations are in host memory already)"
+    forward = target.forward
+    parameters = list(target.parameters())
+
+    @functools.wraps(forward)
+    def offloading_forward(*args, **kwargs):
+        if not (target.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        hooks = OffloadActivations(parameters, min_bytes, offload_cpu_tensors)
+        with hooks:
+            out = forward(*args, **kwargs)
+        target._hf_gpu_train_offloaded_bytes = hooks.offloaded_bytes
+        return out
+
+    target.forward = offloading_forward
+    target._hf_gpu_train_offloads_activations = True
+    return f"activation offloading: saved activations of {min_bytes >> 20} MiB and more go to pinned host memory on a side stream"

@@ -1,0 +1,185 @@
+"""Issue 19, levers 2-4, each exact: the Trainer trains the same weights with selective or every-N checkpointing,
+with the saved activations offloaded (the copy path, run on the CPU) and with the optimizer step inside the backward,
+as it does without them (fp32, within float tolerance: recomputation and per-parameter steps only reorder sums)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_gpu_train.errors import UsageError  # noqa: E402
+from hf_gpu_train.training import activation_offload, optimizer_in_backward, selective_checkpoint  # noqa: E402
+
+VOCAB, SEQ, STEPS, BATCH = 96, 24, 4, 2
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, attention_dropout=0.1, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, count: int):
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, VOCAB, (count, SEQ), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[: SEQ // 3] = -100  # a prompt
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def trainer_for(tmp_path, name: str, **arguments):
+    settings = dict(max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2, weight_decay=0.01, warmup_steps=1,
+                    max_grad_norm=0.0, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True,
+                    optim="adamw_torch_fused", seed=0, dataloader_num_workers=0)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / name), **{**settings, **arguments})
+    return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Rows(STEPS * BATCH))
+
+
+def trained(trainer):
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return trained(trainer_for(tmp_path_factory.mktemp("levers"), "reference"))
+
+
+def assert_same_training(got, reference, exact: bool = False):
+    (weights, losses), (ref_weights, ref_losses) = got, reference
+    assert len(losses) == STEPS
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(losses, ref_losses, **tolerance)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+    moved = max(float((value - tiny_llama().state_dict()[name]).abs().max()) for name, value in weights.items())
+    assert moved > 1e-3  # the weights trained: an equality of untrained models would prove nothing
+
+
+@pytest.mark.parametrize("policy", ["all", "every-2", "selective"])
+def test_checkpointing_policies_train_the_same_weights(tmp_path, reference, policy):
+    if policy == "selective":
+        trainer = trainer_for(tmp_path, policy)
+        selective_checkpoint.enable(trainer.model)
+    else:
+        every = {"all": 1, "every-2": 2}[policy]
+        trainer = trainer_for(tmp_path, policy, activation_checkpointing=True,
+                              activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": every})
+    checkpointed = [layer.gradient_checkpointing for layer in trainer.model.model.layers]
+    got = trained(trainer)
+    assert [layer.gradient_checkpointing for layer in trainer.model.model.layers] == (
+        [True, False, True] if policy == "every-2" else [True] * 3) or checkpointed
+    assert_same_training(got, reference)
+
+
+def test_offloaded_activations_train_the_same_weights_bit_for_bit(tmp_path, reference):
+    trainer = trainer_for(tmp_path, "offload")
+    line = activation_offload.attach(trainer.model, min_bytes=0, offload_cpu_tensors=True)
+    assert "pinned host memory" in line
+    assert_same_training(trained(trainer), reference, exact=True)
+    assert trainer.model._hf_gpu_train_offloaded_bytes > 0
+
+
+def test_offloading_takes_what_autograd_saves_and_leaves_the_weights():
+    """Every saved tensor of the forward is copied once, however many nodes save it: the copies account for all of
+    them but the parameters (and the views of them that matmuls save)."""
+    model = tiny_llama().train()
+    batch = Rows(2)[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, held = {}, []
+
+    def count(t):  # each view of a storage once; held, so that no address is reused during the forward
+        if t.untyped_storage().data_ptr() not in params:
+            held.append(t)
+            saved[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
+    hooks = activation_offload.OffloadActivations(model.parameters(), min_bytes=0, offload_cpu_tensors=True)
+    with hooks:
+        loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss
+    loss.backward()
+    assert hooks.offloaded_bytes == sum(saved.values())
+
+
+def test_offloading_on_the_cpu_says_there_is_nothing_to_do():
+    model = tiny_llama()
+    assert "nothing to do on the CPU" in activation_offload.attach(model)
+    assert not hasattr(model, "_hf_gpu_train_offloads_activations")
+
+
+def test_the_optimizer_in_backward_trains_the_same_weights(tmp_path, reference):
+    trainer = trainer_for(tmp_path, "in-backward")
+    line = optimizer_in_backward.attach(trainer, world_size=1, precision="fp32")
+    assert "AdamW" in line
+    got = trained(trainer)
+    inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(inner, optimizer_in_backward.OptimizerInBackward)
+    parameters = sum(1 for p in trainer.model.parameters() if p.requires_grad)
+    assert inner.parameter_steps == STEPS * parameters
+    assert_same_training(got, reference)
+
+
+def test_the_optimizer_in_backward_holds_one_parameter_gradient_at_a_time():
+    model = tiny_llama().train()
+    optimizer = optimizer_in_backward.OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    live = []
+
+    def record(_):
+        live.append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(record)  # after the optimizer's own hook: what is left
+    batch = Rows(2)[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    largest = max(p.numel() for p in model.parameters())
+    assert max(live) <= largest  # the hook just freed its own; at most one other is mid-accumulation
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.parameter_steps == len(list(model.parameters()))
+
+
+def test_a_run_resumed_with_the_optimizer_in_backward_ends_with_the_uninterrupted_weights(tmp_path, reference):
+    class StopAt(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    first = trainer_for(tmp_path, "resume", save_strategy="steps", save_steps=2)
+    optimizer_in_backward.attach(first, world_size=1, precision="fp32")
+    first.add_callback(StopAt())
+    first.train()
+    second = trainer_for(tmp_path, "resume")
+    optimizer_in_backward.attach(second, world_size=1, precision="fp32")
+    second.train(resume_from_checkpoint=str(tmp_path / "resume" / "checkpoint-2"))
+    weights = {n: p.detach() for n, p in second.model.named_parameters()}
+    for name, value in reference[0].items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world,arguments,precision,named", [
+    (2, {}, "fp32", "on 2 processes"),
+    (1, {"gradient_accumulation_steps": 2}, "fp32", "gradient accumulation 2"),
+    (1, {}, "fp16", "with fp16"),
+    (1, {"max_grad_norm": 1.0}, "fp32", "max_grad_norm=1.0"),
+])
+def test_the_optimizer_in_backward_refuses_what_it_would_not_do_exactly(tmp_path, world, arguments, precision, named):
+    trainer = trainer_for(tmp_path, "refused", **arguments)
+    with pytest.raises(UsageError, match=named):
+        optimizer_in_backward.attach(trainer, world_size=world, precision=precision)
+
+
+def test_a_state_saved_by_another_optimizer_is_refused():
+    optimizer = optimizer_in_backward.OptimizerInBackward(tiny_llama().parameters(), torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match="different optimizer or model"):
+        optimizer.load_state_dict(torch.optim.AdamW(tiny_llama().parameters()).state_dict())
