@@ -1,8 +1,13 @@
 """Memory levers (issue 19): peak memory and speed of each lever added in turn, torchtune-style, on the real
 SmolLM2-135M-Instruct (the recipe recipes/smollm2_lora_demo.yaml: its chat rows, packed into rows of max_length).
 
-Levers so far: 1. the chunked LM head and loss (``chunked_lm_loss``; finetune/causal_lm/lm_head_loss.py). Each arm is
-a fresh process (benchmarks/memory_levers_arm.py); arms of one configuration run back to back, alternating order.
+Levers, each added to the ones above (the order of hf_gpu_train/launch/lever_table.py): the chunked LM head and loss
+(``chunked_lm_loss``), the optimizer step in the backward (``optimizer_in_backward``, full fine-tuning only), selective
+checkpointing (``checkpoint_layers=selective``), checkpointing every layer (``checkpoint_layers=all``, replacing it).
+Activation offloading has nothing to offload on the CPU (the activations are in host memory): it is measured on a GPU by
+scripts/gpu_check.py. Each arm is a fresh process (benchmarks/memory_levers_arm.py); the arms of one configuration run
+back to back, in alternating order. Gradient clipping is off in every arm (the optimizer in the backward cannot clip),
+so the arms differ by their levers only.
 
 Measured: peak RSS of the training process (on the CPU: model, optimizer state, activations, logits, and what the
 allocator keeps) and row capacity per second (steps x rows x max_length / seconds of train(): packed rows are
@@ -21,9 +26,25 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LEVERS = {"none": ["chunked_lm_loss=false"], "+ chunked LM head and loss": ["chunked_lm_loss=true"]}
+LEVERS = {  # cumulative: each arm has the levers of the arms above it
+    "none": ["chunked_lm_loss=false"],
+    "+ chunked LM head and loss": ["chunked_lm_loss=true"],
+    "+ optimizer step in the backward": ["chunked_lm_loss=true", "optimizer_in_backward=true"],
+    "+ selective checkpointing": ["chunked_lm_loss=true", "optimizer_in_backward=true", "gradient_checkpointing=true",
+                                  "checkpoint_layers=selective"],
+    "+ checkpointing every layer": ["chunked_lm_loss=true", "optimizer_in_backward=true", "gradient_checkpointing=true",
+                                    "checkpoint_layers=all"],
+}
 QUIET = ["eval_strategy=no", "save_strategy=no", "telemetry=false", "generation_samples=0", "per_device_train_batch_size=1",
-         "logging_steps=1", "resume=never", "max_eval_samples=4"]
+         "logging_steps=1", "resume=never", "max_eval_samples=4", "extra={max_grad_norm: 0}"]
+
+
+def levers_for(method: str) -> dict[str, list[str]]:
+    """The arms a method has: the optimizer in the backward is for full fine-tuning (an adapter's gradients are small)."""
+    if method == "full":
+        return LEVERS
+    return {name: [v for v in values if v != "optimizer_in_backward=true"] for name, values in LEVERS.items()
+            if name != "+ optimizer step in the backward"}
 
 
 def arm(tmp: Path, name: str, overrides: list[str]) -> dict:
@@ -47,13 +68,14 @@ def main() -> int:
         for i, method in enumerate(args.methods):
             for length in args.lengths:
                 common = [f"method={method}", f"max_length={length}", f"max_steps={args.steps}", *QUIET]
-                order = list(LEVERS) if i % 2 == 0 else list(reversed(LEVERS))
+                levers = levers_for(method)
+                order = list(levers) if i % 2 == 0 else list(reversed(levers))
                 results = {}
                 for lever in order:
-                    name = f"{method}-{length}-{list(LEVERS).index(lever)}"
-                    results[lever] = arm(Path(tmp), name, [*common, *LEVERS[lever]])
+                    name = f"{method}-{length}-{list(levers).index(lever)}"
+                    results[lever] = arm(Path(tmp), name, [*common, *levers[lever]])
                 base = results["none"]
-                for lever in LEVERS:
+                for lever in levers:
                     r = results[lever]
                     speed = r["steps"] * length / r["train_seconds"]
                     base_speed = base["steps"] * length / base["train_seconds"]

@@ -285,6 +285,63 @@ def check_peft_memory() -> bool:
     return ok
 
 
+def check_memory_levers(length: int = 2048, steps: int = 6) -> bool:
+    """Issue 19 on the GPU: SmolLM2 full fine-tuning with each lever added in turn (benchmarks/memory_levers.py's arms,
+    plus activation offloading, which has nothing to offload on the CPU): torch's peak allocated, tokens/s, the final
+    loss (the levers are exact: the losses must agree) and the planner's estimate."""
+    import json
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_levers import LEVERS
+
+    from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
+    from hf_gpu_train.launch.memory import estimate
+    from hf_gpu_train.launch.model_spec import from_hf_config
+    from hf_gpu_train.launch.training_shape import TrainingShape
+
+    section(f"memory levers: SmolLM2 full fine-tuning, packed rows of {length}, bf16")
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return True
+    arms = {**LEVERS, "+ activation offloading": [*list(LEVERS.values())[-1], "offload_activations=true"]}
+    spec = from_hf_config(str(ensure_converted()))
+    ok, losses = True, []
+    for name, values in arms.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "arm"
+            run = subprocess.run([sys.executable, "scripts/finetune.py", "--config", "recipes/smollm2_lora_demo.yaml", "method=full",
+                                  f"max_length={length}", f"max_steps={steps}", "save_strategy=no", "eval_strategy=no",
+                                  "generation_samples=0", "per_device_train_batch_size=1", "logging_steps=1",
+                                  "extra={max_grad_norm: 0}", *values, f"output_dir={out}"],
+                                 capture_output=True, text=True, timeout=900, cwd=ROOT)
+            if run.returncode != 0:
+                print(f"{name}: FAILED\n{run.stderr[-2000:]}")
+                ok = False
+                continue
+            telemetry = json.loads((out / "telemetry_summary.json").read_text())["metrics"]
+            summary = json.loads((out / "run_summary.json").read_text())
+            state = json.loads((out / "trainer_state.json").read_text()) if (out / "trainer_state.json").exists() else {}
+            last = [h["loss"] for h in state.get("log_history", []) if "loss" in h][-1:] or [summary.get("train_loss")]
+            losses.append(last[0])
+            peak = telemetry.get("torch/mem_peak_gib", {}).get("max")
+            shape = TrainingShape(micro_batch=1, seq_len=length, precision="bf16", method="full", padded=False,
+                                  chunked_loss="chunked_lm_loss=true" in values, optimizer_in_backward="optimizer_in_backward=true" in values,
+                                  gradient_checkpointing="gradient_checkpointing=true" in values,
+                                  checkpoint_layers=next((v.split("=")[1] for v in values if v.startswith("checkpoint_layers=")), "all"),
+                                  offload_activations="offload_activations=true" in values)
+            planned = estimate(spec, shape, "single").total / 2**30
+            speed = summary["global_step"] * length / summary["train_seconds"]
+            print(f"{name}: peak allocated {peak if peak is None else round(peak, 2)} GiB, planner {planned:.2f} GiB, "
+                  f"{speed:.0f} tokens/s, last loss {last[0]}")
+    if losses and max(losses) - min(losses) > 0.02:
+        print(f"the last losses differ by {max(losses) - min(losses):.3f}: a lever is not exact")
+        ok = False
+    return ok
+
+
 def check_tune_on_gpu() -> bool:
     from hf_gpu_train.tune.gpu_check import check_tune
 
@@ -294,7 +351,8 @@ def check_tune_on_gpu() -> bool:
 
 CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": check_finetune_per_gpu, "telemetry": check_telemetry,
           "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
-          "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "tune": check_tune_on_gpu}
+          "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "levers": check_memory_levers,
+          "tune": check_tune_on_gpu}
 
 
 def main(argv: list[str] | None = None) -> int:

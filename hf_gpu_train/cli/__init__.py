@@ -49,4 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry_point() -> None:
+    from ..fast_exit import end_quickly
+
+    end_quickly()
     sys.exit(main())

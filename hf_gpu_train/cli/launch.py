@@ -182,8 +182,9 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
     cpus, note = _binding(plan, settings)
     if note:
         notes.append(note)
-    # The accelerate of this interpreter, whatever PATH says.
-    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config_file),
+    # The accelerate of this interpreter, whatever PATH says; its launch command alone (accelerate_cli imports every
+    # subcommand, estimate-memory's transformers among them: 5 s more before the first process starts)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
            *flatten(parsed.without(*CONFIG_FILE_OPTIONS)), *settings_flags, parsed.script, *parsed.script_args]
     return Launch(cmd, env, tuple(notes), cpus)
 

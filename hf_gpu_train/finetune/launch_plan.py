@@ -46,6 +46,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         resolve_with_plan,
     )
     from ..launch.run_plan_file import data_stamps, tuned_keys_for
+    from .memory_levers import shape_levers
     from .plan_scope import scope_to_this_run
 
     environ = os.environ if environ is None else environ
@@ -91,7 +92,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     lines.append("plan values not applied: " + (", ".join(f"{k}={v} ({why})" for k, (v, why) in not_applied.items()) or "none"))
     vision = cfg.task == "image-classification"
     memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
-                          method=cfg.method, lora_rank=cfg.lora_r, chunked_loss=cfg.chunked_lm_loss is True)  # auto may step aside: counted off
+                          method=cfg.method, lora_rank=cfg.lora_r, levers=shape_levers(cfg))
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
     return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here)

@@ -312,7 +312,9 @@ def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     from ..closed_pipe import until_the_pipe_closes
+    from ..fast_exit import end_quickly
 
+    end_quickly()  # the interpreter's final collections after torch and transformers: seconds per rank (fast_exit.py)
     return until_the_pipe_closes(lambda: _main(argv))
 
 

@@ -90,8 +90,8 @@ def accelerate_launch_args(cmdline: list[str]) -> list[str] | None:
     """The arguments after `launch` when ``cmdline`` (a process's argv) runs `accelerate launch`, else None.
 
     Recognised: ``accelerate launch``, ``python .../bin/accelerate launch`` (a console script's argv in /proc),
-    ``python -m accelerate.commands.accelerate_cli launch`` (what ``hf-gpu-train launch`` runs) and
-    ``python -m accelerate.commands.launch``. A script that merely has "accelerate" among its arguments is not."""
+    ``python -m accelerate.commands.accelerate_cli launch`` and ``python -m accelerate.commands.launch`` (what
+    ``hf-gpu-train launch`` runs). A script that merely has "accelerate" among its arguments is not."""
     if not cmdline:
         return None
     rest = list(cmdline)

@@ -96,10 +96,12 @@ def _planner_precision(precision: object, planned: str) -> str:
 
 def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | None = None, seq_len: int | None = None,
                  image_size: int | None = None, method: str = "full", lora_rank: int | None = None,
-                 chunked_loss: bool = False) -> MemoryCheck | None:
+                 levers: Mapping[str, object] | None = None) -> MemoryCheck | None:
     """Re-run the planner (``launch/memory.py``) for the plan's model with the run's micro-batch, checkpointing,
-    precision, process count, sequence length and image size (None: the plan's), and a causal LM's head chunked
-    (``chunked_lm_loss=true``; ``auto`` may step aside for a model, so it is counted as the full logits). None when the plan has no memory plan (no --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
+    precision, process count, sequence length and image size (None: the plan's), and the run's memory levers
+    (``levers``: ``TrainingShape`` fields, ``finetune.memory_levers.shape_levers``: the chunked head, which layers
+    checkpointing covers, offloading, the optimizer in the backward). None when the plan has no memory plan (no
+    --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
     m = plan.memory
     if m is None:
         return None
@@ -111,7 +113,7 @@ def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | 
     peft = {"method": method, **({"lora_rank": lora_rank} if lora_rank else {})} if method in ("lora", "qlora") else {}
     shape = TrainingShape(micro_batch=micro, seq_len=seq_len or m.seq_len, image_size=image_size or m.image_size,
                           precision=precision, optimizer=m.optimizer, gradient_checkpointing=checkpointing, num_gpus=world,
-                          chunked_loss=chunked_loss, **peft)
+                          **dict(levers or {}), **peft)
     breakdown = estimate(m.model, shape, m.strategy)
     total = int(breakdown.total)
     fits = total <= m.usable_bytes

@@ -45,9 +45,11 @@ def planner_estimate(args, model, inputs) -> str | None:
             spec = ModelSpec(name="this model", params=sum(p.numel() for p in model.parameters()))
         seq = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 512
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        chunked = hasattr(getattr(inner, "get_base_model", lambda: inner)(), "_hf_gpu_train_chunked_loss")
-        shape = TrainingShape(micro_batch=1, seq_len=seq, precision=precision, method=method,
-                              gradient_checkpointing=bool(args.gradient_checkpointing), chunked_loss=chunked)
+        base = getattr(inner, "get_base_model", lambda: inner)()
+        chunked = hasattr(base, "_hf_gpu_train_chunked_loss")
+        checkpointing = bool(args.gradient_checkpointing or getattr(base, "is_activation_checkpointing", False))
+        shape = TrainingShape(micro_batch=1, seq_len=seq, precision=precision, method=method, gradient_checkpointing=checkpointing,
+                              chunked_loss=chunked, offload_activations=hasattr(base, "_hf_gpu_train_offloads_activations"))
         breakdown = estimate(spec, shape, "single")
         total = f"{breakdown.total / 2**30:.1f} GiB per GPU at micro-batch 1 ({method})"
         if torch.cuda.is_available():

@@ -84,6 +84,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
              axes: tuple[str, ...] = AXES, profile=None, environ: Mapping[str, str] | None = None) -> TuneJob:
     """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected)."""
     from ..finetune.config import load_config_and_keys, read_config_values
+    from ..finetune.memory_levers import shape_levers
     from ..launch.plan_resolution import check_memory, resolve_with_plan
     from ..launch.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
 
@@ -121,7 +122,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     def memory_check(candidate_values: dict):
         merged = {**values, **candidate_values}
         return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size, method=cfg.method,
-                            lora_rank=cfg.lora_r, chunked_loss=cfg.chunked_lm_loss is True)  # auto may step aside: counted off
+                            lora_rank=cfg.lora_r, levers=shape_levers(cfg))
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),

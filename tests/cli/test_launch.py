@@ -10,7 +10,7 @@ from hf_gpu_train.cli.launch import build_launch
 from hf_gpu_train.errors import UsageError
 from hf_gpu_train.hardware.snapshot import load_machine, save
 
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 @pytest.fixture

@@ -22,6 +22,9 @@ rank = trainer.accelerator.process_index
 torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "micro_batch": recovery.micro_batch, "global_step": trainer.state.global_step}, f"{out}/rank{rank}.pt")
 
+from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
 from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 
 leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)
