@@ -102,12 +102,13 @@ def test_smollm2s_own_template_labels_exactly_the_assistant_turns(converted):
 @pytest.mark.slow
 @needs_package
 def test_the_demo_recipe_trains_smollm2_with_lora(converted, tmp_path, monkeypatch, capsys):
-    """The README's command, cut to 2 steps: the real model, the real data, LoRA, an adapter and perplexity."""
+    """The README's command, cut to 1 step of 1 packed row: the real model, the real data, LoRA, an adapter and
+    perplexity."""
     monkeypatch.setenv("HF_GPU_TRAIN_CACHE", str(converted.parent))
     monkeypatch.chdir(ROOT)
     out = tmp_path / "demo"
-    assert main(["--config", "recipes/smollm2_lora_demo.yaml", "max_steps=2", "max_eval_samples=8", "generation_samples=1",
-                 "generation_max_new_tokens=8", "telemetry=false", f"output_dir={out}"]) == 0
+    assert main(["--config", "recipes/smollm2_lora_demo.yaml", "max_steps=1", "per_device_train_batch_size=1", "max_eval_samples=4",
+                 "generation_samples=1", "generation_max_new_tokens=4", "telemetry=false", f"output_dir={out}"]) == 0
     said = capsys.readouterr().out
     assert "messages data (messages) from recipes/data/python_docs_chat/train.jsonl" in said
     assert "packing on: sdpa attention keeps packed examples apart (checked on this model)" in said
