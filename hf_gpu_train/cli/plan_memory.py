@@ -76,40 +76,43 @@ def run(args: argparse.Namespace) -> int:
           f"{args.precision}, {args.optimizer}, seq {args.seq_len}, image {args.image_size}{adapters}")
     if args.method == "auto":
         return _run_auto(args, spec, shape, memory, count)
-    status = _run_one(args, spec, shape, memory, count)
+    status, strategy = _run_one(args, spec, shape, memory, count)
     if spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32:
-        status = min(status, _print_levers(args, spec, shape, memory, count, gpu))  # 0: the plan or the levers fit
+        status = min(status, _print_levers(args, spec, shape, memory, count, gpu, strategy))  # 0: the plan or the levers fit
     return status
 
 
-def _print_levers(args, spec, shape, memory, count, gpu) -> int:
-    """The per-lever table (launch/lever_table.py); 0 when the recommended set fits, 1 when nothing does."""
+def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
+    """The per-lever table and the recommended set (launch/lever_table.py), on the plan's strategy; 0 when the
+    recommended set fits, 1 when nothing does."""
     import math
 
     from ..hardware.peaks import peak_flops
-    from ..launch.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second, recommended_config
+    from ..launch.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
     from ..launch.method_choice import USEFUL_MICRO_BATCH
     from ..textfmt import table
 
+    per_gpu = math.ceil(args.global_batch / count)
     # the plan's own threshold (memory.plan_memory turns checkpointing on below it), so the table and the plan agree
-    useful = min(USEFUL_MICRO_BATCH, math.ceil(args.global_batch / count))
+    useful = min(USEFUL_MICRO_BATCH, per_gpu)
     peak = peak_flops(getattr(gpu, "name", None), args.precision) if gpu is not None else None
     pcie = pcie_bytes_per_second(getattr(gpu, "pcie_link_gen", None), getattr(gpu, "pcie_link_width", None))
-    levers = lever_table(spec, shape, "single" if count == 1 else "ddp", memory, useful, peak_flops=peak, pcie_bytes_per_s=pcie)
-    print(f"\nMemory levers ({shape.method}, {'1 GPU' if count == 1 else f'DDP x{count}'}; each exact, "
-          "hf_gpu_train/launch/lever_table.py):")
+    levers = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, peak_flops=peak, pcie_bytes_per_s=pcie)
+    print(f"\nMemory levers ({shape.method}, {strategy if count > 1 else '1 GPU'}; hf_gpu_train/launch/lever_table.py):")
     print(table(format_rows(levers)))
+    for note in levers.notes:
+        print(f"  {note}")
+    print(f"Recommended levers: {levers.reason}")
+    if levers.recommended is not None and levers.recommended.config():
+        print(f"  scripts/finetune.py ... {' '.join(levers.recommended.config())}")
     note = host_memory_note(levers)
     if note:
         print(f"  {note}")
-    print(f"Recommended levers: {levers.reason}")
-    values = recommended_config(levers)
-    if values:
-        print(f"  scripts/finetune.py ... {' '.join(values)}")
     return 0 if levers.recommended is not None else 1
 
 
-def _run_one(args, spec, shape, memory, count) -> int:
+def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:
+    """(exit status, the strategy the levers are planned on: the plan's, or the last tried when nothing fits)"""
     from dataclasses import replace
 
     from ..launch.memory import STRATEGIES, estimate, largest_micro_batch, plan_memory
@@ -133,10 +136,11 @@ def _run_one(args, spec, shape, memory, count) -> int:
     plan = plan_memory(spec, memory, count, shape, args.global_batch, strategies=order)
     if plan is None:
         print("\nDoes not fit even at micro-batch 1 with checkpointing: more GPUs, a lighter optimizer, a shorter sequence"
-              + (", or --method auto to compare LoRA and QLoRA" if shape.method != "qlora" and spec.causal_lm else "") + ".")
-        return 1
+              + (", or --method auto to compare LoRA and QLoRA" if shape.method != "qlora" and spec.causal_lm else "")
+              + "; or the memory levers below.")
+        return 1, order[-1]
     _print_plan(plan, count, args.global_batch, memory)
-    return 0
+    return 0, plan.strategy
 
 
 def _print_plan(plan, count, global_batch, memory) -> None:

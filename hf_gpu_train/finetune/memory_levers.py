@@ -34,7 +34,13 @@ def check_levers(cfg) -> None:
         if cfg.checkpoint_layers == "selective" and cfg.method == "qlora":
             raise ConfigError("checkpoint_layers='selective' with method=qlora: bitsandbytes' 4-bit matmul is not covered by the "
                               "selective policy; use checkpoint_layers=all or every-N")
+    if cfg.offload_activations and cfg.torch_compile:
+        raise ConfigError("offload_activations=true with torch_compile=true: the saved-tensor hooks would sit inside the "
+                          "compiled forward; choose one (drop torch_compile, or offload_activations)")
     if cfg.optimizer_in_backward:
+        if cfg.torch_compile:
+            raise ConfigError("optimizer_in_backward=true with torch_compile=true: a compiled backward makes every gradient "
+                              "at once, so nothing is freed early; choose one")
         if cfg.method != "full":
             raise ConfigError(f"optimizer_in_backward=true with method={cfg.method}: it saves the gradients of full fine-tuning "
                               "(an adapter's are small already); use method=full or drop optimizer_in_backward")
@@ -54,7 +60,8 @@ def shape_levers(cfg) -> dict:
 def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
     """The TrainingArguments for checkpointing: the Trainer enables "all" and "every-N" itself (JSON-able keyword
     arguments), selective checkpointing is enabled on the model (``apply_levers``) since its policy is a function;
-    optimizer_in_backward turns gradient clipping off (``check_levers`` refused an explicit one)."""
+    optimizer_in_backward turns gradient clipping off (``check_levers`` refused an explicit one): the Trainer's default
+    clips at 1.0, so that lever is exact against a run without clipping, and says so when it starts."""
     from ..launch.training_shape import checkpoint_every
 
     if fsdp_checkpoints and cfg.checkpoint_layers != "all":
@@ -82,9 +89,14 @@ def apply_levers(trainer, cfg, runtime) -> list[str]:
         lines.append(f"checkpointing: {cfg.checkpoint_layers} (one layer in {cfg.checkpoint_layers.split('-')[1]} checkpointed, the others "
                      "keep their activations)")
     if cfg.offload_activations:
+        from ..errors import UsageError
         from ..training import activation_offload
 
-        lines.append(activation_offload.attach(trainer.model))
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+            raise UsageError("offload_activations=true under FSDP or DeepSpeed: the hooks would copy the parameters they "
+                             "gather too; use FSDP's own offloading (hf-gpu-train config --strategy fsdp-offload), or drop "
+                             "offload_activations")
+        lines.append(activation_offload.attach(trainer.model, on_cuda=runtime.on_cuda))
     if cfg.optimizer_in_backward:
         from ..training import optimizer_in_backward
 

@@ -117,7 +117,7 @@ def generic_layer_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> floa
 def selective_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
     """What a layer under selective checkpointing keeps besides its input, per token: the outputs of its matmuls
     (q, k, v and output projections; gate, up and down for a gated MLP, up and down otherwise; for LoRA each adapter's
-    A and B products) and of attention (its output and log-sum-exp; eager attention also keeps its score matrix).
+    A and B products) and of attention (its output and log-sum-exp; eager attention its score matrix instead).
     Measured byte for byte on small Llamas (tests/launch/test_activation_memory.py)."""
     h, q, a = spec.hidden_size, spec.query_width, spec.num_heads
     kv = spec.kv_width
@@ -125,9 +125,8 @@ def selective_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> flo
     inter = spec.intermediate_size or 4 * h
     mlp = (2 if _gated(spec) else 1) * inter + h  # gate and up (or up), then down
     matmuls = c * (q + 2 * kv + h + mlp)
-    attention = c * q + LSE_BYTES_PER_HEAD * a
-    if shape.attention == "eager":
-        attention += c * a * shape.seq_len
+    # SDPA's output and log-sum-exp; eager attention's score matrix and output (it keeps no log-sum-exp)
+    attention = c * q + (c * a * shape.seq_len if shape.attention == "eager" else LSE_BYTES_PER_HEAD * a)
     adapters = 0.0
     if shape.method in ("lora", "qlora"):
         count, _, d_out = adapter_shape(spec) or (0, 0, 0)

@@ -1,26 +1,31 @@
-"""The memory levers one on top of the other, torchtune's table for this model on this machine: memory per GPU, the
-largest micro-batch that fits, and what each lever costs in step time, with the cheapest set that reaches a useful
-micro-batch recommended.
+"""The memory levers for this model on this machine: torchtune's table (each lever added to the rows above it: memory
+per GPU, the largest micro-batch that fits, the predicted step-time cost), and the cheapest set of levers that reaches
+a useful micro-batch, searched over every combination.
 
-The levers, in the order of their predicted cost (each row adds one to the rows above; every one is exact):
+The levers:
 
-1. the chunked LM head and loss (causal LMs; ``chunked_lm_loss``): no full logits; nothing recomputed;
-2. the optimizer step in the backward (full fine-tuning on one GPU; ``optimizer_in_backward``): gradients freed as
-   they are used; the same work in another order;
-3. selective checkpointing (``checkpoint_layers=selective``): each layer keeps its matmuls' and attention's outputs
-   and recomputes the elementwise ops between them: no matmul runs twice;
-4. checkpointing every layer (``checkpoint_layers=all``, replacing selective): the forward's matmuls run again in the
-   backward: 2 of full fine-tuning's 6 FLOPs per parameter and token (+33%), 2 of LoRA's 4 (+50%);
-5. activation offloading (``offload_activations``): the saved activations cross PCIe twice per step, on a side stream;
-   free when the copies take less time than the step's compute, the excess otherwise.
+- the chunked LM head and loss (causal LMs; ``chunked_lm_loss``): no full logits, nothing recomputed: free;
+- selective checkpointing (``checkpoint_layers=selective``): each layer keeps its matmuls' and attention's outputs and
+  recomputes the elementwise ops between them, no matmul twice: ``SELECTIVE_COST`` assumed (a few percent);
+- checkpointing one layer in N, or every layer (``checkpoint_layers=every-N`` / ``all``): the forward's matmuls of
+  those layers again in the backward: 2 of full fine-tuning's 6 FLOPs per parameter and token (+33% for every
+  layer), 2 of LoRA's 4 (+50%);
+- activation offloading (``offload_activations``): the saved activations (and, for full fine-tuning under autocast
+  without checkpointing, the 16-bit weight copies the matmuls save) cross PCIe out in the forward, on a side stream
+  (hidden behind the forward's compute while shorter than it), and back in the backward on the compute stream (never
+  hidden: the copies are made when a tensor is needed);
+- the optimizer step in the backward (``optimizer_in_backward``; full fine-tuning, one GPU, one micro-batch per step):
+  no time, but gradient clipping goes (each parameter steps before the global norm exists): the only lever that
+  changes the updates, so it is recommended only when no exact set reaches the micro-batch.
 
-Step time is predicted from FLOPs (6 per trained parameter and token, 4 for adapter methods whose base gets no weight
-gradients) at ``ASSUMED_MFU`` of the GPU's peak, and PCIe at ``PCIE_EFFICIENCY`` of its link. These are estimates to
-rank the levers; ``hf-gpu-train tune`` measures them.
+Step time is predicted from FLOPs (6 per parameter and token for full fine-tuning, 4 for adapters, whose base gets no
+weight gradients) at ``ASSUMED_MFU`` of the GPU's dense peak, and PCIe at ``PCIE_EFFICIENCY`` of its link. Estimates
+to rank the levers; ``hf-gpu-train tune`` measures.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from .activations import offloaded_bytes
@@ -31,27 +36,58 @@ from .training_shape import TrainingShape
 ASSUMED_MFU = 0.4  # of the dense peak: what a well-fed fine-tune reaches on a datacenter GPU
 PCIE_EFFICIENCY = 0.8  # of the link's raw rate, for large pinned copies
 PCIE_GB_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per lane and direction, after encoding
+ASSUMED_PCIE = (4, 16)  # when the link is not known (a --gpu-memory-gib plan): Gen4 x16
+SELECTIVE_COST = 0.05  # assumed: the elementwise ops of a layer recomputed (norms, SiLU, products), no matmul
 
 
 @dataclass(frozen=True)
-class LeverRow:
-    lever: str  # what this row adds
-    config: str  # the finetune config line that turns it on
-    shape: TrainingShape  # every lever up to this row
+class LeverSet:
+    shape: TrainingShape  # the levers, as the planner counts them
     total_bytes: float  # per GPU at the table's micro-batch
     largest_micro_batch: int
-    cost: str  # predicted step-time cost of this row's lever, in words
-    cost_fraction: float | None  # the same as a fraction of the step (None: unknown)
-    offloaded_bytes: float = 0.0  # host memory the offloading needs per process
+    cost: float  # predicted fraction of the step added
+    cost_text: str
+    offloaded_bytes: float  # host memory offloading needs per process
+
+    @property
+    def exact(self) -> bool:
+        return not self.shape.optimizer_in_backward
+
+    @property
+    def names(self) -> list[str]:
+        s, names = self.shape, []
+        if s.chunked_loss:
+            names.append("chunked LM head and loss")
+        if s.gradient_checkpointing:
+            policy = s.checkpoint_layers
+            names.append("selective checkpointing" if policy == "selective" else "checkpointing every layer" if policy == "all"
+                         else f"checkpointing one layer in {policy.removeprefix('every-')}")
+        if s.offload_activations:
+            names.append("activation offloading")
+        if s.optimizer_in_backward:
+            names.append("optimizer step in the backward (gradient clipping off)")
+        return names
+
+    def config(self) -> list[str]:
+        s, values = self.shape, []
+        if s.chunked_loss:
+            values.append("chunked_lm_loss=true")
+        if s.gradient_checkpointing:
+            values += ["gradient_checkpointing=true", f"checkpoint_layers={s.checkpoint_layers}"]
+        if s.offload_activations:
+            values.append("offload_activations=true")
+        if s.optimizer_in_backward:
+            values.append("optimizer_in_backward=true")
+        return values
 
 
 @dataclass(frozen=True)
 class LeverTable:
-    rows: tuple[LeverRow, ...]
-    micro_batch: int  # the micro-batch the memory column is at
-    useful_micro_batch: int
-    recommended: int | None  # index of the last row of the recommended set; None: nothing fits
+    rows: tuple[tuple[str, LeverSet], ...]  # (what the row adds, every lever up to it): the cumulative table
+    recommended: LeverSet | None
     reason: str
+    micro_batch: int
+    notes: tuple[str, ...] = ()
 
 
 def pcie_bytes_per_second(generation: int | None, width: int | None) -> float | None:
@@ -60,112 +96,126 @@ def pcie_bytes_per_second(generation: int | None, width: int | None) -> float | 
     return PCIE_GB_PER_LANE[generation] * width * 1e9 * PCIE_EFFICIENCY
 
 
-def _flops_per_token(spec: ModelSpec, method: str) -> float:
-    return (6 if method == "full" else 4) * spec.params
+class _Costs:
+    """The predicted step-time cost of a set of levers (module docstring)."""
+
+    def __init__(self, spec: ModelSpec, shape: TrainingShape, tokens: int, peak_flops: float | None, pcie: float | None):
+        self.spec, self.method = spec, shape.method
+        self.compute_s = (6 if shape.method == "full" else 4) * spec.params * tokens / (peak_flops * ASSUMED_MFU) if peak_flops else None
+        self.recompute = 2 / (6 if shape.method == "full" else 4)
+        self.pcie_assumed = pcie is None
+        self.pcie = pcie or pcie_bytes_per_second(*ASSUMED_PCIE)
+
+    def of(self, shape: TrainingShape, moved: float) -> tuple[float, str]:
+        parts, cost = [], 0.0
+        if shape.gradient_checkpointing:
+            L = self.spec.num_layers or 1
+            if shape.checkpoint_layers == "selective":
+                cost += SELECTIVE_COST
+                parts.append(f"selective ~{SELECTIVE_COST:.0%} (assumed)")
+            else:
+                share = self.recompute * shape.checkpointed_layers(L) / L
+                cost += share
+                parts.append(f"recompute +{share:.0%} FLOPs")
+        if shape.offload_activations:
+            if shape.method == "full" and shape.compute_bytes == 2:
+                plain = (self.spec.num_layers or 1) - shape.checkpointed_layers(self.spec.num_layers or 1)
+                moved += 2 * self.spec.params * plain / (self.spec.num_layers or 1)  # autocast's 16-bit weight copies
+            copy_s = moved / self.pcie
+            link = " (PCIe Gen4 x16 assumed)" if self.pcie_assumed else ""
+            if self.compute_s is None:
+                cost += 1.0  # unknown: ranked last among the sets that fit
+                parts.append(f"offload 2 x {moved / GIB:.2f} GiB over PCIe, {2 * copy_s * 1e3:.0f} ms{link}; GPU peak unknown")
+            else:
+                forward_s = self.compute_s * self.recompute  # the forward's share of the step
+                added = (max(0.0, copy_s - forward_s) + copy_s) / self.compute_s
+                cost += added
+                parts.append(f"offload +{added:.0%} ({copy_s * 1e3:.0f} ms each way{link}, step {self.compute_s * 1e3:.0f} ms)")
+        if shape.optimizer_in_backward:
+            parts.append("optimizer in backward: no time, clipping off")
+        return cost, "; ".join(parts) or "none"
+
+
+def _evaluate(spec, shape, strategy, memory, micro, costs) -> LeverSet:
+    moved = offloaded_bytes(spec, shape) if shape.offload_activations else 0.0
+    cost, text = costs.of(shape, moved)
+    return LeverSet(shape=shape, total_bytes=estimate(spec, shape, strategy).total,
+                    largest_micro_batch=largest_micro_batch(spec, replace(shape, micro_batch=1), strategy, memory),
+                    cost=cost, cost_text=text, offloaded_bytes=moved)
 
 
 def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory_bytes: int, useful_micro_batch: int,
-                peak_flops: float | None = None, pcie_bytes_per_s: float | None = None) -> LeverTable:
-    """Rows from ``shape`` with no lever (no checkpointing) to every lever that applies (module docstring)."""
-    base = replace(shape, micro_batch=useful_micro_batch, gradient_checkpointing=False, checkpoint_layers="all",
-                   chunked_loss=False, offload_activations=False, optimizer_in_backward=False)
-    tokens = useful_micro_batch * shape.seq_len
-    compute_s = _flops_per_token(spec, shape.method) * tokens / (peak_flops * ASSUMED_MFU) if peak_flops else None
-    recompute = 2 / (6 if shape.method == "full" else 4)
-    steps: list[tuple[str, str, dict, str, float | None]] = [("none (every activation kept)", "", {}, "", 0.0)]
-    if spec.causal_lm and spec.vocab_size:
-        steps.append(("+ chunked LM head and loss", "chunked_lm_loss=true", {"chunked_loss": True}, "none: nothing recomputed", 0.0))
-    if shape.method == "full" and strategy == "single":
-        steps.append(("+ optimizer step in the backward", "optimizer_in_backward=true", {"optimizer_in_backward": True},
-                      "none: the same work in another order", 0.0))
-    if spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32 and shape.method != "qlora":
-        steps.append(("+ selective checkpointing", "gradient_checkpointing=true checkpoint_layers=selective",
-                      {"gradient_checkpointing": True, "checkpoint_layers": "selective"},
-                      "small: elementwise ops recomputed, no matmul", None))
-    steps.append(("+ checkpointing every layer", "gradient_checkpointing=true checkpoint_layers=all",
-                  {"gradient_checkpointing": True, "checkpoint_layers": "all"},
-                  f"+{recompute:.0%} FLOPs: the forward's matmuls again", recompute))
-    steps.append(("+ activation offloading", "offload_activations=true", {"offload_activations": True}, "", None))
+                per_gpu_batch: int | None = None, peak_flops: float | None = None,
+                pcie_bytes_per_s: float | None = None) -> LeverTable:
+    """The cumulative rows and the recommended set (module docstring). ``per_gpu_batch``: the samples one GPU
+    contributes to a step (None: the micro-batch); the optimizer in the backward is offered only when one micro-batch
+    is the whole step (no accumulation)."""
+    micro = useful_micro_batch
+    base = replace(shape, micro_batch=micro, gradient_checkpointing=False, checkpoint_layers="all", chunked_loss=False,
+                   offload_activations=False, optimizer_in_backward=False)
+    costs = _Costs(spec, shape, micro * shape.seq_len, peak_flops, pcie_bytes_per_s)
+    notes = []
+    layered = spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32
+    chunk = (False, True) if spec.causal_lm and spec.vocab_size else (False,)
+    policies = [None, "all"] + (["selective"] if layered and shape.method != "qlora" else []) + (
+        ["every-2"] if layered and (spec.num_layers or 0) >= 4 else [])
+    one_step = (per_gpu_batch or micro) <= micro
+    backward_step = (False, True) if shape.method == "full" and strategy == "single" and one_step else (False,)
+    if shape.method == "full" and strategy == "single" and not one_step:
+        notes.append(f"optimizer step in the backward: not offered, a step of {per_gpu_batch} samples per GPU accumulates "
+                     f"micro-batches of {micro} (it needs one micro-batch per step)")
+    combos = []
+    for chunked, policy, offload, in_backward in itertools.product(chunk, policies, (False, True), backward_step):
+        levers = replace(base, chunked_loss=chunked, gradient_checkpointing=policy is not None,
+                         checkpoint_layers=policy or "all", offload_activations=offload, optimizer_in_backward=in_backward)
+        combos.append(_evaluate(spec, levers, strategy, gpu_memory_bytes, micro, costs))
+    cumulative = [("none (every activation kept)", {})]
+    if True in chunk:
+        cumulative.append(("+ chunked LM head and loss", {"chunked_loss": True}))
+    if "selective" in policies:
+        cumulative.append(("+ selective checkpointing", {"gradient_checkpointing": True, "checkpoint_layers": "selective"}))
+    cumulative.append(("+ checkpointing every layer", {"gradient_checkpointing": True, "checkpoint_layers": "all"}))
+    cumulative.append(("+ activation offloading", {"offload_activations": True}))
+    if True in backward_step:
+        cumulative.append(("+ optimizer step in the backward", {"optimizer_in_backward": True}))
     rows, current = [], base
-    for lever, config, change, cost, fraction in steps:
+    for label, change in cumulative:
         current = replace(current, **change)
-        moved = offloaded_bytes(spec, current) if current.offload_activations else 0.0
-        if change.get("offload_activations"):
-            cost, fraction = _offload_cost(moved, compute_s, pcie_bytes_per_s)
-        rows.append(LeverRow(lever=lever, config=config, shape=current, total_bytes=estimate(spec, current, strategy).total,
-                             largest_micro_batch=largest_micro_batch(spec, replace(current, micro_batch=1), strategy, gpu_memory_bytes),
-                             cost=cost or "-", cost_fraction=fraction, offloaded_bytes=moved))
-    recommended, reason = _recommend(rows, useful_micro_batch)
-    return LeverTable(rows=tuple(rows), micro_batch=useful_micro_batch, useful_micro_batch=useful_micro_batch,
-                      recommended=recommended, reason=reason)
+        rows.append((label, _evaluate(spec, current, strategy, gpu_memory_bytes, micro, costs)))
+    recommended, reason = _recommend(combos, useful_micro_batch)
+    return LeverTable(rows=tuple(rows), recommended=recommended, reason=reason, micro_batch=micro, notes=tuple(notes))
 
 
-def _offload_cost(moved: float, compute_s: float | None, pcie: float | None) -> tuple[str, float | None]:
-    """Two copies (out in the forward, back in the backward) on a side stream: hidden behind the compute unless
-    longer than it."""
-    if not pcie:
-        return f"2 x {moved / GIB:.2f} GiB over PCIe per micro-batch (link unknown)", None
-    transfer_s = 2 * moved / pcie
-    if compute_s is None:
-        return f"2 x {moved / GIB:.2f} GiB over PCIe: {transfer_s * 1e3:.0f} ms per micro-batch (GPU peak unknown)", None
-    excess = max(0.0, transfer_s - compute_s) / compute_s
-    if excess == 0:
-        return f"hidden: {transfer_s * 1e3:.0f} ms of copies under {compute_s * 1e3:.0f} ms of compute", 0.0
-    return f"+{excess:.0%}: {transfer_s * 1e3:.0f} ms of copies over {compute_s * 1e3:.0f} ms of compute", excess
+def _rank(s: LeverSet) -> tuple:
+    """Exact sets first, then the cheapest, then the fewest levers, then the least memory."""
+    return (not s.exact, round(s.cost, 6), len(s.names), s.total_bytes)
 
 
-def _recommend(rows: list[LeverRow], useful: int) -> tuple[int | None, str]:
-    """The fewest levers (rows are in the order of their cost) that reach the useful micro-batch; else the set that
-    reaches the largest micro-batch (the fewest levers among equals)."""
-    for i, row in enumerate(rows):
-        if row.largest_micro_batch >= useful:
-            return i, (f"{_levers_up_to(rows, i)}: micro-batch {row.largest_micro_batch} fits, the useful micro-batch is {useful}")
-    best = max(range(len(rows)), key=lambda i: (rows[i].largest_micro_batch, -i))
-    if rows[best].largest_micro_batch >= 1:
-        return best, (f"{_levers_up_to(rows, best)}: the largest micro-batch any set reaches ({rows[best].largest_micro_batch}, "
-                      f"below the useful {useful})")
-    return None, "nothing fits, not even micro-batch 1 with every lever: more GPUs (sharding), LoRA or QLoRA, a shorter sequence"
-
-
-def _levers_up_to(rows: list[LeverRow], index: int) -> str:
-    if index == 0:
-        return "no lever needed"
-    names = [row.lever.removeprefix("+ ") for row in rows[1:index + 1]]
-    if "checkpointing every layer" in names and "selective checkpointing" in names:
-        names.remove("selective checkpointing")  # replaced by it
-    return ", ".join(names)
-
-
-def recommended_config(table: LeverTable) -> list[str]:
-    """The finetune config values of the recommended set."""
-    if table.recommended is None:
-        return []
-    shape = table.rows[table.recommended].shape
-    values = []
-    if shape.chunked_loss:
-        values.append("chunked_lm_loss=true")
-    if shape.optimizer_in_backward:
-        values.append("optimizer_in_backward=true")
-    if shape.gradient_checkpointing:
-        values += ["gradient_checkpointing=true", f"checkpoint_layers={shape.checkpoint_layers}"]
-    if shape.offload_activations:
-        values.append("offload_activations=true")
-    return values
+def _recommend(combos: list[LeverSet], useful: int) -> tuple[LeverSet | None, str]:
+    reaching = [s for s in combos if s.largest_micro_batch >= useful]
+    if reaching:
+        best = min(reaching, key=_rank)
+        what = ", ".join(best.names) or "no lever"
+        return best, (f"{what}: micro-batch {best.largest_micro_batch} fits (the useful micro-batch is {useful}), predicted "
+                      f"cost {best.cost_text}; the cheapest of the {len(reaching)} sets that reach it")
+    fitting = [s for s in combos if s.largest_micro_batch >= 1]
+    if not fitting:
+        return None, "nothing fits, not even micro-batch 1 with every lever: more GPUs (sharding), LoRA or QLoRA, a shorter sequence"
+    most = max(s.largest_micro_batch for s in fitting)
+    best = min((s for s in fitting if s.largest_micro_batch == most), key=_rank)
+    return best, (f"{', '.join(best.names) or 'no lever'}: the largest micro-batch any set reaches ({most}, below the useful "
+                  f"{useful}), predicted cost {best.cost_text}")
 
 
 def format_rows(table: LeverTable) -> list[list[str]]:
     header = ["Levers (each adds to the rows above)", f"GiB per GPU at micro-batch {table.micro_batch}", "Largest micro-batch",
               "Predicted step cost"]
-    body = []
-    for i, row in enumerate(table.rows):
-        mark = " <- recommended" if i == table.recommended else ""
-        body.append([row.lever + mark, f"{row.total_bytes / GIB:.2f}", str(row.largest_micro_batch), row.cost])
-    return [header, *body]
+    return [header, *([label, f"{s.total_bytes / GIB:.2f}", str(s.largest_micro_batch), s.cost_text] for label, s in table.rows)]
 
 
 def host_memory_note(table: LeverTable) -> str | None:
-    moved = max((row.offloaded_bytes for row in table.rows), default=0.0)
-    if not moved:
+    chosen = table.recommended
+    if chosen is None or not chosen.offloaded_bytes:
         return None
-    return (f"activation offloading holds {moved / GIB:.2f} GiB of pinned host memory per process at micro-batch "
-            f"{table.micro_batch}: the host needs that times the processes per node, beside the data loaders")
+    return (f"activation offloading holds {chosen.offloaded_bytes / GIB:.2f} GiB of pinned host memory per process at "
+            f"micro-batch {table.micro_batch}: the host needs that times the processes per node, beside the data loaders")

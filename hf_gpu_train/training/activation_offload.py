@@ -14,7 +14,9 @@ transformers' ``activation_checkpointing_kwargs={"offload": true}`` does the che
 
 Exact: a copy out and back is bitwise the same tensor (tests/training/test_memory_levers.py runs the copy path on
 the CPU, with ``offload_cpu_tensors``; the GPU saving is measured by ``scripts/gpu_check.py``). On a CPU run the
-activations already live in host memory: ``attach`` says so and does nothing.
+activations already live in host memory: ``attach`` says so and does nothing. The copies back are made on the compute
+stream when the backward needs each tensor (no prefetch): the planner counts them as never hidden
+(``launch/lever_table.py``). Not beside FSDP or DeepSpeed, whose gathered parameters the hooks would copy too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 MIN_BYTES = 1 << 20  # smaller tensors (norm statistics, masks) are not worth a copy and a stream sync
+MAX_PENDING_COPIES = 64  # copies in flight before the forward waits for the oldest: bounds what stays on the GPU
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -37,12 +40,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.offloaded_bytes = 0
         self._stream = None
         self._copies: dict[tuple, tuple] = {}
+        self._pending: list = []  # copy-done events, oldest first
         super().__init__(self._pack, self._unpack)
 
     def _offloads(self, t: torch.Tensor) -> bool:
         if t.device.type != "cuda" and not (self.offload_cpu_tensors and t.device.type == "cpu"):
             return False
         if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.parameter_storages:
+            return False
+        if getattr(t, "_hf_gpu_train_keep_on_device", False):  # the chunked LM head's gradients (lm_head_loss.py)
             return False
         return t.numel() * t.element_size() >= self.min_bytes
 
@@ -73,6 +79,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             done = torch.cuda.Event()
             done.record(self._stream)
         t.record_stream(self._stream)  # the allocator keeps t's memory until the side stream's copy is done
+        # back-pressure: a forward that outruns PCIe would keep every pending tensor alive; wait for the oldest copy
+        self._pending.append(done)
+        if len(self._pending) > MAX_PENDING_COPIES:
+            self._pending.pop(0).synchronize()
         return (t.device, host, done)
 
     def _unpack(self, packed):
@@ -90,11 +100,11 @@ def _innermost(model):
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
-def attach(model, min_bytes: int = MIN_BYTES, offload_cpu_tensors: bool = False) -> str:
+def attach(model, on_cuda: bool, min_bytes: int = MIN_BYTES, offload_cpu_tensors: bool = False) -> str:
     """Every training forward of ``model`` (its innermost transformers or timm module, so a peft or DDP wrapper runs
-    it) under ``OffloadActivations``; the line to print."""
+    it) under ``OffloadActivations``; the line to print. ``on_cuda``: the run trains on CUDA (the model may not be on
+    the GPU yet: the Trainer moves it in train())."""
     target = _innermost(model)
-    on_cuda = any(p.device.type == "cuda" for p in target.parameters())
     if not on_cuda and not offload_cpu_tensors:
         return "activation offloading: nothing to do on the CPU (the activations are in host memory already)"
     forward = target.forward

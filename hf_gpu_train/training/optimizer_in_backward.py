@@ -11,7 +11,8 @@ per-parameter optimizer's, so checkpoints save and resume.
 Exact (tests/training/test_memory_levers.py: the same weights as the Trainer's own optimizer after several steps)
 where it applies, and refused where it would not be:
 - gradient accumulation: the first micro-batch's backward would step the parameters;
-- several processes: DDP averages gradients after the hook would have used them;
+- several processes: DDP averages gradients after the hook would have used them (FSDP and DeepSpeed likewise shard
+  and reduce in hooks of their own);
 - gradient clipping: the global norm needs every gradient before the first step (``max_grad_norm`` is set to 0);
 - fp16: the loss scaler must see every gradient to skip a step with infs.
 """
@@ -19,6 +20,7 @@ where it applies, and refused where it would not be:
 from __future__ import annotations
 
 import torch
+from transformers import TrainerCallback
 
 from ..errors import UsageError
 
@@ -40,7 +42,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             group_settings = {**settings, **{k: v for k, v in group.items() if k != "params"}}
             for p in group["params"]:
                 self._per_parameter[p] = optimizer_class([p], **group_settings)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._step_parameter) for p in self._per_parameter]
+        self._hooks: list = []
+        self.add_hooks()
         self.parameter_steps = 0
 
     @property
@@ -78,6 +81,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for opt, state in zip(self._per_parameter.values(), saved):
             opt.load_state_dict(state)
 
+    def add_hooks(self) -> None:
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._step_parameter) for p in self._per_parameter]
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -88,6 +95,9 @@ def attach(trainer, world_size: int, precision: str) -> str:
     """Make ``trainer`` build an ``OptimizerInBackward`` with its own optimizer class and settings; the line to print.
     Refuses (UsageError, exit 2) where the step would not be the Trainer's."""
     args = trainer.args
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise UsageError("optimizer_in_backward=true under FSDP or DeepSpeed: they shard the parameters and reduce the "
+                         "gradients in their own hooks; launch without them (one process), or drop optimizer_in_backward")
     if world_size > 1:
         raise UsageError(f"optimizer_in_backward=true on {world_size} processes: the gradients are averaged across processes "
                          "after each parameter would have stepped; run one process, or drop optimizer_in_backward")
@@ -103,5 +113,29 @@ def attach(trainer, world_size: int, precision: str) -> str:
                          "before the global norm exists; set max_grad_norm to 0")
     optimizer_class, settings = type(trainer).get_optimizer_cls_and_kwargs(args, trainer.model)
     trainer.optimizer_cls_and_kwargs = (OptimizerInBackward, {"optimizer_class": optimizer_class, **settings})
+    trainer.add_callback(_InBackwardGuard())
     return (f"optimizer in backward: each parameter steps ({optimizer_class.__name__}) as its gradient is ready, gradients "
-            "freed at once; gradient clipping off")
+            "freed at once; gradient clipping off (the Trainer's default clips at max_grad_norm=1.0)")
+
+
+def _unwrapped(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+
+
+class _InBackwardGuard(TrainerCallback):
+    """A subclass or a peer that builds its own optimizer (``create_optimizer``, ``optimizers=(...)``) would leave the
+    parameters stepped by it, with clipping off: refused before the first step. The hooks live for a train() only, so
+    a later backward (a user's, an evaluation with gradients) steps nothing, and another train() has them again."""
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = _unwrapped(optimizer)
+        if not isinstance(inner, OptimizerInBackward):
+            raise UsageError(f"optimizer_in_backward=true, but the Trainer's optimizer is {type(inner).__name__}: its "
+                             "create_optimizer (or optimizers=(...)) built another one; drop optimizer_in_backward, or let "
+                             "the Trainer build its optimizer")
+        inner.add_hooks()
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        inner = _unwrapped(optimizer)
+        if isinstance(inner, OptimizerInBackward):
+            inner.remove_hooks()

@@ -49,7 +49,10 @@ def context_fn():
 def checkpoint_kwargs() -> dict:
     """The keyword arguments of ``activation_checkpointing_enable`` for selective checkpointing (non-reentrant:
     the only kind that takes a ``context_fn``)."""
-    return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention)}
+    return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention),
+            # the outputs it keeps go through the saved-tensor hooks around it, so activation offloading moves them too
+            # (torch keeps them outside the hooks by default, for now)
+            "respect_saved_tensors_hooks": True}
 
 
 def enable(model) -> None:

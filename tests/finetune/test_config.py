@@ -67,3 +67,26 @@ def test_yaml_no_stays_a_word(tmp_path):
     cfg = load_config(recipe, ["gradient_checkpointing=true"])
     assert cfg.eval_strategy == "no" and cfg.save_strategy == "no" and cfg.torch_compile is False
     assert load_config(None, ["eval_strategy=no"]).eval_strategy == "no"
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["checkpoint_layers=selective"], "add gradient_checkpointing=true"),
+    (["gradient_checkpointing=true", "checkpoint_layers=every-1"], "every-N with N >= 2"),
+    (["gradient_checkpointing=true", "checkpoint_layers=some"], "use all, selective or every-N"),
+    (["task=image-classification", "model=timm/test_resnet", "gradient_checkpointing=true", "checkpoint_layers=every-2"],
+     "timm models checkpoint every block"),
+    (["task=causal-lm", "model=some/llm", "method=qlora", "gradient_checkpointing=true", "checkpoint_layers=selective"],
+     "bitsandbytes' 4-bit matmul"),
+    (["task=causal-lm", "model=some/llm", "optimizer_in_backward=true"], "method=lora: it saves the gradients of full"),
+    (["optimizer_in_backward=true", "extra={max_grad_norm: 1.0}"], "max_grad_norm=1.0: each parameter steps"),
+    (["offload_activations=true", "torch_compile=true"], "choose one"),
+])
+def test_memory_levers_that_cannot_apply_name_the_fix(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_config(None, overrides)
+
+
+def test_memory_levers_that_apply_validate():
+    cfg = load_config(None, ["gradient_checkpointing=true", "checkpoint_layers=every-3", "offload_activations=true",
+                             "optimizer_in_backward=true"])
+    assert (cfg.checkpoint_layers, cfg.offload_activations, cfg.optimizer_in_backward) == ("every-3", True, True)

@@ -264,3 +264,26 @@ def test_selective_checkpointing_keeps_about_half_of_a_layer():
     kept = {name: activation_terms(replace(SPEC, num_layers=32), s)["layer inputs" if s.gradient_checkpointing else "layers"]
             for name, s in (("none", full), ("selective", selective), ("all", every_layer))}
     assert kept["all"] < kept["selective"] < 0.75 * kept["none"]
+
+
+def test_offloading_under_selective_checkpointing_takes_the_kept_outputs_too():
+    """Selective checkpointing keeps its matmuls' outputs outside autograd's graph; unless the checkpoint routes them
+    through the saved-tensor hooks, offloading would leave them on the GPU while the planner counts them as moved.
+    Two layers' difference of what the hooks copy (fp32, full fine-tuning) is two layers' selective outputs."""
+    from hf_gpu_train.launch.activations import selective_kept_bytes_per_token
+    from hf_gpu_train.training.activation_offload import OffloadActivations
+
+    def copied(layers, policy):
+        model = build("full", layers, "fp32")
+        checkpoint(model, policy)
+        model.train()
+        torch.manual_seed(0)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+        hooks = OffloadActivations(model.parameters(), min_bytes=0, offload_cpu_tensors=True)
+        with hooks:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return hooks.offloaded_bytes
+
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="fp32", method="full", padded=False)
+    extra = (copied(4, "selective") - copied(2, "selective")) - (copied(4, "all") - copied(2, "all"))
+    assert extra == 2 * selective_kept_bytes_per_token(SPEC, shape) * TOKENS

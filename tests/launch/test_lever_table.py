@@ -1,5 +1,5 @@
-"""Issue 19: the per-lever table (launch/lever_table.py) and how the planner counts each lever (the table through
-`hf-gpu-train plan-memory`: tests/cli/test_plan_memory.py)."""
+"""Issue 19: the per-lever table and the recommended set (launch/lever_table.py), and how the planner counts each
+lever (the table through `hf-gpu-train plan-memory`: tests/cli/test_plan_memory.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from hf_gpu_train.launch.activations import activation_bytes, offloaded_bytes
-from hf_gpu_train.launch.lever_table import GIB, lever_table, recommended_config
+from hf_gpu_train.launch.activations import activation_bytes, activation_terms, offloaded_bytes
+from hf_gpu_train.launch.lever_table import GIB, lever_table
 from hf_gpu_train.launch.memory import estimate, largest_parameter
 from hf_gpu_train.launch.model_spec import ModelSpec
 from hf_gpu_train.launch.training_shape import TrainingShape
@@ -16,56 +16,69 @@ from hf_gpu_train.launch.training_shape import TrainingShape
 LLAMA_1B = ModelSpec(name="llama-1b", params=1_236_000_000, num_layers=16, hidden_size=2048, num_heads=32, vocab_size=128256,
                      causal_lm=True, num_kv_heads=8, head_dim=64, intermediate_size=8192, gated_mlp=True)
 BERT = ModelSpec(name="bert-base", params=110_000_000, num_layers=12, hidden_size=768, num_heads=12, vocab_size=30522)
+H100 = dict(peak_flops=989e12, pcie_bytes_per_s=50e9)
 
 
-@pytest.mark.parametrize("spec,method", [(LLAMA_1B, "full"), (LLAMA_1B, "lora"), (BERT, "full")])
+def with_adapters(spec):
+    return replace(spec, adapted_linears=7 * 16, adapted_in_features=16 * (2048 * 5 + 2048 + 8192),
+                   adapted_out_features=16 * (2048 + 512 * 2 + 2048 + 8192 * 2 + 2048))
+
+
+@pytest.mark.parametrize("spec,method", [(LLAMA_1B, "full"), (with_adapters(LLAMA_1B), "lora"), (BERT, "full")])
 def test_each_lever_takes_memory_off_and_none_puts_it_back(spec, method):
-    shape = TrainingShape(seq_len=2048, precision="bf16", method=method)
-    if method == "lora":
-        spec = replace(spec, adapted_linears=7 * 16, adapted_in_features=16 * (2048 * 5 + 2048 + 8192),
-                       adapted_out_features=16 * (2048 + 512 * 2 + 2048 + 8192 * 2 + 2048))
-    table = lever_table(spec, shape, "single", 80 * GIB, useful_micro_batch=4)
-    totals = [row.total_bytes for row in table.rows]
+    table = lever_table(spec, TrainingShape(seq_len=2048, precision="bf16", method=method), "single", 80 * GIB,
+                        useful_micro_batch=4, **H100)
+    totals = [s.total_bytes for _, s in table.rows]
     assert totals == sorted(totals, reverse=True) and totals[-1] < totals[0]
-    levers = [row.lever for row in table.rows]
-    assert ("+ chunked LM head and loss" in levers) == spec.causal_lm
-    assert ("+ optimizer step in the backward" in levers) == (method == "full")
-    micro = [row.largest_micro_batch for row in table.rows]
+    labels = [label for label, _ in table.rows]
+    assert ("+ chunked LM head and loss" in labels) == spec.causal_lm
+    assert ("+ optimizer step in the backward" in labels) == (method == "full")
+    micro = [s.largest_micro_batch for _, s in table.rows]
     assert micro == sorted(micro)
 
 
-def test_the_recommendation_is_the_fewest_levers_that_reach_the_useful_micro_batch():
+def test_the_recommendation_is_the_cheapest_exact_set_that_reaches_the_useful_micro_batch():
     shape = TrainingShape(seq_len=4096, precision="bf16", method="full")
-    roomy = lever_table(LLAMA_1B, shape, "single", 640 * GIB, useful_micro_batch=1)
-    assert roomy.recommended == 0 and recommended_config(roomy) == []
-    tight = lever_table(LLAMA_1B, shape, "single", 40 * GIB, useful_micro_batch=4)
-    i = tight.recommended
-    assert tight.rows[i].largest_micro_batch >= 4
-    assert all(row.largest_micro_batch < 4 for row in tight.rows[:i])
-    assert "gradient_checkpointing=true" in recommended_config(tight) or "chunked_lm_loss=true" in recommended_config(tight)
-    hopeless = lever_table(LLAMA_1B, shape, "single", 4 * GIB, useful_micro_batch=4)
+    roomy = lever_table(LLAMA_1B, shape, "single", 640 * GIB, useful_micro_batch=1, **H100)
+    assert roomy.recommended.names == [] and roomy.recommended.config() == []
+    tight = lever_table(LLAMA_1B, shape, "single", 32 * GIB, useful_micro_batch=4, **H100)
+    chosen = tight.recommended
+    assert chosen.largest_micro_batch >= 4 and chosen.exact
+    every = [replace(shape, micro_batch=4, chunked_loss=c, gradient_checkpointing=p is not None, checkpoint_layers=p or "all",
+                     offload_activations=o) for c in (False, True) for p in (None, "selective", "every-2", "all") for o in (False, True)]
+    from hf_gpu_train.launch.lever_table import _Costs, _evaluate
+
+    costs = _Costs(LLAMA_1B, shape, 4 * 4096, H100["peak_flops"], H100["pcie_bytes_per_s"])
+    reaching = [s for s in (_evaluate(LLAMA_1B, x, "single", 32 * GIB, 4, costs) for x in every) if s.largest_micro_batch >= 4]
+    assert reaching and chosen.cost == min(s.cost for s in reaching)
+    hopeless = lever_table(LLAMA_1B, shape, "single", 4 * GIB, useful_micro_batch=4, **H100)
     assert hopeless.recommended is None and "nothing fits" in hopeless.reason
 
 
-def test_without_the_useful_micro_batch_the_set_reaching_the_largest_one_is_recommended():
+def test_the_optimizer_in_the_backward_is_a_last_resort_and_needs_one_micro_batch_per_step():
     shape = TrainingShape(seq_len=8192, precision="bf16", method="full")
-    table = lever_table(LLAMA_1B, shape, "single", 24 * GIB, useful_micro_batch=8, peak_flops=989e12, pcie_bytes_per_s=50e9)
-    best = max(row.largest_micro_batch for row in table.rows)
-    assert 1 <= best < 8
-    assert table.rows[table.recommended].largest_micro_batch == best
-    assert "below the useful 8" in table.reason
+    table = lever_table(LLAMA_1B, shape, "single", 24 * GIB, useful_micro_batch=4, **H100)
+    if table.recommended is not None and table.recommended.shape.optimizer_in_backward:
+        assert not any(s.exact and s.largest_micro_batch >= 4 for _, s in table.rows)
+        assert "gradient clipping off" in table.reason
+    accumulating = lever_table(LLAMA_1B, shape, "single", 24 * GIB, useful_micro_batch=4, per_gpu_batch=32, **H100)
+    assert "+ optimizer step in the backward" not in [label for label, _ in accumulating.rows]
+    assert any("accumulates micro-batches" in note for note in accumulating.notes)
+    assert accumulating.recommended is None or not accumulating.recommended.shape.optimizer_in_backward
 
 
-def test_offloading_cost_is_hidden_behind_compute_or_counted_as_the_excess():
-    shape = TrainingShape(seq_len=2048, precision="bf16", method="full")
+def test_offloading_costs_its_copies_back_in_the_backward_always():
+    shape = TrainingShape(seq_len=2048, precision="bf16", method="full", gradient_checkpointing=True)
     fast = lever_table(LLAMA_1B, shape, "single", 80 * GIB, useful_micro_batch=4, peak_flops=989e12, pcie_bytes_per_s=50e9)
-    slow = lever_table(LLAMA_1B, shape, "single", 80 * GIB, useful_micro_batch=4, peak_flops=989e12, pcie_bytes_per_s=1e9)
-    fast_row, slow_row = fast.rows[-1], slow.rows[-1]
-    assert fast_row.lever == "+ activation offloading"
-    moved = fast_row.offloaded_bytes
+    slow = lever_table(LLAMA_1B, shape, "single", 80 * GIB, useful_micro_batch=4, peak_flops=989e12, pcie_bytes_per_s=5e9)
+    (label, quick), (_, sluggish) = fast.rows[-2], slow.rows[-2]
+    assert label == "+ activation offloading"
     compute = 6 * LLAMA_1B.params * 4 * 2048 / (989e12 * 0.4)
-    assert 2 * moved / 50e9 < compute and fast_row.cost_fraction == 0 and fast_row.cost.startswith("hidden")
-    assert slow_row.cost_fraction == pytest.approx((2 * moved / 1e9 - compute) / compute)
+    recompute = 2 / 6
+    for s, pcie in ((quick, 50e9), (sluggish, 5e9)):
+        copy = s.offloaded_bytes / pcie
+        assert s.cost == pytest.approx(recompute + (max(0, copy - compute * recompute) + copy) / compute)
+    assert sluggish.cost > quick.cost > recompute
 
 
 def test_offloading_keeps_two_layers_on_the_gpu_and_the_rest_on_the_host():
@@ -75,8 +88,6 @@ def test_offloading_keeps_two_layers_on_the_gpu_and_the_rest_on_the_host():
         assert activation_bytes(LLAMA_1B, offloaded) + offloaded_bytes(LLAMA_1B, offloaded) == activation_bytes(LLAMA_1B, shape)
         assert offloaded_bytes(LLAMA_1B, offloaded) > 0
     plain = TrainingShape(micro_batch=2, seq_len=2048, precision="bf16")
-    from hf_gpu_train.launch.activations import activation_terms
-
     full, kept = activation_terms(LLAMA_1B, plain), activation_terms(LLAMA_1B, replace(plain, offload_activations=True))
     assert kept["layers"] == full["layers"] * 2 / LLAMA_1B.num_layers
 

@@ -63,6 +63,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad.t(), h.float())  # in place: no vocabulary x hidden temporary
             if needs_bias:
                 grad_bias += grad.sum(0)
+        for buffer in (grad_hidden, grad_weight, grad_bias):  # gradients, not activations: activation offloading leaves them
+            if buffer is not None:
+                buffer._hf_gpu_train_keep_on_device = True
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return total * scale
 
