@@ -32,13 +32,19 @@ def config(layers: int):
                                     attn_implementation="sdpa")
 
 
-def saved_bytes(model, padded: bool, autocast: bool) -> int:
-    """Bytes autograd keeps for the backward of one forward (each storage once, parameters left out)."""
+def batch(padded: bool):
+    """(ids, attention mask): the second row padded after 100 tokens when ``padded``."""
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     if padded:
         mask[1, 100:] = 0
+    return ids, mask
+
+
+def saved_bytes(model, padded: bool, autocast: bool) -> int:
+    """Bytes autograd keeps for the backward of one forward (each storage once, parameters left out)."""
+    ids, mask = batch(padded)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -211,11 +217,7 @@ def checkpoint(model, policy: str) -> None:
 
 
 def alive_after_forward(model, padded: bool, autocast: bool) -> int:
-    torch.manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    if padded:
-        mask[1, 100:] = 0
+    ids, mask = batch(padded)
     model.train()
     live = LiveStorages()
     with live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -22,7 +22,7 @@ from tests.scaling.models import model_and_data  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 
-MAX_STEPS = 6
+MAX_STEPS = 4
 ADAM_EPSILON = 1e-6
 
 
@@ -30,7 +30,7 @@ def training_args(out: Path, per_device: int, accumulation: int, **extra) -> Tra
     """AdamW with eps 1e-6 (tests/scaling/equivalence.py says why)."""
     return TrainingArguments(adam_epsilon=ADAM_EPSILON,
         output_dir=str(out), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-        max_steps=MAX_STEPS, learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="linear", logging_steps=1,
+        max_steps=MAX_STEPS, learning_rate=1e-3, warmup_steps=1, lr_scheduler_type="linear", logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0, data_seed=0, **extra)
 
 

