@@ -108,13 +108,13 @@ def attach(model, on_cuda: bool, min_bytes: int = MIN_BYTES, offload_cpu_tensors
     if not on_cuda and not offload_cpu_tensors:
         return "activation offloading: nothing to do on the CPU (the activations are in host memory already)"
     forward = target.forward
-    parameters = list(target.parameters())
 
     @functools.wraps(forward)
     def offloading_forward(*args, **kwargs):
         if not (target.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        hooks = OffloadActivations(parameters, min_bytes, offload_cpu_tensors)
+        # the parameters' storages as they are now: moving the model to the GPU gives every parameter a new one
+        hooks = OffloadActivations(target.parameters(), min_bytes, offload_cpu_tensors)
         with hooks:
             out = forward(*args, **kwargs)
         target._hf_gpu_train_offloaded_bytes = hooks.offloaded_bytes

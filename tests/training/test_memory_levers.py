@@ -257,3 +257,27 @@ def test_the_hooks_leave_with_the_training(tmp_path):
     trainer.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # a later backward steps nothing
     assert trainer.model.lm_head.weight.grad is not None
+
+
+def test_offloading_leaves_the_weights_after_the_model_moves():
+    """Attached before the Trainer moves the model to its device (which gives every parameter a new storage): the
+    weights the matmuls save are still recognised as parameters, not copied out every step."""
+    model = tiny_llama().train()
+    activation_offload.attach(model, on_cuda=False, min_bytes=0, offload_cpu_tensors=True)
+    for p in model.parameters():  # what .to(device) does to each parameter's storage
+        p.data = p.data.clone()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copied = []
+    original = activation_offload.OffloadActivations._copy
+
+    def spy(self, t):
+        copied.append(t.untyped_storage().data_ptr())
+        return original(self, t)
+
+    activation_offload.OffloadActivations._copy = spy
+    try:
+        batch = Rows(2)[0]
+        model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    finally:
+        activation_offload.OffloadActivations._copy = original
+    assert copied and not weights.intersection(copied)
