@@ -114,6 +114,8 @@ def attach(trainer, world_size: int, precision: str) -> str:
     optimizer_class, settings = type(trainer).get_optimizer_cls_and_kwargs(args, trainer.model)
     trainer.optimizer_cls_and_kwargs = (OptimizerInBackward, {"optimizer_class": optimizer_class, **settings})
     trainer.add_callback(_InBackwardGuard())
+    inner = getattr(trainer.model, "get_base_model", lambda: trainer.model)()
+    inner._hf_gpu_train_optimizer_in_backward = True  # for the planner's estimate in an OOM message (remedies.py)
     return (f"optimizer in backward: each parameter steps ({optimizer_class.__name__}) as its gradient is ready, gradients "
             "freed at once; gradient clipping off (the Trainer's default clips at max_grad_norm=1.0)")
 

@@ -49,7 +49,9 @@ def planner_estimate(args, model, inputs) -> str | None:
         chunked = hasattr(base, "_hf_gpu_train_chunked_loss")
         checkpointing = bool(args.gradient_checkpointing or getattr(base, "is_activation_checkpointing", False))
         shape = TrainingShape(micro_batch=1, seq_len=seq, precision=precision, method=method, gradient_checkpointing=checkpointing,
-                              chunked_loss=chunked, offload_activations=hasattr(base, "_hf_gpu_train_offloads_activations"))
+                              checkpoint_layers=_checkpoint_layers(base), chunked_loss=chunked,
+                              offload_activations=hasattr(base, "_hf_gpu_train_offloads_activations"),
+                              optimizer_in_backward=hasattr(base, "_hf_gpu_train_optimizer_in_backward"))
         breakdown = estimate(spec, shape, "single")
         total = f"{breakdown.total / 2**30:.1f} GiB per GPU at micro-batch 1 ({method})"
         if torch.cuda.is_available():
@@ -57,6 +59,18 @@ def planner_estimate(args, model, inputs) -> str | None:
         return total + " (run `hf-gpu-train plan-memory --model PATH --method auto` for each method and strategy)"
     except (ImportError, AttributeError, TypeError, ValueError, KeyError, RuntimeError):
         return None
+
+
+def _checkpoint_layers(model) -> str:
+    """The checkpointing policy the model runs with: selective (marked by training/selective_checkpoint.py), one
+    layer in N (transformers' every_n_layers: some layers checkpointed), or all."""
+    if getattr(model, "_hf_gpu_train_checkpoint_layers", None) == "selective":
+        return "selective"
+    flags = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    done = sum(flags)
+    if not flags or not done or done == len(flags):
+        return "all"
+    return f"every-{max(2, round(len(flags) / done))}"
 
 
 def _peft_method(model) -> str:

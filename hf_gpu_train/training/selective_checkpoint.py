@@ -63,3 +63,4 @@ def enable(model) -> None:
     if not getattr(target, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(target).__name__} does not support activation checkpointing")
     target.activation_checkpointing_enable(checkpoint_kwargs())
+    target._hf_gpu_train_checkpoint_layers = "selective"  # for the planner's estimate in an OOM message (remedies.py)
