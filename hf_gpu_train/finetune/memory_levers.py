@@ -79,6 +79,8 @@ def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
 
 def apply_levers(trainer, cfg, runtime) -> list[str]:
     """The levers on a built Trainer; the lines to print (what each does here, or why it stepped aside)."""
+    from ..launch.training_shape import checkpoint_every
+
     lines = []
     if cfg.gradient_checkpointing and cfg.checkpoint_layers == "selective":
         from ..training import selective_checkpoint
@@ -86,7 +88,7 @@ def apply_levers(trainer, cfg, runtime) -> list[str]:
         selective_checkpoint.enable(trainer.model)
         lines.append("checkpointing: selective (each layer keeps its matmuls' and attention's outputs, recomputes the rest)")
     elif cfg.gradient_checkpointing and cfg.checkpoint_layers != "all":
-        lines.append(f"checkpointing: {cfg.checkpoint_layers} (one layer in {cfg.checkpoint_layers.split('-')[1]} checkpointed, the others "
+        lines.append(f"checkpointing: {cfg.checkpoint_layers} (one layer in {checkpoint_every(cfg.checkpoint_layers)} checkpointed, the others "
                      "keep their activations)")
     if cfg.offload_activations:
         from ..errors import UsageError

@@ -136,7 +136,7 @@ class _Costs:
         return cost, "; ".join(parts) or "none"
 
 
-def _evaluate(spec, shape, strategy, memory, micro, costs) -> LeverSet:
+def _evaluate(spec, shape, strategy, memory, costs) -> LeverSet:
     moved = offloaded_bytes(spec, shape) if shape.offload_activations else 0.0
     cost, text = costs.of(shape, moved)
     return LeverSet(shape=shape, total_bytes=estimate(spec, shape, strategy).total,
@@ -168,7 +168,7 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     for chunked, policy, offload, in_backward in itertools.product(chunk, policies, (False, True), backward_step):
         levers = replace(base, chunked_loss=chunked, gradient_checkpointing=policy is not None,
                          checkpoint_layers=policy or "all", offload_activations=offload, optimizer_in_backward=in_backward)
-        combos.append(_evaluate(spec, levers, strategy, gpu_memory_bytes, micro, costs))
+        combos.append(_evaluate(spec, levers, strategy, gpu_memory_bytes, costs))
     cumulative = [("none (every activation kept)", {})]
     if True in chunk:
         cumulative.append(("+ chunked LM head and loss", {"chunked_loss": True}))
@@ -178,10 +178,11 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     cumulative.append(("+ activation offloading", {"offload_activations": True}))
     if True in backward_step:
         cumulative.append(("+ optimizer step in the backward", {"optimizer_in_backward": True}))
+    evaluated = {s.shape: s for s in combos}  # every cumulative row is one of the combinations
     rows, current = [], base
     for label, change in cumulative:
         current = replace(current, **change)
-        rows.append((label, _evaluate(spec, current, strategy, gpu_memory_bytes, micro, costs)))
+        rows.append((label, evaluated[current]))
     recommended, reason = _recommend(combos, useful_micro_batch)
     return LeverTable(rows=tuple(rows), recommended=recommended, reason=reason, micro_batch=micro, notes=tuple(notes))
 

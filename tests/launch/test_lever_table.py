@@ -49,7 +49,7 @@ def test_the_recommendation_is_the_cheapest_exact_set_that_reaches_the_useful_mi
     from hf_gpu_train.launch.lever_table import _Costs, _evaluate
 
     costs = _Costs(LLAMA_1B, shape, 4 * 4096, H100["peak_flops"], H100["pcie_bytes_per_s"])
-    reaching = [s for s in (_evaluate(LLAMA_1B, x, "single", 32 * GIB, 4, costs) for x in every) if s.largest_micro_batch >= 4]
+    reaching = [s for s in (_evaluate(LLAMA_1B, x, "single", 32 * GIB, costs) for x in every) if s.largest_micro_batch >= 4]
     assert reaching and chosen.cost == min(s.cost for s in reaching)
     hopeless = lever_table(LLAMA_1B, shape, "single", 4 * GIB, useful_micro_batch=4, **H100)
     assert hopeless.recommended is None and "nothing fits" in hopeless.reason
