@@ -43,21 +43,24 @@ def batch(padded: bool):
 
 
 def saved_bytes(model, padded: bool, autocast: bool) -> int:
-    """Bytes autograd keeps for the backward of one forward (each storage once, parameters left out)."""
+    """Bytes autograd keeps for the backward of one forward (each storage once, parameters left out). The parameters
+    are told apart when the forward has ended: bitsandbytes may lay out its 4-bit weights anew in the first forward,
+    freeing the old storages, and a saved tensor given a freed weight's address was once left out as a parameter
+    (the count changed from run to run). The saved tensors are held until then, so no two share an address."""
     ids, mask = batch(padded)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    saved: list = []
 
     def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params:
-            seen.setdefault(key, t.untyped_storage().nbytes())
+        saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(input_ids=ids, attention_mask=mask, labels=ids)
-    return sum(seen.values())
+            output = model(input_ids=ids, attention_mask=mask, labels=ids)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    del output, saved
+    return sum(size for address, size in sizes.items() if address not in params)
 
 
 def build(method: str, layers: int, precision: str):
