@@ -59,7 +59,8 @@ def saved_bytes(model, padded: bool, autocast: bool) -> int:
             output = model(input_ids=ids, attention_mask=mask, labels=ids)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
-    del output, saved
+    saved.clear()
+    del output
     return sum(size for address, size in sizes.items() if address not in params)
 
 
