@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     status, strategy = _run_one(args, spec, shape, memory, count)
     if spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32:
         status = min(status, _print_levers(args, spec, shape, memory, count, gpu, strategy))  # 0: the plan or the levers fit
+    elif status and shape.method == "full":
+        status = _print_last_resort(args, spec, shape, memory, count, strategy)
     return status
 
 
@@ -89,12 +91,11 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
 
     from ..hardware.peaks import peak_flops
     from ..launch.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
-    from ..launch.method_choice import USEFUL_MICRO_BATCH
+    from ..launch.method_choice import useful_micro_batch
     from ..textfmt import table
 
     per_gpu = math.ceil(args.global_batch / count)
-    # the plan's own threshold (memory.plan_memory turns checkpointing on below it), so the table and the plan agree
-    useful = min(USEFUL_MICRO_BATCH, per_gpu)
+    useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (lever_plan.py)
     peak = peak_flops(getattr(gpu, "name", None), args.precision) if gpu is not None else None
     pcie = pcie_bytes_per_second(getattr(gpu, "pcie_link_gen", None), getattr(gpu, "pcie_link_width", None))
     levers = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, peak_flops=peak, pcie_bytes_per_s=pcie)
@@ -108,7 +109,28 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     note = host_memory_note(levers)
     if note:
         print(f"  {note}")
+    if levers.recommended is None and shape.method == "full":
+        return _print_last_resort(args, spec, shape, memory, count, strategy)
     return 0 if levers.recommended is not None else 1
+
+
+def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
+    """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (lever_plan.py)."""
+    from ..launch.lever_plan import last_resort_plan
+
+    ram = None
+    if not args.gpu_memory_gib:
+        profile, _ = resolve_profile(args)
+        ram = profile.host.ram_total_bytes
+    plan = last_resort_plan(spec, memory, count, shape, args.global_batch, (strategy,), ram, count)
+    if plan is None:
+        print("Last resort, DeepSpeed ZeRO-3 with CPU offload: does not fit either" + (" (or the host's RAM cannot hold it)" if ram else ""))
+        return 1
+    print(f"\nLast resort: {plan.strategy} (`hf-gpu-train config --strategy deepspeed-zero3 ...`)")
+    _print_plan(plan, count, args.global_batch, memory)
+    for reason in plan.reasons[1:]:
+        print(f"  {reason}")
+    return 0
 
 
 def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:

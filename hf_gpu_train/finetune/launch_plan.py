@@ -46,7 +46,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         resolve_with_plan,
     )
     from ..launch.run_plan_file import data_stamps, tuned_keys_for
-    from .memory_levers import shape_levers
+    from .memory_levers import planned_levers_that_hold, shape_levers
     from .plan_scope import scope_to_this_run
 
     environ = os.environ if environ is None else environ
@@ -80,10 +80,15 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     if values.get("precision") == "fp8":  # the plan allows it; this entry point trains in bf16 at most
         values["precision"] = "bf16"
         lines.append("the plan's fp8 is not supported by scripts/finetune.py: bf16")
+    from_plan = {k for k in APPLIED_KEYS if plan.value(k) is not None and k not in explicit_keys - tuned}
+    world = plan.launched.num_processes or plan.num_processes or 1
+    for key, planned_value, why in planned_levers_that_hold(values, from_plan, cfg, world):
+        not_applied.setdefault(key, (planned_value, why))
     cfg = dataclasses.replace(cfg, **{k: values[k] for k in APPLIED_KEYS if k in values}).validate()
     lines += [f"plan value overridden: {line}" for line in override_lines(resolution.overridden)]
     overridden = {o.key for o in resolution.overridden}
-    applied = [f"{k}={values[k]}" for k in APPLIED_KEYS if plan.value(k) is not None and k not in overridden]
+    applied = [f"{k}={values[k]}" for k in APPLIED_KEYS if plan.value(k) is not None and k not in overridden
+               and k not in not_applied]
     lines.append(f"plan values applied: {', '.join(applied) if applied else 'none'}")
     for o in resolution.overridden:
         if o.key in APPLIED_KEYS:

@@ -104,3 +104,36 @@ def apply_levers(trainer, cfg, runtime) -> list[str]:
 
         lines.append(optimizer_in_backward.attach(trainer, world_size=runtime.world_size, precision=runtime.precision))
     return lines
+
+
+def planned_levers_that_hold(values: dict, from_plan: set, cfg, world_size: int) -> list[tuple[str, object, str]]:
+    """Drop, from ``values`` (the run's values with the plan's applied), the plan's levers that this run's own choices
+    rule out, instead of failing on them: selective or one-in-N checkpointing with checkpointing off, offloading or
+    the optimizer in the backward beside torch_compile, the optimizer in the backward with accumulation, several
+    processes, clipping or adapters. ``from_plan``: the keys whose value came from the plan. Returns (key, the plan's
+    value, why) for each one dropped; ``values`` is changed in place."""
+    dropped = []
+
+    def drop(key: str, default: object, why: str) -> None:
+        dropped.append((key, values[key], why))
+        values[key] = default
+
+    if "checkpoint_layers" in from_plan and values.get("checkpoint_layers") not in (None, "all") and not values.get(
+            "gradient_checkpointing"):
+        drop("checkpoint_layers", "all", "gradient checkpointing is off in this run")
+    compiled = bool(values.get("torch_compile"))
+    if "offload_activations" in from_plan and values.get("offload_activations") and compiled:
+        drop("offload_activations", False, "this run compiles the model (torch_compile)")
+    if "optimizer_in_backward" in from_plan and values.get("optimizer_in_backward"):
+        micro = int(values.get("per_device_train_batch_size") or 1)
+        global_batch = values.get("global_batch_size")
+        accumulates = bool(global_batch) and -(-int(global_batch) // max(1, world_size)) > micro
+        clip = cfg.extra.get("max_grad_norm")
+        why = ("this run compiles the model (torch_compile)" if compiled else
+               f"this run trains method={cfg.method}" if cfg.method != "full" else
+               f"this run has {world_size} processes" if world_size > 1 else
+               "this run accumulates micro-batches" if accumulates else
+               f"this run clips gradients (max_grad_norm={clip})" if clip not in (None, 0, 0.0) else None)
+        if why:
+            drop("optimizer_in_backward", False, why)
+    return dropped

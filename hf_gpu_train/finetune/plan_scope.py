@@ -16,7 +16,8 @@ from ..launch.model_spec import model_fingerprint as fingerprint
 from .config import FinetuneConfig
 
 # the values a memory plan (or tune) decides for one model, sequence length and method
-MEMORY_KEYS = ("per_device_train_batch_size", "global_batch_size", "gradient_checkpointing", "torch_compile", "packing")
+MEMORY_KEYS = ("per_device_train_batch_size", "global_batch_size", "gradient_checkpointing", "torch_compile", "packing",
+               "chunked_lm_loss", "checkpoint_layers", "offload_activations", "optimizer_in_backward")
 
 
 def _count(value) -> str:

@@ -18,6 +18,11 @@ The levers:
   no time, but gradient clipping goes (each parameter steps before the global norm exists): the only lever that
   changes the updates, so it is recommended only when no exact set reaches the micro-batch.
 
+Which levers a strategy offers: the chunked head everywhere but under fp16 (its gradients are made before the loss
+scale reaches them) and ZeRO-3 (which partitions the head's weight outside its forward); selective and one-in-N
+checkpointing, offloading and the optimizer in the backward with a whole model per GPU (one GPU, DDP): FSDP and
+DeepSpeed checkpoint every layer through their own configs, and their gathered parameters would be offloaded too.
+
 Step time is predicted from FLOPs (6 per parameter and token for full fine-tuning, 4 for adapters, whose base gets no
 weight gradients) at ``ASSUMED_MFU`` of the GPU's dense peak, and PCIe at ``PCIE_EFFICIENCY`` of its link. Estimates
 to rank the levers; ``hf-gpu-train tune`` measures.
@@ -38,6 +43,12 @@ PCIE_EFFICIENCY = 0.8  # of the link's raw rate, for large pinned copies
 PCIE_GB_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per lane and direction, after encoding
 ASSUMED_PCIE = (4, 16)  # when the link is not known (a --gpu-memory-gib plan): Gen4 x16
 SELECTIVE_COST = 0.05  # assumed: the elementwise ops of a layer recomputed (norms, SiLU, products), no matmul
+WHOLE_MODEL_STRATEGIES = ("single", "ddp")  # every lever; sharded strategies offer fewer (module docstring)
+
+
+def chunk_offered(spec: ModelSpec, shape: TrainingShape, strategy: str) -> bool:
+    """Whether the chunked LM head and loss is a lever here (module docstring)."""
+    return bool(spec.causal_lm and spec.vocab_size) and shape.precision != "fp16" and not strategy.startswith("deepspeed-zero3")
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,15 @@ class LeverSet:
         if s.optimizer_in_backward:
             names.append("optimizer step in the backward (gradient clipping off)")
         return names
+
+    def values(self) -> dict:
+        """The set as FinetuneConfig values: each lever in it, and None for each lever it does not need (the run's own:
+        a plan asks only for what it counts on; ``chunked_lm_loss=auto``, the default, still chunks where exact)."""
+        s = self.shape
+        return {"chunked_lm_loss": True if s.chunked_loss else None,
+                "checkpoint_layers": s.checkpoint_layers if s.gradient_checkpointing else None,
+                "offload_activations": True if s.offload_activations else None,
+                "optimizer_in_backward": True if s.optimizer_in_backward else None}
 
     def config(self) -> list[str]:
         s, values = self.shape, []
@@ -156,18 +176,19 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     costs = _Costs(spec, shape, micro * shape.seq_len, peak_flops, pcie_bytes_per_s)
     notes = []
     layered = spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32
-    chunk = (False, True) if spec.causal_lm and spec.vocab_size else (False,)
-    policies = [None, "all"] + (["selective"] if layered and shape.method != "qlora" else []) + (
-        ["every-2"] if layered and (spec.num_layers or 0) >= 4 else [])
-    one_step = (per_gpu_batch or micro) <= micro
-    backward_step = (False, True) if shape.method == "full" and strategy == "single" and one_step else (False,)
-    if shape.method == "full" and strategy == "single" and not one_step:
-        notes.append(f"optimizer step in the backward: not offered, a step of {per_gpu_batch} samples per GPU accumulates "
-                     f"micro-batches of {micro} (it needs one micro-batch per step)")
+    whole_model = strategy in WHOLE_MODEL_STRATEGIES
+    chunk = (False, True) if chunk_offered(spec, shape, strategy) else (False,)
+    policies = [None, "all"] + (["selective"] if layered and whole_model and shape.method != "qlora" else []) + (
+        ["every-2"] if layered and whole_model and (spec.num_layers or 0) >= 4 else [])
+    offload = (False, True) if whole_model else (False,)
+    if not whole_model:
+        notes.append(f"{strategy}: checkpointing every layer (its own config) and the chunked head where exact; selective "
+                     "checkpointing, offloading and the optimizer in the backward need a whole model per GPU")
+    backward_step = (False, True) if shape.method == "full" and strategy == "single" else (False,)
     combos = []
-    for chunked, policy, offload, in_backward in itertools.product(chunk, policies, (False, True), backward_step):
+    for chunked, policy, offloaded, in_backward in itertools.product(chunk, policies, offload, backward_step):
         levers = replace(base, chunked_loss=chunked, gradient_checkpointing=policy is not None,
-                         checkpoint_layers=policy or "all", offload_activations=offload, optimizer_in_backward=in_backward)
+                         checkpoint_layers=policy or "all", offload_activations=offloaded, optimizer_in_backward=in_backward)
         combos.append(_evaluate(spec, levers, strategy, gpu_memory_bytes, costs))
     cumulative = [("none (every activation kept)", {})]
     if True in chunk:
@@ -175,27 +196,35 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     if "selective" in policies:
         cumulative.append(("+ selective checkpointing", {"gradient_checkpointing": True, "checkpoint_layers": "selective"}))
     cumulative.append(("+ checkpointing every layer", {"gradient_checkpointing": True, "checkpoint_layers": "all"}))
-    cumulative.append(("+ activation offloading", {"offload_activations": True}))
+    if True in offload:
+        cumulative.append(("+ activation offloading", {"offload_activations": True}))
     if True in backward_step:
         cumulative.append(("+ optimizer step in the backward", {"optimizer_in_backward": True}))
+    whole_step = per_gpu_batch or micro
+    if True in backward_step and not any(s.shape.optimizer_in_backward and s.largest_micro_batch >= whole_step for s in combos):
+        notes.append(f"optimizer step in the backward: not a choice here, it needs the step's {whole_step} samples per GPU in "
+                     "one micro-batch (no accumulation), and no set with it fits that many")
     evaluated = {s.shape: s for s in combos}  # every cumulative row is one of the combinations
     rows, current = [], base
     for label, change in cumulative:
         current = replace(current, **change)
         rows.append((label, evaluated[current]))
-    recommended, reason = _recommend(combos, useful_micro_batch)
+    recommended, reason = _recommend(combos, useful_micro_batch, per_gpu_batch or micro)
     return LeverTable(rows=tuple(rows), recommended=recommended, reason=reason, micro_batch=micro, notes=tuple(notes))
 
 
-def _rank(s: LeverSet) -> tuple:
-    """Exact sets first, then the cheapest, then the fewest levers, then the least memory."""
-    return (not s.exact, round(s.cost, 6), len(s.names), s.total_bytes)
+def _rank(s: LeverSet, wanted: int) -> tuple:
+    """Exact sets first, then the cheapest, then the one reaching the larger micro-batch up to ``wanted`` (the samples a
+    GPU gives a step: fewer accumulation passes), then the fewest levers, then the least memory."""
+    return (not s.exact, round(s.cost, 6), -min(s.largest_micro_batch, wanted), len(s.names), s.total_bytes)
 
 
-def _recommend(combos: list[LeverSet], useful: int) -> tuple[LeverSet | None, str]:
+def _recommend(combos: list[LeverSet], useful: int, wanted: int) -> tuple[LeverSet | None, str]:
+    # the optimizer in the backward needs the whole step in one micro-batch: a set that fits less would accumulate
+    combos = [s for s in combos if not s.shape.optimizer_in_backward or s.largest_micro_batch >= wanted]
     reaching = [s for s in combos if s.largest_micro_batch >= useful]
     if reaching:
-        best = min(reaching, key=_rank)
+        best = min(reaching, key=lambda s: _rank(s, wanted))
         what = ", ".join(best.names) or "no lever"
         return best, (f"{what}: micro-batch {best.largest_micro_batch} fits (the useful micro-batch is {useful}), predicted "
                       f"cost {best.cost_text}; the cheapest of the {len(reaching)} sets that reach it")
@@ -203,7 +232,7 @@ def _recommend(combos: list[LeverSet], useful: int) -> tuple[LeverSet | None, st
     if not fitting:
         return None, "nothing fits, not even micro-batch 1 with every lever: more GPUs (sharding), LoRA or QLoRA, a shorter sequence"
     most = max(s.largest_micro_batch for s in fitting)
-    best = min((s for s in fitting if s.largest_micro_batch == most), key=_rank)
+    best = min((s for s in fitting if s.largest_micro_batch == most), key=lambda s: _rank(s, wanted))
     return best, (f"{', '.join(best.names) or 'no lever'}: the largest micro-batch any set reaches ({most}, below the useful "
                   f"{useful}), predicted cost {best.cost_text}")
 

@@ -121,7 +121,12 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
                      master_weights=0.0 if offload else master, comm_buffers=2 * w * min(P, 5e8) / 4)
     elif base == "deepspeed-zero3":
         master = 4 * P / N if half else 0.0
-        parts = dict(zero, weights=0.0 if offload else w * P / N, gradients=w * P / N,
+        # with the optimizer offloaded, each gradient partition goes to the CPU as it is reduced: the GPU keeps the
+        # reduce buckets (transformers sets reduce_bucket_size to hidden^2 elements; two in flight)
+        grads = w * P / N
+        if offload and spec.hidden_size:
+            grads = min(grads, 2 * w * float(spec.hidden_size) ** 2)
+        parts = dict(zero, weights=0.0 if offload else w * P / N, gradients=grads,
                      optimizer=0.0 if offload else opt * P / N, master_weights=0.0 if offload else master,
                      gathered_params=2 * layer * w)
     else:
@@ -170,6 +175,11 @@ class MemoryPlan:
     gpu_memory_bytes: int
     reasons: tuple[str, ...] = ()
     candidates: tuple[tuple[str, bool, int], ...] = field(default=())  # (strategy, checkpointing, max micro-batch)
+    # the memory levers the plan counts (lever_plan.LEVER_KEYS -> FinetuneConfig value; None: the run's own), their
+    # names, and the host memory the plan puts there (offloaded activations, an offloading strategy's states), bytes
+    levers: tuple[tuple[str, object], ...] = ()
+    lever_names: tuple[str, ...] = ()
+    host_bytes: float = 0.0
 
 
 def plan_memory(

@@ -15,7 +15,7 @@ from .decisions import (
 )
 from .gpu_selection import select_devices
 from .machine_match import hardware_record
-from .memory import MemoryPlan, TrainingShape, plan_memory
+from .memory import MemoryPlan, TrainingShape
 from .model_spec import ModelSpec
 from .threads import dataloader_workers, thread_budget
 
@@ -108,9 +108,10 @@ def _cpu_processes(profile: HardwareProfile, options: PlanOptions) -> tuple[int,
     return count, f"{count} CPU process(es) on {cores} core(s); gloo DDP (raise with --num-processes)"
 
 
-def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tuple[MemoryPlan | None, str]:
+def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: GpuInfo | None = None,
+                 host_ram_bytes: int | None = None, per_machine: int = 1) -> tuple[MemoryPlan | None, str]:
     """(memory plan, strategy) for the GPU case; ``memory`` is what one process can use (a MIG instance's
-    share when it runs on one, never the whole GPU's)."""
+    share when it runs on one, never the whole GPU's). The memory levers and the last resort: lever_plan.py."""
     multi = world_size > 1
     if options.strategy == "single" or (options.strategy == "auto" and not multi):
         candidates = ("single",)
@@ -128,15 +129,25 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU") -> tupl
         candidates = ("ddp",) if multi else ("single",)
     if options.model is None:
         return None, candidates[0]
+    from ..hardware.peaks import peak_flops
+    from .lever_plan import plan_with_levers
+    from .lever_table import pcie_bytes_per_second
+
     shape = TrainingShape(seq_len=options.seq_len, image_size=options.image_size,
                           precision={"no": "fp32", "fp8": "bf16"}.get(precision, precision),
-                          optimizer=options.optimizer, num_gpus=world_size, method=options.method, lora_rank=options.lora_rank,
-                          chunked_loss=False)  # a plan also serves scripts that do not chunk the head: the full logits
-    plan = plan_memory(options.model, memory, world_size, shape, options.global_batch, strategies=candidates)
+                          optimizer=options.optimizer, num_gpus=world_size, method=options.method, lora_rank=options.lora_rank)
+    plan = plan_with_levers(
+        options.model, memory, world_size, shape, options.global_batch, candidates,
+        last_resort=options.strategy in ("auto", "single") and per_what == "GPU",
+        peak_flops=peak_flops(gpu.name, shape.precision) if gpu is not None else None,
+        pcie_bytes_per_s=pcie_bytes_per_second(gpu.pcie_link_gen, gpu.pcie_link_width) if gpu is not None else None,
+        host_ram_bytes=host_ram_bytes, processes_per_machine=per_machine)
     if plan is None:
         raise PlanError(
             f"{options.model.name} ({options.model.params / 1e9:.2f}B parameters) does not fit in {memory / 2**30:.1f} GiB per {per_what} "
-            f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing: use "
+            f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing and every memory lever"
+            + (" (and ZeRO-3 with CPU offload)" if options.strategy in ("auto", "single") and options.method == "full" else "")
+            + ": use "
             + ("a larger MIG instance or the whole GPU (disable MIG)" if per_what == "MIG instance" else "more GPUs (--num-machines)")
             + ", a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
             + (", --method lora or qlora for a causal LM (`hf-gpu-train plan-memory --model M --method auto` compares them)"
@@ -198,7 +209,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         per_machine = len(gpus)
         world = per_machine * options.num_machines
         memory, strategy = _memory_plan(options, selection.memory_free_bytes, precision, world,
-                                        "GPU" if mig is None else "MIG instance")
+                                        "GPU" if mig is None else "MIG instance", gpus[0], profile.host.ram_total_bytes, per_machine)
         gpu_ids = selection.visible_devices
         acc["use_cpu"] = False
         settings.append(Setting("gpu_ids", gpu_ids, selection.reason))
@@ -288,3 +299,6 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
                                 f"{memory.micro_batch} x {memory.gradient_accumulation} x {world} GPU(s) = {memory.effective_batch}"))
         settings.append(Setting("gradient_checkpointing", memory.gradient_checkpointing,
                                 "needed for a useful micro-batch" if memory.gradient_checkpointing else "not needed: activations fit"))
+        from .lever_plan import lever_settings
+
+        settings.extend(Setting(key, value, reason) for key, value, reason in lever_settings(memory))

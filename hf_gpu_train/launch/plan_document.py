@@ -41,7 +41,10 @@ def _setting_reason(plan: LaunchPlan, key: str) -> str:
 
 def _batch_values(plan: LaunchPlan) -> dict:
     m = plan.memory
-    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "global_batch_size", "gradient_checkpointing")
+    from .lever_plan import LEVER_KEYS
+
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "global_batch_size", "gradient_checkpointing",
+            *LEVER_KEYS)
     if m is None:
         return {k: _value(None, no_memory_plan(plan)) for k in keys}
     target = plan.options.global_batch
@@ -53,7 +56,17 @@ def _batch_values(plan: LaunchPlan) -> dict:
         "global_batch_size": _value(m.effective_batch, f"micro-batch x accumulation x {plan.accelerate['num_processes']} "
                                     f"process(es), serving {served}"),
         "gradient_checkpointing": _value(m.gradient_checkpointing, _setting_reason(plan, "gradient_checkpointing")),
+        **_lever_values(plan),
     }
+
+
+def _lever_values(plan: LaunchPlan) -> dict:
+    from .lever_plan import LEVER_KEYS, lever_settings
+
+    decided = {key: _value(value, reason) for key, value, reason in lever_settings(plan.memory)}
+    why = ("the planner counts memory levers for transformer models it models layer by layer; this one's activations "
+           "are measured as a whole: the run's own")
+    return {key: decided.get(key, _value(None, why)) for key in LEVER_KEYS}
 
 
 def _memory(plan: LaunchPlan) -> dict | None:
@@ -84,6 +97,8 @@ def _memory(plan: LaunchPlan) -> dict | None:
         "usable_bytes": int(usable_bytes(m.gpu_memory_bytes)),
         "headroom_fraction": HEADROOM_FRACTION,
         "reasons": list(m.reasons),
+        "levers": dict(m.levers),
+        "host_bytes": int(m.host_bytes),
     }
 
 

@@ -30,7 +30,8 @@ def test_a_memory_plan_travels_with_every_value_and_its_reason(tmp_path, machine
     assert {k: v.value for k, v in run.values.items()} == {
         "precision": "bf16", "per_device_train_batch_size": m.micro_batch, "gradient_accumulation_steps": m.gradient_accumulation,
         "global_batch_size": m.micro_batch * m.gradient_accumulation * 4, "gradient_checkpointing": m.gradient_checkpointing,
-        "dataloader_num_workers": 7}
+        "dataloader_num_workers": 7, "chunked_lm_loss": None, "checkpoint_layers": None, "offload_activations": None,
+        "optimizer_in_backward": None}  # the levers: no chunked head for a classifier, none needed at micro-batch 24
     assert (m.micro_batch, m.gradient_accumulation, run.value("global_batch_size")) == (24, 1, 96)
     assert all(v.reason for v in run.values.values())
     assert run.values["global_batch_size"].reason == ("micro-batch x accumulation x 4 process(es), serving the requested "
