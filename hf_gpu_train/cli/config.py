@@ -83,6 +83,7 @@ def port_in_use(port: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from ..hardware.snapshot import load_machine
+    from ..launch.deepspeed_config import deepspeed_path_for, render_deepspeed_file
     from ..launch.plan import PlanOptions, make_plan
     from ..launch.plan_document import no_memory_plan, render_plan_json
     from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
@@ -101,15 +102,22 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(profile, options)
     out = Path(args.output)
     yaml_path, env_path, plan_path = (out.with_name(out.name + suffix) for suffix in (".yaml", ".env", ".plan.json"))
-    existing = [p for p in (yaml_path, env_path, plan_path) if p.exists()]
+    ours = (yaml_path, env_path, plan_path) + ((deepspeed_path_for(yaml_path),) if plan.deepspeed_file is not None else ())
+    existing = [p for p in ours if p.exists()]
     if existing and not args.force:
         raise UsageError(f"{', '.join(map(str, existing))} already exist(s): pass --force to overwrite, or another --output")
     command = "hf-gpu-train " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["config"] else f"hf-gpu-train config --output {out}"
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
-    yaml_path.write_text(render_yaml(plan, command))
+    written = []
+    deepspeed_path = None
+    if plan.deepspeed_file is not None:  # ZeRO-Offload's optimizer section (launch/deepspeed_config.py)
+        deepspeed_path = deepspeed_path_for(yaml_path)
+        deepspeed_path.write_text(render_deepspeed_file(plan.deepspeed_file))
+        written.append(deepspeed_path)
+    yaml_path.write_text(render_yaml(plan, command, deepspeed_path))
     env_path.write_text(render_env(plan))
     plan_path.write_text(render_plan_json(plan, command, yaml_path))
-    written = [yaml_path, env_path, plan_path]
+    written = [yaml_path, env_path, plan_path, *written]
     if options.num_machines > 1:
         sbatch = out.with_name(out.name + ".sbatch")
         sbatch.write_text(render_sbatch(plan, yaml_path, args.script))

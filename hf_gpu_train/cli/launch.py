@@ -119,6 +119,24 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
                               f"mixed_precision: {config.get('mixed_precision')})")
 
 
+def _deepspeed_file_precision(settings: dict, config: dict) -> tuple[str, str] | None:
+    """A config naming a DeepSpeed config file: its mixed_precision goes on the command line (accelerate refuses a YAML's
+    mixed_precision beside deepspeed_config_file, and reads the file's path from the directory the launch runs in)."""
+    ds = config.get("deepspeed_config") or {}
+    path = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise UsageError(f"deepspeed_config_file {path} (in the accelerate config) does not exist from {Path.cwd()}: accelerate "
+                         "reads it from the directory the launch runs in; launch from where `hf-gpu-train config` ran, or "
+                         "write an absolute path there")
+    if "mixed_precision" in settings or config.get("mixed_precision") in (None, "no"):
+        return None
+    value = str(config["mixed_precision"])
+    return value, (f"--mixed_precision {value} from the config on the command line: accelerate refuses a config file's "
+                   "mixed_precision beside deepspeed_config_file")
+
+
 def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here=None) -> Launch:
     """``here``: the machine the processes start on (None: detected now); a plan made for other hardware reaches
     them without its machine variables (threads, NCCL topology, devices) and CPU binding."""
@@ -172,7 +190,7 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
                          f"to the CPUs of GPUs {config.get('gpu_ids')}: the processes would run on the wrong socket. Write a "
                          f"config for those GPUs: `hf-gpu-train config --gpu-ids {settings['gpu_ids']} --output ...`")
     notes += _flag_notes(settings, config, plan, config_file.name)
-    tuned_precision = _tuned_precision(plan, parsed.script_args, settings, config)
+    tuned_precision = _tuned_precision(plan, parsed.script_args, settings, config) or _deepspeed_file_precision(settings, config)
     if tuned_precision is not None:
         flag, note = tuned_precision
         settings_flags = ["--mixed_precision", flag]

@@ -71,6 +71,9 @@ class LaunchPlan:
     options: PlanOptions = PlanOptions()  # what was asked: the model, shape and global batch the memory plan serves
     dataloader_workers: int = 0  # per process
     hardware: dict | None = None  # machine_match.hardware_record of the machine planned for
+    # a DeepSpeed config file the accelerate config points to (deepspeed_config.py: ZeRO with CPU offload needs an
+    # optimizer section); render_yaml writes its path, `config` writes it as NAME.deepspeed.json
+    deepspeed_file: dict | None = None
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -172,6 +175,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     binding = None
     acc: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
 
+    deepspeed_file = None
     if not gpus:
         per_machine, why = _cpu_processes(profile, options)
         processes = per_machine * options.num_machines
@@ -214,7 +218,7 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         acc["use_cpu"] = False
         settings.append(Setting("gpu_ids", gpu_ids, selection.reason))
         settings.append(Setting("num_processes", world, f"{per_machine} GPU(s) x {options.num_machines} machine(s): the total over all machines"))
-        _strategy_settings(acc, settings, strategy, memory, options, per_machine)
+        deepspeed_file = _strategy_settings(acc, settings, strategy, memory, options, per_machine)
         binding = decide_cpu_binding(profile, gpus)
         if binding is not None:
             key, value = binding.setting
@@ -246,10 +250,13 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         settings.append(Setting(key, value, reason))
     return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
                       settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding,
-                      options=options, dataloader_workers=workers[0], hardware=hardware_record(profile, gpus))
+                      options=options, dataloader_workers=workers[0], hardware=hardware_record(profile, gpus),
+                      deepspeed_file=deepspeed_file)
 
 
-def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> None:
+def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> dict | None:
+    """The strategy's accelerate keys and settings; the DeepSpeed config file's contents when it needs one."""
+    deepspeed_file = None
     world = per_machine * options.num_machines
     why = "; ".join(memory.reasons) if memory else ("one GPU: no distribution" if world == 1 else
                                                     "no --model given: DDP assumed to fit (pass --model for a memory check)")
@@ -279,9 +286,14 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
         mode = "parameters resharded after forward (ZeRO-3-like)" if base == "fsdp" else "parameters kept between forward and backward (ZeRO-2-like, less traffic)"
         settings.append(Setting("distributed_type", "FSDP", f"FSDP2, {mode}" + (", parameters offloaded to CPU (last resort)" if offload else "") + ": " + why))
     else:
+        from .deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, deepspeed_file_for
+
         stage = 3 if base == "deepspeed-zero3" else 2
         acc["distributed_type"] = "DEEPSPEED"
-        acc["deepspeed_config"] = {
+        if offload:  # the optimizer section DeepSpeed needs to step on the CPU can only come from a file
+            deepspeed_file = deepspeed_file_for(stage, offload_params=stage == 3)
+            acc["deepspeed_config"] = {"deepspeed_config_file": DEEPSPEED_FILE_PLACEHOLDER, "zero3_init_flag": stage == 3}
+        acc["deepspeed_config"] = acc.get("deepspeed_config") or {
             "zero_stage": stage,
             "offload_optimizer_device": "cpu" if offload else "none",
             "offload_param_device": "cpu" if offload and stage == 3 else "none",
@@ -292,6 +304,10 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
             **({"zero3_save_16bit_model": True} if stage == 3 else {}),
         }
         settings.append(Setting("distributed_type", "DEEPSPEED", f"ZeRO-{stage}" + (" with CPU offload (last resort)" if offload else "") + ": " + why))
+        if offload:
+            settings.append(Setting("deepspeed_config_file", "NAME.deepspeed.json", "ZeRO-Offload steps with DeepSpeed's CPU "
+                                    "Adam, named in the file's optimizer section (with the Trainer's own optimizer DeepSpeed "
+                                    "refuses offloading: zero_force_ds_cpu_optimizer)"))
     if memory:
         settings.append(Setting("per_device_train_batch_size", memory.micro_batch,
                                 f"largest micro-batch the planner fits is enough for the global batch {options.global_batch}"))
@@ -302,3 +318,4 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
         from .lever_plan import lever_settings
 
         settings.extend(Setting(key, value, reason) for key, value, reason in lever_settings(memory))
+    return deepspeed_file

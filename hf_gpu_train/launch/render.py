@@ -22,7 +22,10 @@ __all__ = ["accelerate_command", "env_path_for", "launch_command", "parse_env", 
            "torchrun_command"]
 
 
-def render_yaml(plan: LaunchPlan, command: str) -> str:
+def render_yaml(plan: LaunchPlan, command: str, deepspeed_path: str | Path | None = None) -> str:
+    """The accelerate YAML; ``deepspeed_path``: where NAME.deepspeed.json is written, for a plan that needs one."""
+    from .deepspeed_config import accelerate_keys
+
     header = [
         f"# accelerate config for {plan.machine}, {GENERATED_MARK} {__version__}",
         f"# by: {command}",
@@ -31,7 +34,7 @@ def render_yaml(plan: LaunchPlan, command: str) -> str:
     ]
     for s in plan.settings:
         header.append(f"#   {s.key} = {s.value}: {s.reason}")
-    body = yaml.safe_dump(plan.accelerate, sort_keys=True, default_flow_style=False)
+    body = yaml.safe_dump(accelerate_keys(plan.accelerate, deepspeed_path), sort_keys=True, default_flow_style=False)
     return "\n".join(header) + "\n" + body
 
 
@@ -57,7 +60,9 @@ def _prefix(plan: LaunchPlan) -> str:
 def accelerate_command(config_path: str | Path, script: str = "scripts/finetune.py", plan: LaunchPlan | None = None) -> str:
     env = env_path_for(config_path)
     prefix = _prefix(plan) if plan is not None else ""
-    return f"(set -a; . {env}; set +a; {prefix}accelerate launch --config_file {config_path} {script})"
+    # beside a DeepSpeed config file accelerate takes the precision from the command line only (deepspeed_config.py)
+    precision = f" --mixed_precision {plan.accelerate['mixed_precision']}" if plan is not None and plan.deepspeed_file else ""
+    return f"(set -a; . {env}; set +a; {prefix}accelerate launch --config_file {config_path}{precision} {script})"
 
 
 def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", config_path: str | Path | None = None) -> str:

@@ -78,8 +78,9 @@ def test_zero3_with_cpu_offload_is_the_last_resort_and_the_host_must_hold_it(mac
     box = machine("2x-rtx4090")
     plan = make_plan(box, PlanOptions(gpus="1", model=llama3, seq_len=2048, global_batch=16))
     assert plan.strategy == "deepspeed-zero3-offload" and plan.accelerate["distributed_type"] == "DEEPSPEED"
-    ds = plan.accelerate["deepspeed_config"]
-    assert (ds["zero_stage"], ds["offload_optimizer_device"], ds["offload_param_device"]) == (3, "cpu", "cpu")
+    zero = plan.deepspeed_file["zero_optimization"]  # the file the YAML names (test_deepspeed_config.py parses it)
+    assert (zero["stage"], zero["offload_optimizer"]["device"], zero["offload_param"]["device"]) == (3, "cpu", "cpu")
+    assert plan.deepspeed_file["optimizer"]["type"] == "AdamW"  # DeepSpeed's CPU Adam steps the offloaded states
     host = host_bytes_per_process(llama3, TrainingShape(precision="bf16"), "deepspeed-zero3-offload", 1)
     assert host == llama3.params * 18  # fp32 master, two fp32 moments, fp32 gradients, the 16-bit parameters
     reasons = " ".join(plan.memory.reasons)
