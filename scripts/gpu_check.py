@@ -342,6 +342,71 @@ def check_memory_levers(length: int = 2048, steps: int = 6) -> bool:
     return ok
 
 
+def _losses(out: Path) -> list[float]:
+    import json
+
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def check_deepspeed(steps: int = 8) -> bool:
+    """Issue 19, lever 5: DeepSpeed ZeRO-3 with CPU offload on one GPU, through the NAME.deepspeed.json a last-resort plan
+    writes (DeepSpeed's CPU Adam), against the same SmolLM2 full fine-tune without DeepSpeed: the logged losses (bf16
+    weights under DeepSpeed, fp32 weights under torch's autocast: close, not equal) and each run's peak memory."""
+    import dataclasses
+    import json
+    import tempfile
+
+    import torch
+
+    from hf_gpu_train.hardware.detect import detect
+    from hf_gpu_train.launch.deepspeed_config import (
+        DEEPSPEED_FILE_PLACEHOLDER,
+        deepspeed_file_for,
+        deepspeed_path_for,
+        render_deepspeed_file,
+    )
+    from hf_gpu_train.launch.plan import PlanOptions, make_plan
+    from hf_gpu_train.launch.plan_document import render_plan_json
+    from hf_gpu_train.launch.render import render_env, render_yaml
+
+    section("DeepSpeed ZeRO-3 with CPU offload (1 process) against the same run without it")
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return True
+    run_args = ["--config", "recipes/smollm2_lora_demo.yaml", "method=full", f"max_steps={steps}", "logging_steps=1",
+                "save_strategy=no", "eval_strategy=no", "generation_samples=0", "per_device_train_batch_size=2",
+                "global_batch_size=2", "dataloader_num_workers=0"]
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = detect()
+        plain = make_plan(profile, PlanOptions(gpus="1"))
+        zero = make_plan(profile, PlanOptions(gpus="1", strategy="deepspeed-zero3"))
+        offload = dataclasses.replace(zero, strategy="deepspeed-zero3-offload", deepspeed_file=deepspeed_file_for(3, True), accelerate={
+            **zero.accelerate, "deepspeed_config": {"deepspeed_config_file": DEEPSPEED_FILE_PLACEHOLDER, "zero3_init_flag": True}})
+        results = {}
+        for name, plan in (("single", plain), ("zero3-offload", offload)):
+            yaml_path = Path(tmp) / f"{name}.yaml"
+            ds_path = None
+            if plan.deepspeed_file is not None:
+                ds_path = deepspeed_path_for(yaml_path)
+                ds_path.write_text(render_deepspeed_file(plan.deepspeed_file))
+            yaml_path.write_text(render_yaml(plan, "gpu_check", ds_path))
+            yaml_path.with_suffix(".env").write_text(render_env(plan))
+            yaml_path.with_suffix(".plan.json").write_text(render_plan_json(plan, "gpu_check", yaml_path))
+            start = time.perf_counter()
+            summary = _launch_finetune(str(yaml_path), Path(tmp) / name, *run_args, timeout=1200)
+            if summary is None:
+                return False
+            telemetry = json.loads((Path(tmp) / name / "telemetry_summary.json").read_text())["metrics"]
+            peak = telemetry.get("torch/mem_peak_gib", {}).get("max")
+            results[name] = _losses(Path(tmp) / name)
+            print(f"{name}: {summary['global_step']} steps in {time.perf_counter() - start:.0f} s (with start-up), peak allocated "
+                  f"{peak} GiB, losses {[round(x, 4) for x in results[name]]}")
+    worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(results["zero3-offload"], results["single"]))
+    print(f"largest relative loss difference over {steps} steps: {worst:.2%} (bf16 master copies vs fp32 weights)")
+    return worst < 0.02
+
+
 def check_tune_on_gpu() -> bool:
     from hf_gpu_train.tune.gpu_check import check_tune
 
@@ -352,7 +417,7 @@ def check_tune_on_gpu() -> bool:
 CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": check_finetune_per_gpu, "telemetry": check_telemetry,
           "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
           "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "levers": check_memory_levers,
-          "tune": check_tune_on_gpu}
+          "deepspeed": check_deepspeed, "tune": check_tune_on_gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
