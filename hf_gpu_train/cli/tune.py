@@ -46,11 +46,15 @@ def own_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the candidates for this machine, run nothing")
     p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="steps before the measured ones (not counted)")
     p.add_argument("--measure-steps", type=int, default=None, help="measured steps per trial (default: about 2 s of steps)")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="a candidate fits only when its measured peak stays under this (on a GPU torch's peak reserved with "
+                   "the CUDA context, on the CPU the process's peak resident memory): to leave room for something else, "
+                   "or to find the fastest levers within a memory size")
     return p
 
 
 SWITCHES = ("--fresh", "--dry-run")
-VALUED = ("--budget-s", "--axes", "--machine", "--warmup-steps", "--measure-steps")
+VALUED = ("--budget-s", "--axes", "--machine", "--warmup-steps", "--measure-steps", "--memory-budget-gib")
 
 
 def split_tune_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -104,7 +108,9 @@ def print_space(job) -> None:
     print(f"Candidates for {job.config_file.name} on {job.machine}: {s.world_size} process(es), effective batch "
           f"{s.effective_batch}, compared by {s.metric}")
     rows = [["Axis", "Options (the run's own first)"], ["micro-batch", ", ".join(map(str, s.micro_batches))],
-            ["checkpointing", ", ".join("on" if c else "off" for c in s.checkpointing)],
+            ["checkpointing", ", ".join([*(["off"] if False in s.checkpointing else []),
+                                         *((({"all": "on"}.get(p, p)) for p in s.policies) if True in s.checkpointing else ())])],
+            ["activation offloading", ", ".join("on" if c else "off" for c in s.offload)],
             ["workers", ", ".join(map(str, s.workers))], ["precision", ", ".join(s.precisions)],
             ["torch.compile", ", ".join("on" if c else "off" for c in s.compile)]]
     if s.base.packing is not None:
@@ -113,7 +119,8 @@ def print_space(job) -> None:
     print(f"Start: {s.base.describe()}")
     for v in s.pruned():
         print(f"skipped (the planner says it does not fit): micro-batch {v.micro_batch}, checkpointing "
-              f"{'on' if v.gradient_checkpointing else 'off'}, {v.precision}: {v.estimate_bytes / 2**30:.2f} GiB > "
+              f"{v.checkpoint_layers if v.gradient_checkpointing else 'off'}{', offloading' if v.offload_activations else ''}, "
+              f"{v.precision}: {v.estimate_bytes / 2**30:.2f} GiB > "
               f"{v.usable_bytes / 2**30:.2f} GiB usable")
     for note in s.notes:
         print(f"note: {note}")
@@ -154,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
         from ..hardware.snapshot import load_machine
 
         profile = load_machine(opts.machine)
-    job = load_job(config_file, parsed.script, list(parsed.script_args), parsed.settings(), _axes(opts.axes), profile)
+    if opts.memory_budget_gib is not None and opts.memory_budget_gib <= 0:
+        raise UsageError(f"--memory-budget-gib {opts.memory_budget_gib}: give a positive size in GiB (e.g. 20)")
+    budget = int(opts.memory_budget_gib * 2**30) if opts.memory_budget_gib else None
+    job = load_job(config_file, parsed.script, list(parsed.script_args), parsed.settings(), _axes(opts.axes), profile,
+                   memory_budget_bytes=budget)
     for note in job.notes:
         print(f"hf-gpu-train tune: {note}")
     if opts.machine or opts.dry_run:

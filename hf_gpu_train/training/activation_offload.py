@@ -120,6 +120,21 @@ def attach(model, on_cuda: bool, min_bytes: int = MIN_BYTES, offload_cpu_tensors
         target._hf_gpu_train_offloaded_bytes = hooks.offloaded_bytes
         return out
 
+    offloading_forward._hf_gpu_train_original = forward
     target.forward = offloading_forward
     target._hf_gpu_train_offloads_activations = True
     return f"activation offloading: saved activations of {min_bytes >> 20} MiB and more go to pinned host memory on a side stream"
+
+
+def detach(model) -> bool:
+    """Take ``attach``'s forward off again (tune's trials share one model); whether it was on."""
+    target = _innermost(model)
+    original = getattr(target.__dict__.get("forward"), "_hf_gpu_train_original", None)
+    if original is None:
+        return False
+    if getattr(original, "__func__", None) is getattr(type(target), "forward", None) and getattr(original, "__self__", None) is target:
+        del target.forward  # the class's own forward again
+    else:
+        target.forward = original
+    target._hf_gpu_train_offloads_activations = False
+    return True

@@ -12,7 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
-AXES = ("micro_batch", "checkpointing", "workers", "precision", "packing", "compile")
+AXES = ("micro_batch", "checkpointing", "offload", "workers", "precision", "packing", "compile")
+# Checkpointing policies, cheapest recomputation first (launch/lever_table.py): selective keeps every matmul's output,
+# one layer in two recomputes half the layers, every layer recomputes the whole forward.
+POLICIES_BY_COST = ("selective", "every-2", "all")
+OFFLOAD_CPU_NOTE = "offload: not tried on the CPU (the activations are in host memory already)"
 # On a GPU the 16-bit formats run on tensor cores; a plan that chose bf16 may also run fp16 (same speed class,
 # needs loss scaling). fp16 hardware without bf16 (compute capability 7.x) has one valid fast format; the CPU
 # trains in fp32 (bf16 without AMX falls back to slow reference kernels: REFERENCE.md, TRL section).
@@ -36,18 +40,29 @@ class Candidate:
     precision: str
     torch_compile: bool = False
     packing: bool | str | None = None
+    checkpoint_layers: str = "all"  # with gradient_checkpointing: all | every-N | selective (finetune config's key)
+    offload_activations: bool = False
 
     @property
     def key(self) -> str:
-        """Stable text key (cache, de-duplication)."""
+        """Stable text key (cache, de-duplication); the levers appear only when they are not the default."""
         packing = "-" if self.packing is None else str(self.packing).lower()
+        levers = (f"|{self.checkpoint_layers}" if self.gradient_checkpointing and self.checkpoint_layers != "all" else "") + (
+            "|offload" if self.offload_activations else "")
         return (f"mb{self.micro_batch}xga{self.accumulation}|ckpt{int(self.gradient_checkpointing)}|w{self.dataloader_num_workers}"
-                f"|{self.precision}|compile{int(self.torch_compile)}|pack{packing}")
+                f"|{self.precision}|compile{int(self.torch_compile)}|pack{packing}{levers}")
+
+    @property
+    def checkpointing(self) -> str:
+        """off, or the policy: all, every-N, selective."""
+        return self.checkpoint_layers if self.gradient_checkpointing else "off"
 
     def describe(self) -> str:
-        parts = [f"micro-batch {self.micro_batch} x {self.accumulation}",
-                 f"checkpointing {'on' if self.gradient_checkpointing else 'off'}",
-                 f"{self.dataloader_num_workers} worker(s)", self.precision]
+        policy = {"off": "off", "all": "on"}.get(self.checkpointing, self.checkpointing)
+        parts = [f"micro-batch {self.micro_batch} x {self.accumulation}", f"checkpointing {policy}"]
+        if self.offload_activations:
+            parts.append("activation offloading")
+        parts += [f"{self.dataloader_num_workers} worker(s)", self.precision]
         if self.torch_compile:
             parts.append("torch.compile")
         if self.packing is not None:
@@ -61,10 +76,18 @@ class Candidate:
                   "global_batch_size": self.micro_batch * self.accumulation * world_size,
                   "gradient_checkpointing": self.gradient_checkpointing,
                   "dataloader_num_workers": self.dataloader_num_workers,
-                  "precision": self.precision, "torch_compile": self.torch_compile}
+                  "precision": self.precision, "torch_compile": self.torch_compile,
+                  "checkpoint_layers": self.checkpoint_layers if self.gradient_checkpointing else "all",
+                  "offload_activations": self.offload_activations}
         if self.packing is not None:
             values["packing"] = self.packing
         return values
+
+    def with_checkpointing(self, policy: str) -> Candidate:
+        """This candidate with checkpointing ``policy`` (off, all, every-N, selective)."""
+        if policy == "off":
+            return replace(self, gradient_checkpointing=False, checkpoint_layers="all")
+        return replace(self, gradient_checkpointing=True, checkpoint_layers=policy)
 
     def with_micro_batch(self, micro_batch: int) -> Candidate:
         """Another micro-batch with the accumulation that keeps this candidate's samples per process."""
@@ -91,6 +114,12 @@ class PlannerVerdict:
     estimate_bytes: int
     usable_bytes: int
     fits: bool
+    checkpoint_layers: str = "all"
+    offload_activations: bool = False
+
+    @property
+    def lookup(self) -> tuple:
+        return (self.micro_batch, self.gradient_checkpointing and self.checkpoint_layers, self.offload_activations, self.precision)
 
 
 @dataclass(frozen=True)
@@ -109,6 +138,9 @@ class CandidateSpace:
     on_cuda: bool
     verdicts: tuple[PlannerVerdict, ...] = ()  # empty: no memory plan, nothing pruned
     notes: tuple[str, ...] = field(default=())  # why an axis is fixed or narrowed
+    policies: tuple[str, ...] = ("all",)  # the checkpointing policies tried where checkpointing is on, the run's first
+    offload: tuple[bool, ...] = (False,)
+    memory_budget_bytes: int | None = None  # --memory-budget-gib: a trial whose peak is above it does not fit
 
     @property
     def samples_per_process(self) -> int:
@@ -119,8 +151,9 @@ class CandidateSpace:
         return self.samples_per_process * self.world_size
 
     def verdict(self, candidate: Candidate) -> PlannerVerdict | None:
-        return next((v for v in self.verdicts if (v.micro_batch, v.gradient_checkpointing, v.precision)
-                     == (candidate.micro_batch, candidate.gradient_checkpointing, candidate.precision)), None)
+        wanted = (candidate.micro_batch, candidate.gradient_checkpointing and candidate.checkpoint_layers,
+                  candidate.offload_activations, candidate.precision)
+        return next((v for v in self.verdicts if v.lookup == wanted), None)
 
     def planner_allows(self, candidate: Candidate) -> bool:
         """False only when the planner has a verdict and it says this does not fit."""
@@ -137,9 +170,11 @@ class CandidateSpace:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CandidateSpace:
-        tuples = {k: tuple(data[k]) for k in ("micro_batches", "checkpointing", "workers", "precisions", "compile", "packing", "notes")}
+        tuples = {k: tuple(data[k]) for k in ("micro_batches", "checkpointing", "workers", "precisions", "compile", "packing", "notes",
+                                              "policies", "offload") if k in data}
         return cls(base=Candidate.from_dict(data["base"]), world_size=data["world_size"], metric=data["metric"],
-                   on_cuda=data["on_cuda"], verdicts=tuple(PlannerVerdict(**v) for v in data["verdicts"]), **tuples)
+                   on_cuda=data["on_cuda"], verdicts=tuple(PlannerVerdict(**v) for v in data["verdicts"]),
+                   memory_budget_bytes=data.get("memory_budget_bytes"), **tuples)
 
 
 @dataclass(frozen=True)
@@ -155,6 +190,8 @@ class TuneInputs:
     planned_micro_batch: int | None  # the planner's micro-batch (None: no memory plan)
     planned_workers: int | None
     axes: tuple[str, ...] = AXES
+    layered: bool = False  # a transformers model: selective and one-in-N checkpointing apply (timm: every block only)
+    memory_budget_bytes: int | None = None
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -212,8 +249,12 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     base = Candidate(micro_batch=start, accumulation=per_process // start, gradient_checkpointing=bool(v.get("gradient_checkpointing")),
                      dataloader_num_workers=_base_workers(v, inputs, notes), precision=precision,
                      torch_compile=bool(v.get("torch_compile")), packing=v.get("packing") if inputs.task == "causal-lm" else None)
-    checkpointing = _options(base.gradient_checkpointing, (not base.gradient_checkpointing,),
-                             open_axis("checkpointing", "gradient_checkpointing"))
+    base = replace(base, checkpoint_layers=str(v.get("checkpoint_layers") or "all") if base.gradient_checkpointing else "all",
+                   offload_activations=bool(v.get("offload_activations")))
+    checkpointing_open = open_axis("checkpointing", "gradient_checkpointing", "checkpoint_layers")
+    checkpointing = _options(base.gradient_checkpointing, (not base.gradient_checkpointing,), checkpointing_open)
+    policies = _options(base.checkpoint_layers, _policy_options(inputs, notes), checkpointing_open)
+    offload = _offload_options(base, inputs, notes, open_axis("offload", "offload_activations"))
     workers = _options(base.dataloader_num_workers, _worker_options(base.dataloader_num_workers, inputs.planned_workers),
                        open_axis("workers", "dataloader_num_workers"))
     precisions = _options(precision, PRECISION_OPTIONS.get(precision, ()), open_axis("precision", "precision"))
@@ -227,13 +268,38 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     packing = (None,)
     if base.packing is not None:  # packed rows where the model's attention allows (auto, true), or padded examples
         packing = _options(base.packing, (False,) if base.packing in (True, "auto") else ("auto",), open_axis("packing", "packing"))
-    verdicts = _verdicts(rungs, checkpointing, precisions, memory_check)
+    verdicts = _verdicts(rungs, checkpointing, policies, offload, precisions, memory_check)
     if memory_check is not None and not verdicts:
         notes.append("memory: the plan has no memory model (`hf-gpu-train config` without --model): the planner prunes nothing")
+    if inputs.memory_budget_bytes:
+        notes.append(f"memory: a candidate fits when its measured peak is at most {inputs.memory_budget_bytes / 2**30:.2f} GiB "
+                     "(--memory-budget-gib)" + ("" if inputs.on_cuda else ": the training process's peak resident memory on the CPU"))
     metric = "tokens/s" if inputs.task != "image-classification" else "samples/s"
     return CandidateSpace(base=base, world_size=inputs.world_size, micro_batches=rungs, checkpointing=checkpointing,
                           workers=workers, precisions=precisions, compile=compile_options, packing=packing, metric=metric,
-                          on_cuda=inputs.on_cuda, verdicts=verdicts, notes=tuple(notes))
+                          on_cuda=inputs.on_cuda, verdicts=verdicts, notes=tuple(notes), policies=policies, offload=offload,
+                          memory_budget_bytes=inputs.memory_budget_bytes)
+
+
+def _policy_options(inputs: TuneInputs, notes: list) -> tuple[str, ...]:
+    """The checkpointing policies worth measuring: every one for a transformers model (QLoRA: not selective, whose
+    policy does not cover bitsandbytes' matmul), every block for timm's."""
+    if not inputs.layered:
+        notes.append("checkpointing: every block only (selective and one-in-N checkpointing are for transformers models)")
+        return ("all",)
+    if inputs.values.get("method") == "qlora":
+        return tuple(p for p in POLICIES_BY_COST if p != "selective")
+    return POLICIES_BY_COST
+
+
+def _offload_options(base: Candidate, inputs: TuneInputs, notes: list, open_axis: bool) -> tuple[bool, ...]:
+    if open_axis and not inputs.on_cuda:
+        notes.append(OFFLOAD_CPU_NOTE)
+        return (base.offload_activations,)
+    if open_axis and inputs.values.get("torch_compile"):
+        notes.append("offload: not tried beside torch_compile (its hooks would sit inside the compiled forward)")
+        return (base.offload_activations,)
+    return _options(base.offload_activations, (not base.offload_activations,), open_axis)
 
 
 def _base_workers(values: Mapping[str, object], inputs: TuneInputs, notes: list) -> int:
@@ -254,15 +320,18 @@ def _worker_options(base: int, planned: int | None) -> tuple[int, ...]:
     return tuple(sorted({0, planned, min(MAX_WORKERS, 2 * planned)}, reverse=True))
 
 
-def _verdicts(rungs, checkpointing, precisions, memory_check) -> tuple[PlannerVerdict, ...]:
+def _verdicts(rungs, checkpointing, policies, offload, precisions, memory_check) -> tuple[PlannerVerdict, ...]:
     if memory_check is None:
         return ()
     found = []
+    settings = [(ckpt, policy) for ckpt in checkpointing for policy in (policies if ckpt else ("all",))]
     for precision in precisions:
-        for ckpt in checkpointing:
+        for (ckpt, policy), offloaded in ((c, o) for c in settings for o in offload):
             for micro in rungs:
-                check = memory_check({"per_device_train_batch_size": micro, "gradient_checkpointing": ckpt, "precision": precision})
+                check = memory_check({"per_device_train_batch_size": micro, "gradient_checkpointing": ckpt, "precision": precision,
+                                      "checkpoint_layers": policy, "offload_activations": offloaded})
                 if check is None:
                     return ()
-                found.append(PlannerVerdict(micro, ckpt, precision, int(check.estimate_bytes), int(check.usable_bytes), bool(check.fits)))
+                found.append(PlannerVerdict(micro, ckpt, precision, int(check.estimate_bytes), int(check.usable_bytes),
+                                            bool(check.fits), policy, offloaded))
     return tuple(found)

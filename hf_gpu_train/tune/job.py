@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from ..errors import UsageError
 from . import test_hooks
@@ -81,8 +82,10 @@ def _for_machine(plan, profile):
 
 
 def load_job(config_file: str, script: str, script_args: list[str], launch_settings: Mapping[str, object],
-             axes: tuple[str, ...] = AXES, profile=None, environ: Mapping[str, str] | None = None) -> TuneJob:
-    """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected)."""
+             axes: tuple[str, ...] = AXES, profile=None, environ: Mapping[str, str] | None = None,
+             memory_budget_bytes: int | None = None) -> TuneJob:
+    """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected);
+    ``memory_budget_bytes``: a candidate fits only when its measured peak stays under it (--memory-budget-gib)."""
     from ..finetune.config import load_config_and_keys, read_config_values
     from ..finetune.memory_levers import shape_levers
     from ..launch.plan_resolution import check_memory, resolve_with_plan
@@ -122,10 +125,11 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     def memory_check(candidate_values: dict):
         merged = {**values, **candidate_values}
         return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size, method=cfg.method,
-                            lora_rank=cfg.lora_r, levers=shape_levers(cfg))
+                            lora_rank=cfg.lora_r, levers=shape_levers(SimpleNamespace(**merged)))
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),
+                        layered=cfg.task != "image-classification", memory_budget_bytes=memory_budget_bytes,
                         planned_micro_batch=planned_micro, planned_workers=plan.value("dataloader_num_workers"), axes=axes)
     space = plan_space(inputs, memory_check if plan.memory is not None else None)
     if profile is None:

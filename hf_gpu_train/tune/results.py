@@ -49,6 +49,11 @@ class TrialResult:
     step_times_s: tuple[float, ...] = ()  # each measured step, with the wait before it (the first process's clock)
     seconds: float = 0.0
     from_cache: bool = False
+    memory_budget_bytes: int | None = None  # tune --memory-budget-gib: the peak must stay under it too
+
+    @property
+    def within_budget(self) -> bool:
+        return self.memory_budget_bytes is None or self.peak_memory_bytes is None or self.peak_memory_bytes <= self.memory_budget_bytes
 
     @property
     def ran(self) -> bool:
@@ -62,7 +67,7 @@ class TrialResult:
 
     @property
     def fits(self) -> bool:
-        return self.status == OK and self.within_headroom
+        return self.status == OK and self.within_headroom and self.within_budget
 
     def throughput(self, metric: str) -> float | None:
         return self.tokens_per_s if metric == "tokens/s" and self.tokens_per_s else self.samples_per_s
@@ -70,6 +75,8 @@ class TrialResult:
     def verdict(self) -> str:
         """One word or phrase for tables: ok, over headroom, oom (rescued at 8), skipped: ..., failed: ..."""
         if self.status == OK:
+            if not self.within_budget:
+                return f"over the memory budget ({self.memory_budget_bytes / 2**30:.2f} GiB)"
             return "ok" if self.within_headroom else f"over {HEADROOM_FRACTION:.0%} of memory"
         if self.status == OOM:
             return f"oom (rescued at {self.rescued_micro_batch})" if self.rescued_micro_batch else "oom"

@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 
-from .candidates import Candidate, CandidateSpace
+from .candidates import POLICIES_BY_COST, Candidate, CandidateSpace
 from .results import OOM, SKIPPED, TrialResult, faster
 
 DATA_WAIT_GATE_PCT = 5.0
@@ -168,21 +168,57 @@ class Search:
             micro, best = below, trial
 
     def _checkpointing(self, failing: int | None, best_micro: int | None) -> Generator[Candidate, TrialResult, None]:
-        if len(self.space.checkpointing) < 2:
+        """Checkpointing pays only by letting a larger micro-batch fit: where memory stopped the ladder, each policy's
+        ladder above the best micro-batch, the cheapest recomputation first (selective, one layer in two, every layer),
+        until one no longer meets memory; then activation offloading, where memory still stops it. A run that has
+        checkpointing on tries it off, and the cheaper policies, at the best candidate."""
+        space, base = self.space, self.space.base
+        if len(space.checkpointing) < 2 and len(space.policies) < 2 and len(space.offload) < 2:
             return
-        base = self.space.base
         top = self.fastest()
-        if base.gradient_checkpointing:  # the run has it on: off is faster wherever it fits
-            result = yield from self._try(replace(top.candidate if top else base, gradient_checkpointing=False))
-            self.notes.append(f"checkpointing off: {self._outcome(result, top)}")
+        start = top.candidate if top is not None else base
+        if base.gradient_checkpointing:  # the run has it on: off (and a cheaper policy) is faster wherever it fits
+            cheaper = [p for p in POLICIES_BY_COST if p in space.policies][:POLICIES_BY_COST.index(base.checkpoint_layers)
+                                                                           if base.checkpoint_layers in POLICIES_BY_COST else 0]
+            for policy in (["off"] if len(space.checkpointing) > 1 else []) + cheaper:
+                result = yield from self._try(start.with_checkpointing(policy))
+                self.notes.append(f"checkpointing {policy}: {self._outcome(result, top)}")
             return
         if failing is None:
             self.notes.append(f"checkpointing: not tried: memory did not stop the micro-batch ladder (best {best_micro}), "
                               "and checkpointing only pays by letting a larger micro-batch fit")
             return
-        template = replace(top.candidate if top is not None else base, gradient_checkpointing=True)
-        micro, _, why = yield from self._ladder(template, failing, bar=top, floor=best_micro or 0)
-        self.notes.append(f"checkpointing on: {why}")
+        # each costlier policy starts where the cheaper one ran out of memory: at a micro-batch the cheaper one fits it
+        # is only slower; a policy whose larger micro-batch fits but does not pay (or whose ladder met no memory limit)
+        # ends the walk: a costlier one would recompute more for the same or a smaller gain
+        still_failing, best_policy = failing, None
+        for policy in [p for p in POLICIES_BY_COST if p in space.policies] if len(space.checkpointing) > 1 else []:
+            top = self.fastest()
+            template = (top.candidate if top is not None else base).with_checkpointing(policy)
+            floor = max(best_micro or 0, top.candidate.micro_batch if top is not None else 0)
+            micro, failed_at, why = yield from self._ladder(template, still_failing, bar=top, floor=floor)
+            self.notes.append(f"checkpointing {policy}: {why}")
+            if micro is not None:
+                best_policy = policy
+            if failed_at is None:
+                still_failing = None
+                self.notes.append("checkpointing: memory no longer stops the ladder: the costlier policies are not tried")
+                break
+            still_failing = failed_at
+        yield from self._offload(still_failing, best_policy)
+
+    def _offload(self, failing: int | None, policy: str | None) -> Generator[Candidate, TrialResult, None]:
+        """Activation offloading (CUDA), only where memory still stops the ladder with checkpointing."""
+        if True not in self.space.offload or self.space.base.offload_activations:
+            return
+        if failing is None:
+            self.notes.append("offload: not tried: memory did not stop the ladder")
+            return
+        top = self.fastest()
+        template = replace((top.candidate if top is not None else self.space.base).with_checkpointing(policy or "all"),
+                           offload_activations=True)
+        _, _, why = yield from self._ladder(template, failing, bar=top, floor=top.candidate.micro_batch if top else 0)
+        self.notes.append(f"offload: {why}")
 
     def _workers(self) -> Generator[Candidate, TrialResult, None]:
         if len(self.space.workers) < 2:
@@ -253,8 +289,8 @@ def run_search(space: CandidateSpace, budget_s: float, run_trial: RunTrial | Non
     spent = 0.0
     candidate = next(steps, None)
     while candidate is not None:
-        if candidate.key in cached:
-            result = cached[candidate.key].cached()
+        if candidate.key in cached:  # measured before, judged against this search's memory budget
+            result = replace(cached[candidate.key].cached(), memory_budget_bytes=space.memory_budget_bytes)
         else:
             predicted = predicted_seconds(candidate, results)
             if predicted is not None and spent + predicted > budget_s:
@@ -264,6 +300,8 @@ def run_search(space: CandidateSpace, budget_s: float, run_trial: RunTrial | Non
                 return SearchOutcome(tuple(results), tuple(search.notes), spent, needs_trials=True)
             else:
                 result = run_trial(candidate, warmup_steps, measure_steps or measure_steps_of(results))
+        if result.memory_budget_bytes != space.memory_budget_bytes:
+            result = replace(result, memory_budget_bytes=space.memory_budget_bytes)
         spent += result.seconds
         results.append(result)
         try:
@@ -277,16 +315,19 @@ def grid(space: CandidateSpace) -> list[Candidate]:
     """Every candidate of the space the planner allows, micro-batch fastest-varying: the exhaustive search that
     ``benchmarks/tune_vs_grid.py`` sets against ``Search``."""
     found = []
+    policies = [policy for ckpt in space.checkpointing for policy in (space.policies if ckpt else ("off",))]
     for precision in space.precisions:
         for compiled in space.compile:
             for packing in space.packing:
-                for ckpt in space.checkpointing:
-                    for workers in space.workers:
-                        for micro in space.micro_batches:
-                            c = replace(space.base.with_micro_batch(micro), gradient_checkpointing=ckpt, dataloader_num_workers=workers,
-                                        precision=precision, torch_compile=compiled, packing=packing)
-                            if space.planner_allows(c):
-                                found.append(c)
+                for policy in policies:
+                    for offloaded in space.offload:
+                        for workers in space.workers:
+                            for micro in space.micro_batches:
+                                c = replace(space.base.with_micro_batch(micro).with_checkpointing(policy),
+                                            offload_activations=offloaded, dataloader_num_workers=workers, precision=precision,
+                                            torch_compile=compiled, packing=packing)
+                                if space.planner_allows(c):
+                                    found.append(c)
     return found
 
 

@@ -14,18 +14,22 @@ recipe's model: nothing tuned here is saved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import statistics
 from dataclasses import dataclass, replace
 
+import psutil
 import torch
 
 from ..callbacks.memory_probe import device_peak
+from ..training.activation_offload import detach as detach_offloading
 from ..finetune.config import ConfigError, FinetuneConfig
 from .candidates import Candidate
 from .lm_layouts import Layout, prepared_layout
+from .resident_memory import PeakResident
 from .results import FAILED, OK, OOM, SKIPPED, TrialResult
 from .search import MEASURE_STEPS_RANGE, measure_steps_for
 
@@ -113,6 +117,7 @@ class TrialSession:
 
         from ..callbacks import attach_telemetry
         from ..finetune.runtime import resolve_runtime
+        from ..finetune.memory_levers import apply_levers
         from ..finetune.trainer_factory import build_trainer
         from ..training import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
         from .meter import TrialMeter
@@ -127,16 +132,19 @@ class TrialSession:
             torch.cuda.reset_peak_memory_stats(device)
         trainer = recovery = telemetry = meter = None
         outcome: tuple[str, str] = (OK, "")
+        resident = PeakResident() if not runtime.on_cuda else contextlib.nullcontext()
         try:
             trainer = build_trainer(cfg, runtime, self.model, layout.train, self.validation, layout.collator, self.processing_class,
                                     trainer_class=Trainer)
+            apply_levers(trainer, cfg, runtime)  # selective checkpointing, offloading: as scripts/finetune.py applies them
             recovery = enable_oom_recovery(trainer)
             telemetry = attach_telemetry(trainer, compact_console=False, write_report=False)
             for printer in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(printer)
             meter = TrialMeter(warmup_steps, measure_steps, telemetry, decide=measure_steps_for)
             trainer.add_callback(meter)
-            trainer.train()
+            with resident:
+                trainer.train()
         except OutOfMemoryAtMicroBatchOne as error:  # every rank raises it together (the recovery's vote)
             outcome = (OOM, f"out of memory at micro-batch 1: {str(error).splitlines()[0]}")
         except torch.OutOfMemoryError as error:  # outside a training step (the optimizer's states, wrapping the model)
@@ -150,6 +158,8 @@ class TrialSession:
                 raise  # another rank may be inside a collective: end the launch rather than hang it
             outcome = (FAILED, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         peak, total = device_peak(device)
+        if isinstance(resident, PeakResident) and resident.bytes:  # the CPU: the process's peak resident memory
+            peak, total = resident.bytes, psutil.virtual_memory().total
         events = list(recovery.events) if recovery is not None else []
         failed = [e["from"] for e in events if e.get("phase") == "train"]
         status, reason = outcome
@@ -181,10 +191,12 @@ class TrialSession:
             trainer.accelerator.free_memory()
             trainer.optimizer = trainer.lr_scheduler = None
         checkpointing_off(self.model)
+        detach_offloading(self.model)
         self.model.zero_grad(set_to_none=True)
 
 
-def combine(candidate: Candidate, local: list[LocalMeasurement], warmup_steps: int, seconds: float, world_size: int) -> TrialResult:
+def combine(candidate: Candidate, local: list[LocalMeasurement], warmup_steps: int, seconds: float, world_size: int,
+            memory_budget_bytes: int | None = None) -> TrialResult:
     """Every process's measurement of one trial -> its result: throughput over all processes in the slowest one's
     measured time, memory of the fullest process, data wait of the one that waited most."""
     statuses = {m.status for m in local}
@@ -197,7 +209,8 @@ def combine(candidate: Candidate, local: list[LocalMeasurement], warmup_steps: i
     measure_steps = local[0].measured_steps or 0
     common = dict(peak_memory_bytes=max(peaks) if peaks else None, device_memory_bytes=min(totals) if totals else None,
                   rescued_micro_batch=min(rescued) if rescued else None, failed_micro_batch=min(failed) if failed else None,
-                  warmup_steps=warmup_steps, measured_steps=measure_steps, seconds=round(seconds, 3))
+                  warmup_steps=warmup_steps, measured_steps=measure_steps, seconds=round(seconds, 3),
+                  memory_budget_bytes=memory_budget_bytes)
     times = [m.measured_s for m in local]
     if status in (FAILED, SKIPPED) or None in times or not times:
         return TrialResult(candidate, status, reason, **common)

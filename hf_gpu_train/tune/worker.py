@@ -94,7 +94,7 @@ def run(spec: dict, started: float) -> int:
         _broadcast([candidate.to_dict(), warmup_steps, measure_steps], world)
         start = time.perf_counter()
         local = session.run(candidate, warmup_steps, measure_steps)
-        result = combine(candidate, _gather(local, world), warmup_steps, time.perf_counter() - start, world)
+        result = combine(candidate, _gather(local, world), warmup_steps, time.perf_counter() - start, world, space.memory_budget_bytes)
         done.append(result)
         print(trial_line(len(done), result), flush=True)
         _write(results_path, {**doc, "trials": [r.to_dict() for r in done]})

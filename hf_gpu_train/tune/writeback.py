@@ -45,9 +45,9 @@ def backup(path: Path, stamp: str) -> Path | None:
 
 def tuned_axes(space: CandidateSpace) -> dict[str, bool]:
     """Which axes had more than one option (what tune decided, and so what it may write)."""
-    return {"micro_batch": len(space.micro_batches) > 1, "checkpointing": len(space.checkpointing) > 1,
-            "workers": len(space.workers) > 1, "precision": len(space.precisions) > 1, "compile": len(space.compile) > 1,
-            "packing": len(space.packing) > 1}
+    return {"micro_batch": len(space.micro_batches) > 1, "checkpointing": len(space.checkpointing) > 1 or len(space.policies) > 1,
+            "offload": len(space.offload) > 1, "workers": len(space.workers) > 1, "precision": len(space.precisions) > 1,
+            "compile": len(space.compile) > 1, "packing": len(space.packing) > 1}
 
 
 def plan_values(winner: Candidate, space: CandidateSpace, reason: str) -> dict[str, PlanValue]:
@@ -62,6 +62,8 @@ def plan_values(winner: Candidate, space: CandidateSpace, reason: str) -> dict[s
         found["global_batch_size"] = PlanValue(space.effective_batch, f"{batch} = {space.effective_batch}, the run's effective "
                                                "batch, kept by every candidate")
     for axis, key, value in (("checkpointing", "gradient_checkpointing", winner.gradient_checkpointing),
+                             ("checkpointing", "checkpoint_layers", winner.checkpoint_layers if winner.gradient_checkpointing else "all"),
+                             ("offload", "offload_activations", winner.offload_activations),
                              ("workers", "dataloader_num_workers", winner.dataloader_num_workers),
                              ("precision", "precision", winner.precision), ("compile", "torch_compile", winner.torch_compile),
                              ("packing", "packing", winner.packing)):

@@ -281,3 +281,19 @@ def test_offloading_leaves_the_weights_after_the_model_moves():
     finally:
         activation_offload.OffloadActivations._copy = original
     assert copied and not weights.intersection(copied)
+
+
+def test_offloading_comes_off_again_and_puts_back_the_forward_it_wrapped():
+    """tune's trials share one model: a trial with offloading must leave the next one the forward it found (the
+    class's own, or the chunked head's)."""
+    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+
+    model = tiny_llama().train()
+    activation_offload.attach(model, on_cuda=False, min_bytes=0, offload_cpu_tensors=True)
+    assert "forward" in model.__dict__
+    assert activation_offload.detach(model) and "forward" not in model.__dict__ and not activation_offload.detach(model)
+    install(model, chunk=4)
+    chunked = model.__dict__["forward"]
+    activation_offload.attach(model, on_cuda=False, min_bytes=0, offload_cpu_tensors=True)
+    assert model.__dict__["forward"] is not chunked
+    assert activation_offload.detach(model) and model.__dict__["forward"] is chunked

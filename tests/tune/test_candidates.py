@@ -86,17 +86,23 @@ def test_the_planner_prunes_exactly_what_it_says_does_not_fit(tmp_path):
     job = load_job(str(config), "scripts/finetune.py", [t4_model(tmp_path), "max_length=512", "global_batch_size=64"], {},
                    profile=load_machine("1x-t4"))
     plan = read_run_plan(tmp_path / "t4.plan.json", "test")
-    verdicts = {(v.micro_batch, v.gradient_checkpointing, v.precision): v for v in job.space.verdicts}
-    assert set(verdicts) == {(m, c, "fp16") for m in job.space.micro_batches for c in (False, True)}
-    for (micro, ckpt, _), v in verdicts.items():
-        check = check_memory(plan, {"per_device_train_batch_size": micro, "gradient_checkpointing": ckpt, "precision": "fp16"},
-                             world_size=1, seq_len=512)
+    verdicts = {v.lookup: v for v in job.space.verdicts}
+    checkpointing = [False, "all", "selective", "every-2"]  # off, then each policy (a transformers model)
+    assert set(verdicts) == {(m, c, o, "fp16") for m in job.space.micro_batches for c in checkpointing for o in (False, True)}
+    for (micro, policy, offloaded, _), v in verdicts.items():
+        values = {"per_device_train_batch_size": micro, "gradient_checkpointing": bool(policy), "precision": "fp16"}
+        levers = {"chunked_loss": False, "checkpoint_layers": policy or "all", "offload_activations": offloaded,
+                  "optimizer_in_backward": False}
+        check = check_memory(plan, values, world_size=1, seq_len=512, levers=levers)
         assert (v.fits, v.estimate_bytes) == (check.fits, check.estimate_bytes)
     largest = check_memory(plan, {"per_device_train_batch_size": 1, "gradient_checkpointing": False, "precision": "fp16"},
                            world_size=1, seq_len=512).largest_micro_batch
-    assert [m for m in job.space.micro_batches if verdicts[(m, False, "fp16")].fits] == [m for m in job.space.micro_batches
-                                                                                          if m <= largest]
+    assert [m for m in job.space.micro_batches if verdicts[(m, False, False, "fp16")].fits] == [m for m in job.space.micro_batches
+                                                                                                 if m <= largest]
     assert any(not v.fits for v in verdicts.values()) and any(v.fits for v in verdicts.values())
+    # each lever lets the planner allow more: selective above off, every layer above selective, offloading above each
+    allowed = {c: max((m for (m, p, o, _), v in verdicts.items() if p == c and not o and v.fits), default=0) for c in checkpointing}
+    assert allowed[False] <= allowed["selective"] <= allowed["all"]
 
 
 def test_tune_refuses_a_sharded_launch_config(tmp_path):

@@ -141,3 +141,56 @@ def test_the_grid_is_every_candidate_the_planner_allows_with_the_same_trial_runn
     m = Machine(oom_above=4)
     outcome = run_grid(sp, m.run)
     assert [r.candidate for r in outcome.results] == candidates == m.calls
+
+
+POLICIES = {"selective": (2, 0.03), "every-2": (3, 0.12)}  # (factor on the memory limit, cost); "all": 4, 0.25
+
+
+def levers(machine: Machine) -> list[tuple]:
+    return [(c.micro_batch, c.checkpointing, c.offload_activations) for c in machine.calls]
+
+
+def test_the_cheapest_checkpointing_policy_goes_first_and_a_costlier_one_starts_where_it_ran_out():
+    """Issue 19: memory stops the ladder at 16; selective checkpointing fits 16 and pays; one layer in two (limit 24)
+    starts where selective ran out (32) and does not fit; every layer fits 32 and pays more than selective's 16."""
+    m = Machine(oom_above=8, ckpt_factor=4, ckpt_cost=0.25, half_speed_micro=32.0, policies=POLICIES)
+    outcome, choice = search(space(per_process=64, start=8, layered=True), m)
+    assert levers(m)[:3] == [(8, "off", False), (16, "off", False), (4, "off", False)]
+    assert levers(m)[3:] == [(16, "selective", False), (32, "selective", False), (32, "every-2", False), (32, "all", False),
+                             (64, "all", False)]
+    assert (choice.winner.candidate.micro_batch, choice.winner.candidate.checkpointing) == (32, "all")
+    assert any(n.startswith("checkpointing selective:") for n in outcome.notes)
+
+
+def test_when_the_cheapest_policy_lifts_the_memory_limit_the_costlier_ones_are_not_measured():
+    m = Machine(oom_above=8, half_speed_micro=32.0, policies={"selective": (8, 0.03), "every-2": (8, 0.12)})
+    outcome, choice = search(space(per_process=64, start=8, layered=True), m)
+    assert {c.checkpointing for c in m.calls} == {"off", "selective"}
+    assert choice.winner.candidate.checkpointing == "selective" and choice.winner.candidate.micro_batch == 64
+    assert "checkpointing: memory no longer stops the ladder: the costlier policies are not tried" in outcome.notes
+
+
+def test_offloading_is_measured_on_cuda_only_where_checkpointing_still_meets_memory():
+    m = Machine(oom_above=2, ckpt_factor=4, ckpt_cost=0.25, half_speed_micro=32.0, policies=POLICIES, offload=(2.0, 0.05))
+    outcome, choice = search(space(per_process=32, start=2, layered=True, on_cuda=True), m)
+    assert [x for x in levers(m) if x[2]] and all(x[1] != "off" for x in levers(m) if x[2])  # with checkpointing
+    assert choice.winner.candidate.offload_activations and choice.winner.candidate.micro_batch == 16
+    cpu = Machine(oom_above=2, half_speed_micro=32.0, policies=POLICIES)
+    outcome, _ = search(space(per_process=32, start=2, layered=True), cpu)
+    assert not any(c.offload_activations for c in cpu.calls)
+    assert "offload: not tried on the CPU (the activations are in host memory already)" in space(layered=True).notes
+
+
+def test_with_a_memory_budget_the_fastest_candidate_under_it_wins():
+    """--memory-budget-gib: nothing runs out of memory here, but every candidate above 3 GiB (a sample costs 0.25 GiB
+    without checkpointing) is over the budget: the winner is the fastest that stays under it, with checkpointing."""
+    m = Machine(oom_above=1000, half_speed_micro=32.0, policies=POLICIES, gib_per_sample=0.25)
+    outcome, choice = search(space(per_process=64, start=64, layered=True, memory_budget_bytes=3 * 2**30), m)
+    over = [r for r in outcome.results if r.status == "ok" and not r.fits]
+    assert over and all("over the memory budget (3.00 GiB)" == r.verdict() for r in over)
+    winner = choice.winner
+    assert winner.peak_memory_bytes <= 3 * 2**30 and winner.candidate.gradient_checkpointing
+    fitting = [r for r in outcome.results if r.fits]
+    assert winner.samples_per_s == max(r.samples_per_s for r in fitting)
+    unbudgeted, plain = search(space(per_process=64, start=64, layered=True), Machine(oom_above=1000, half_speed_micro=32.0))
+    assert not plain.winner.candidate.gradient_checkpointing and plain.winner.candidate.micro_batch == 64

@@ -84,6 +84,19 @@ def test_trials_share_one_model_and_leave_nothing_behind(tmp_path):
     before = hooks()
     checkpointed = combine(C, [session.run(replace_ckpt(C), 1, 3)], 1, 1.0, 1)
     assert checkpointed.status == "ok" and not session.model.is_activation_checkpointing
+    assert checkpointed.peak_memory_bytes and checkpointed.device_memory_bytes  # on the CPU: the peak resident memory
+    from dataclasses import replace
+
+    from hf_gpu_train.training import selective_checkpoint
+
+    enabled = []
+    original = selective_checkpoint.enable
+    selective_checkpoint.enable = lambda model: (enabled.append(model), original(model))[1]
+    try:
+        selective = combine(C, [session.run(replace(C, gradient_checkpointing=True, checkpoint_layers="selective"), 1, 3)], 1, 1.0, 1)
+    finally:
+        selective_checkpoint.enable = original
+    assert selective.status == "ok" and enabled and not session.model.is_activation_checkpointing  # on for the trial only
     plain = combine(C, [session.run(C, 1, 3)], 1, 1.0, 1)
     gc.collect()
     assert plain.status == "ok" and hooks() == before

@@ -47,7 +47,8 @@ def test_backups_first_then_the_plan_holds_the_measured_values_and_the_next_run_
     assert {k: resolved.values[k] for k in ("per_device_train_batch_size", "global_batch_size", "torch_compile", "precision")} == {
         "per_device_train_batch_size": 16, "global_batch_size": 64, "torch_compile": True, "precision": "fp16"}
     assert tuned_keys_for(plan, recipe) == {"per_device_train_batch_size", "global_batch_size", "gradient_checkpointing",
-                                            "dataloader_num_workers", "precision", "torch_compile"}
+                                            "checkpoint_layers", "offload_activations", "dataloader_num_workers", "precision",
+                                            "torch_compile"}  # the levers' axes too (checkpointing policy, offloading on CUDA)
     again = load_job(str(tmp_path / "box.yaml"), "scripts/finetune.py", ["--config", str(recipe)], {},
                      profile=load_machine("1x-h200"))
     assert again.space == job.space and again.cache_key == job.cache_key  # a rerun starts where the first run started
