@@ -25,8 +25,8 @@ import psutil
 import torch
 
 from ..callbacks.memory_probe import device_peak
-from ..training.activation_offload import detach as detach_offloading
 from ..finetune.config import ConfigError, FinetuneConfig
+from ..training.activation_offload import detach as detach_offloading
 from .candidates import Candidate
 from .lm_layouts import Layout, prepared_layout
 from .resident_memory import PeakResident
@@ -116,8 +116,8 @@ class TrialSession:
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
         from ..callbacks import attach_telemetry
-        from ..finetune.runtime import resolve_runtime
         from ..finetune.memory_levers import apply_levers
+        from ..finetune.runtime import resolve_runtime
         from ..finetune.trainer_factory import build_trainer
         from ..training import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
         from .meter import TrialMeter
