@@ -14,6 +14,14 @@ allocator keeps) and row capacity per second (steps x rows x max_length / second
 nearly full). Evaluation, checkpoints, telemetry and generation are off in every arm, so train() is the steps alone.
 
     python benchmarks/memory_levers.py [--steps 3] [--lengths 512 2048] [--methods lora full]
+    python benchmarks/memory_levers.py --context-budget-gib 4   # the longest context in 4 GiB, ours against TRL
+
+The second form: the longest ``max_length`` (one packed row of that many tokens per step, LoRA, one optimizer step) whose
+training process stays within a fixed memory budget, ours with every exact lever that saves memory here (the chunked
+head, checkpointing every layer; offloading on a GPU) against TRL 1.16's leanest ``SFTTrainer`` (its fused LM head,
+packing, gradient checkpointing; its activation offloading on a GPU only: on the CPU it does not start). Lengths double
+from the first, then one step halfway between the longest that fits and the first that does not. Memory is the
+process's peak RSS (``ru_maxrss``: loading included) on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU.
 """
 
 from __future__ import annotations
@@ -56,12 +64,87 @@ def arm(tmp: Path, name: str, overrides: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
+OURS_LEANEST = ["chunked_lm_loss=true", "gradient_checkpointing=true", "checkpoint_layers=all"]
+
+
+def ours_at(tmp: Path, length: int) -> dict:
+    """ours' peak and time for one step of one packed row of ``length`` tokens, LoRA, every memory-saving lever."""
+    import torch
+
+    levers = OURS_LEANEST + (["offload_activations=true"] if torch.cuda.is_available() else [])
+    overrides = ["method=lora", f"max_length={length}", "max_steps=1", *QUIET, *levers]
+    result = arm(tmp, f"ours-context-{length}", overrides)
+    return {"fits_bytes": result["peak_rss_bytes"], "seconds": result["train_seconds"]}
+
+
+def trl_at(tmp: Path, length: int) -> dict:
+    """TRL's leanest SFTTrainer for one step of one packed row of ``length`` tokens (benchmarks/sft_vs_trl_arm.py)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sft_vs_trl import run_spec
+
+    from hf_gpu_train.finetune.causal_lm import smollm2
+    from hf_gpu_train.finetune.config import load_config
+
+    cfg = load_config("recipes/smollm2_lora_demo.yaml", [])
+    on_cuda = torch.cuda.is_available()
+    options = {"packing": True, **({"activation_offloading": True} if on_cuda else {})}  # checkpointing: TRL's default
+    spec = {"mode": "train", "arm": "trl", "out": str(tmp / f"trl-context-{length}"), "model_path": str(smollm2.ensure_converted()),
+            "train_file": str(cfg.train_file), "validation_file": str(cfg.validation_file), "recipe": "recipes/smollm2_lora_demo.yaml",
+            "trl": dict(seed=cfg.seed, num_train_epochs=1, max_steps=1, learning_rate=cfg.learning_rate, lr_scheduler_type="linear",
+                        warmup_ratio=0.0, weight_decay=cfg.weight_decay, max_length=length, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                        lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules, batch=1, options=options)}
+    result = run_spec(spec, tmp, f"trl-context-{length}")
+    return {"fits_bytes": result["cuda_peak_allocated"] if on_cuda else result["ru_maxrss"], "seconds": result["train_seconds"]}
+
+
+def longest_context(measure, tmp: Path, budget: int, lengths: list[int], name: str) -> tuple[int | None, list[str]]:
+    """The longest length whose peak stays within ``budget``: the ladder, then one step halfway."""
+    lines, fits, fails = [], None, None
+    for length in lengths:
+        r = measure(tmp, length)
+        ok = r["fits_bytes"] <= budget
+        lines.append(f"| {name} | {length} | {r['fits_bytes'] / 2**30:.2f} GiB | {'fits' if ok else 'over'} | {r['seconds']:.0f} s |")
+        print(lines[-1], flush=True)
+        if not ok:
+            fails = length
+            break
+        fits = length
+    if fits is not None and fails is not None:
+        middle = (fits + fails) // 2
+        r = measure(tmp, middle)
+        ok = r["fits_bytes"] <= budget
+        lines.append(f"| {name} | {middle} | {r['fits_bytes'] / 2**30:.2f} GiB | {'fits' if ok else 'over'} | {r['seconds']:.0f} s |")
+        print(lines[-1], flush=True)
+        fits = middle if ok else fits
+    return fits, lines
+
+
+def context_in_budget(args) -> int:
+    budget = int(args.context_budget_gib * 2**30)
+    print(f"The longest context in {args.context_budget_gib:g} GiB (peak RSS of the training process on the CPU, CUDA peak "
+          "allocated on a GPU): LoRA on SmolLM2-135M, one packed row per step, one step")
+    print("| trainer | max_length | peak | within the budget | train s |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        trl, _ = longest_context(trl_at, Path(tmp), budget, args.context_lengths, "TRL leanest (fused head, packing, ckpt)")
+        ours, _ = longest_context(ours_at, Path(tmp), budget, args.context_lengths, "ours (chunked head, ckpt every layer)")
+    ratio = "-" if not trl or not ours else f"{ours / trl:.2f}x"
+    print(f"longest context in {args.context_budget_gib:g} GiB: ours {ours}, TRL {trl}: {ratio} (goal: >= 2x)")
+    return 0
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--methods", nargs="+", default=["lora", "full"])
+    parser.add_argument("--context-budget-gib", type=float, help="instead of the table: the longest context in this budget")
+    parser.add_argument("--context-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     args = parser.parse_args()
+    if args.context_budget_gib:
+        return context_in_budget(args)
     print("| method | max_length | levers | peak RSS | change | row tokens/s | speed |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

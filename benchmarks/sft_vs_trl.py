@@ -19,6 +19,13 @@ Arms:
   padding-free batches flattened into one row with per-example position_ids), and ours' batch of 4 rows;
 - ``trl-packing-nockpt``: the same with gradient checkpointing off (TRL's default is on), and on a GPU the base loaded in
   bf16 instead of TRL's fp32: what an expert does for a 135M model;
+- ``trl-lean`` (CUDA): TRL's leanest: its fused LM head (always on in TRL 1.16), packing, gradient checkpointing and
+  ``activation_offloading=True``. On a CPU TRL's offloading does not start (it makes CUDA streams: "CUDA driver version
+  is insufficient"), so there ``trl-packing`` (fused head, packing, checkpointing) is TRL's leanest arm;
+- ``ours-lean``: ours with the memory levers ``hf-gpu-train tune`` picks: after the TRL arms, tune measures the job
+  (`hf-gpu-train config --num-processes 1`, then `hf-gpu-train tune --memory-budget-gib B`, B = ``--lean-fraction`` x
+  the peak of TRL's leanest arm) and writes its winner into the plan; the arm runs with that plan, as a user would
+  (`HF_GPU_TRAIN_PLAN`: the tuned values apply to this very job);
 - ``trl-bf16`` (CPU only, ``--bf16-steps`` steps): TRL's defaults all the way, bf16 and batch 8 included (plus
   ``use_cpu=True``: without it transformers refuses bf16 on a machine without a GPU, so TRL's plain defaults do not
   start on a CPU at all), a reference line for the bf16 trap (torch's reference GEMM on a CPU without bf16 units), not
@@ -32,11 +39,14 @@ tokenized the same way, mean token cross-entropy on the assistant turns (answer 
 on) and on every token (what TRL's default trains on). The goals read the assistant-token loss.
 
 Goals: ours >= 1.3x the tokens/s of ``trl``, >= 1.0x the best TRL arm with packing, at equal (within 0.01) or lower
-assistant-token eval loss than each.
+assistant-token eval loss than each. Issue 19's: ``ours-lean`` >= 1.3x the tokens/s of TRL's fastest arm while its peak
+memory is <= 0.75x TRL's leanest arm's, both at once, with its assistant-token eval loss within 0.02 of ours' (the
+levers are exact) and no more than 0.02 above any TRL arm's.
 
     python benchmarks/sft_vs_trl.py                       # one epoch, every arm (CPU: many minutes)
     python benchmarks/sft_vs_trl.py --rows 64 --steps 3   # quick: 64 train rows, 3 optimizer steps per arm
     python benchmarks/sft_vs_trl.py --json out.json       # also write every measure
+    python benchmarks/sft_vs_trl.py --rows 160 --max-length 1024 --rows-per-step 2   # issue 19's setting
 """
 
 from __future__ import annotations
@@ -56,15 +66,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RECIPE = "recipes/smollm2_lora_demo.yaml"
-ARMS = ("ours", "trl", "trl-packing", "trl-packing-nockpt")
+ARMS = ("ours", "trl", "trl-packing", "trl-packing-nockpt", "trl-lean", "ours-lean")
 NAMES = {
     "ours": "ours (scripts/finetune.py)",
     "trl": "TRL SFTTrainer defaults",
     "trl-packing": "TRL packing=True",
     "trl-packing-nockpt": "TRL packing, no ckpt",
+    "trl-lean": "TRL lean (+ offloading)",
+    "ours-lean": "ours, levers tune picks",
     "trl-bf16": "TRL all defaults (bf16)",
 }
 LOSS_TOLERANCE = 0.01
+LEAN_LOSS_TOLERANCE = 0.02
+LEAN_SPEED, LEAN_MEMORY = 1.3, 0.75  # issue 19: ours-lean's speed over TRL's fastest, peak over TRL's leanest
 TRL_DEFAULT_BATCH = 8
 
 
@@ -80,7 +94,7 @@ def plan(args) -> dict:
     from hf_gpu_train.finetune.causal_lm.packing import best_fit_decreasing
     from hf_gpu_train.finetune.config import load_config_and_keys
 
-    cfg, _ = load_config_and_keys(args.recipe, [])
+    cfg, _ = load_config_and_keys(args.recipe, shape_overrides(args) + ours_micro_batch(args))
     model_path = str(smollm2.ensure_converted(say)) if cfg.model == smollm2.BUILTIN_NAME else cfg.model
     rows = [json.loads(line) for line in Path(cfg.train_file).read_text().splitlines() if line.strip()]
     rows = rows[:args.rows] if args.rows else rows
@@ -94,6 +108,18 @@ def plan(args) -> dict:
             "packed_rows": packed_rows, "ours_steps": ours_steps, "trl_batch": trl_batch}
 
 
+def shape_overrides(args) -> list[str]:
+    """The recipe's max_length and rows per step, as the command line sets them: the rows per step as the global batch
+    (what the job is), so tune may still choose the micro-batch that makes it up."""
+    return ([f"max_length={args.max_length}"] if args.max_length else []) + (
+        [f"global_batch_size={args.rows_per_step}"] if args.rows_per_step else [])
+
+
+def ours_micro_batch(args) -> list[str]:
+    """ours' default arm: the whole step in one micro-batch (the recipe's micro-batch may be larger than the step)."""
+    return [f"per_device_train_batch_size={args.rows_per_step}"] if args.rows_per_step else []
+
+
 def trl_settings(p: dict, args, arm: str) -> dict:
     cfg = p["cfg"]
     common = dict(seed=cfg.seed, num_train_epochs=cfg.num_train_epochs, max_steps=args.steps or -1,
@@ -102,6 +128,8 @@ def trl_settings(p: dict, args, arm: str) -> dict:
                   lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules, batch=p["trl_batch"], options={})
     if arm == "trl-packing":
         common.update(batch=cfg.per_device_train_batch_size, options={"packing": True})
+    elif arm == "trl-lean":  # TRL's fused LM head is always on; packing, checkpointing and offloading are options
+        common.update(batch=cfg.per_device_train_batch_size, options={"packing": True, "activation_offloading": True})
     elif arm == "trl-packing-nockpt":
         common.update(batch=cfg.per_device_train_batch_size, options={"packing": True, "gradient_checkpointing": False},
                       model_dtype="bfloat16")
@@ -126,18 +154,50 @@ def run_spec(spec: dict, work: Path, name: str) -> dict:
     return result
 
 
-def train_spec(p: dict, args, arm: str, work: Path, train_file: Path, tag: str) -> dict:
+def ours_job(args, train_file: Path) -> list[str]:
+    """ours' key=value for the recipe: what the job is (the same for ours, ours-lean and tune), without output_dir."""
+    overrides = [f"train_file={train_file}", "generation_samples=0", *shape_overrides(args)]  # generation: outside train()
+    return overrides + ([f"max_steps={args.steps}"] if args.steps else [])
+
+
+def train_spec(p: dict, args, arm: str, work: Path, train_file: Path, tag: str, plan_file: Path | None = None) -> dict:
     out = work / tag
     spec = {"mode": "train", "arm": arm.replace("trl-bf16", "trl"), "out": str(out), "model_path": p["model_path"],
             "train_file": str(train_file), "validation_file": str(p["cfg"].validation_file), "recipe": args.recipe}
-    if arm == "ours":
-        overrides = [f"output_dir={out}", f"train_file={train_file}", "generation_samples=0"]  # generation: outside train()
-        if args.steps:
-            overrides.append(f"max_steps={args.steps}")
-        spec["ours_overrides"] = overrides
+    if arm.startswith("ours"):
+        micro = ours_micro_batch(args) if arm == "ours" else []  # ours-lean: the micro-batch tune measured
+        spec["ours_overrides"] = [*ours_job(args, train_file), *micro, f"output_dir={out}"]
+        if plan_file is not None:  # ours-lean: the plan tune wrote, applied by the run itself
+            spec["plan_file"] = str(plan_file)
     else:
         spec["trl"] = trl_settings(p, args, arm)
     return spec
+
+
+def tune_levers(args, work: Path, train_file: Path, budget_bytes: int) -> tuple[Path, list[str]]:
+    """`hf-gpu-train config` for one process here, then `hf-gpu-train tune` on ours' job under the memory budget: the
+    plan file it wrote its winner into, and its table and reasons."""
+    box = work / "box"
+    hf = [sys.executable, "-m", "hf_gpu_train"]
+    made = subprocess.run([*hf, "config", "--num-processes", "1", "--output", str(box), "--force"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"hf-gpu-train config failed:\n{made.stdout[-2000:]}{made.stderr[-2000:]}")
+    command = [*hf, "tune", "--fresh", "--budget-s", str(args.tune_budget_s), "--memory-budget-gib", f"{budget_bytes / 2**30:.3f}",
+               "--config-file", str(box.with_suffix(".yaml")), "scripts/finetune.py", "--config", args.recipe,
+               *ours_job(args, train_file)]
+    start = time.perf_counter()
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    table = [line for line in lines if line[:1].isdigit() or line.startswith(("#  ", "-  "))]
+    shown = [line for line in lines if line.startswith(("hf-gpu-train tune: fastest", "hf-gpu-train tune: not eligible",
+                                                         "hf-gpu-train tune: next", "hf-gpu-train tune: no candidate"))]
+    head = f"tune under {budget_bytes / 2**20:,.0f} MiB: {time.perf_counter() - start:.0f} s"
+    if run.returncode == 1 and any("no candidate" in line for line in shown):
+        return None, [head, *table, *shown]  # nothing fits the budget: ours-lean does not run, the goal is missed
+    if run.returncode != 0:
+        raise SystemExit(f"hf-gpu-train tune failed (exit {run.returncode}):\n" + "\n".join(lines[-30:]) + run.stderr[-3000:])
+    return box.with_suffix(".plan.json"), [head, *table, *shown]
 
 
 def mib(n) -> str:
@@ -202,7 +262,28 @@ def report(runs: dict, bf16: dict | None, evaluation: dict, on_cuda: bool, bf16_
                            f"{ours_loss:.4f} vs {other:.4f}"))
         lines.append("goals:")
         lines += [f"  {'MET   ' if met else 'MISSED'} {what}: {figure}" for what, met, figure in checks]
+    if "ours-lean" in arms and trl_arms:
+        lines += lean_goals(arms, trl_arms, rate, lambda arm: median(arm, memory_key), eval_loss)
     return lines
+
+
+def lean_goals(arms, trl_arms, rate, peak, eval_loss) -> list[str]:
+    """Issue 19: ours with the levers tune picks against TRL's fastest and TRL's leanest arm, both at once."""
+    fastest = max(trl_arms, key=lambda a: rate[a])
+    leanest = min(trl_arms, key=peak)
+    lean_loss = eval_loss("ours-lean")
+    checks = [(f"ours-lean tokens/s >= {LEAN_SPEED}x TRL's fastest ({NAMES[fastest]})", rate["ours-lean"] / rate[fastest] >= LEAN_SPEED,
+               f"{rate['ours-lean'] / rate[fastest]:.2f}x"),
+              (f"ours-lean peak memory <= {LEAN_MEMORY}x TRL's leanest ({NAMES[leanest]})",
+               peak("ours-lean") / peak(leanest) <= LEAN_MEMORY, f"{peak('ours-lean') / peak(leanest):.2f}x")]
+    if "ours" in arms:
+        ours_loss = eval_loss("ours")
+        checks.append((f"ours-lean assistant eval loss within {LEAN_LOSS_TOLERANCE} of ours' (exact levers)",
+                       abs(lean_loss - ours_loss) <= LEAN_LOSS_TOLERANCE, f"{lean_loss:.4f} vs {ours_loss:.4f}"))
+    best_trl = min(trl_arms, key=eval_loss)
+    checks.append((f"ours-lean assistant eval loss <= TRL's best (+{LEAN_LOSS_TOLERANCE})",
+                   lean_loss <= eval_loss(best_trl) + LEAN_LOSS_TOLERANCE, f"{lean_loss:.4f} vs {eval_loss(best_trl):.4f} ({NAMES[best_trl]})"))
+    return ["goals of issue 19 (both at once):"] + [f"  {'MET   ' if met else 'MISSED'} {what}: {figure}" for what, met, figure in checks]
 
 
 def main() -> int:
@@ -214,6 +295,12 @@ def main() -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     parser.add_argument("--bf16-steps", type=int, default=2,
                         help="CPU only: steps of TRL's all-defaults bf16 line (0: skip it; default 2: it is ~20x slower)")
+    parser.add_argument("--max-length", type=int, default=0, help="tokens per row, every arm (default: the recipe's)")
+    parser.add_argument("--rows-per-step", type=int, default=0, help="packed rows per optimizer step for ours and TRL's packing "
+                        "arms (default: the recipe's per_device_train_batch_size)")
+    parser.add_argument("--lean-fraction", type=float, default=LEAN_MEMORY,
+                        help="ours-lean: tune's memory budget, as a fraction of TRL's leanest arm's peak (default %(default)s)")
+    parser.add_argument("--tune-budget-s", type=float, default=600.0, help="ours-lean: seconds of tune's trials (default %(default)s)")
     parser.add_argument("--json", help="write every measure here")
     parser.add_argument("--keep", help="keep the runs (adapters, logs) in this directory instead of a temporary one")
     args = parser.parse_args()
@@ -242,15 +329,42 @@ def main() -> int:
     try:
         train_file = work / "train.jsonl"
         train_file.write_text("".join(json.dumps(r) + "\n" for r in p["rows"]))
+        if "trl-lean" in arms and not on_cuda:
+            arms.remove("trl-lean")
+            say("  TRL lean: TRL's activation offloading makes CUDA streams and does not start on a CPU; here TRL packing=True "
+                "(fused LM head, packing, gradient checkpointing) is TRL's leanest arm")
+        first = [a for a in arms if a != "ours-lean"]
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+
+        def train(arm: str, r: int, plan_file: Path | None = None) -> None:
+            tag = f"{arm}-r{r}"
+            result = run_spec(train_spec(p, args, arm, work, train_file, tag, plan_file), work, tag)
+            runs[arm].append(result)
+            levers = f"; levers: {result['levers']}" if result.get("levers") else ""
+            say(f"  round {r + 1}, {NAMES[arm]}: {result['tokens']} tokens in {result['train_seconds']:.1f} s of training "
+                f"({result['optimizer_steps']} steps; {result['process_seconds']:.0f} s for the whole process; load average "
+                f"{result['load_average_1min'][0]:.1f} -> {result['load_average_1min'][1]:.1f}){levers}")
+
         for r in range(args.rounds):
-            for arm in (arms if r % 2 == 0 else list(reversed(arms))):
-                tag = f"{arm}-r{r}"
-                result = run_spec(train_spec(p, args, arm, work, train_file, tag), work, tag)
-                runs[arm].append(result)
-                say(f"  round {r + 1}, {NAMES[arm]}: {result['tokens']} tokens in {result['train_seconds']:.1f} s of training "
-                    f"({result['optimizer_steps']} steps; {result['process_seconds']:.0f} s for the whole process; load average "
-                    f"{result['load_average_1min'][0]:.1f} -> {result['load_average_1min'][1]:.1f})")
+            for arm in (first if r % 2 == 0 else list(reversed(first))):
+                train(arm, r)
+        tune_lines = []
+        if "ours-lean" in arms:  # after the TRL arms: its memory budget is a fraction of TRL's leanest peak
+            key = "cuda_peak_allocated" if on_cuda else "peak_rss_train"
+            trl_peaks = {a: statistics.median(run[key] for run in runs[a]) for a in first if a.startswith("trl")}
+            if not trl_peaks:
+                raise SystemExit("ours-lean needs at least one TRL arm: its memory budget is a fraction of TRL's leanest peak")
+            leanest = min(trl_peaks, key=trl_peaks.get)
+            plan_file, tune_lines = tune_levers(args, work, train_file, int(args.lean_fraction * trl_peaks[leanest]))
+            tune_lines.insert(0, f"ours-lean: tune's budget is {args.lean_fraction} x {NAMES[leanest]}'s peak {mib(trl_peaks[leanest])} MiB")
+            for line in tune_lines:
+                say(f"  {line}")
+            if plan_file is None:
+                arms.remove("ours-lean")
+                runs.pop("ours-lean")
+                tune_lines.append("ours-lean: not run, tune found no candidate under the budget: issue 19's goals MISSED")
+            for r in range(args.rounds if plan_file is not None else 0):
+                train("ours-lean", r, plan_file)
         bf16 = None
         if not on_cuda and args.bf16_steps > 0:
             try:
@@ -267,6 +381,8 @@ def main() -> int:
             temporary.cleanup()
     say()
     for line in report(runs, bf16, evaluation, on_cuda, args.bf16_steps):
+        say(line)
+    for line in tune_lines:
         say(line)
     say(f"load average at end {os.getloadavg()[0]:.2f}; whole benchmark {time.perf_counter() - started:.0f} s")
     if args.json:

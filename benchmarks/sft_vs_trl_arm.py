@@ -140,6 +140,7 @@ def measured(trainer_class):
                 torch.cuda.reset_peak_memory_stats()
             self._bench = {"tokens": 0, "excluded": 0.0, "steps": [], "running": True, "start": time.perf_counter()}
             with PeakRSS() as rss:
+                rss_at_start = rss.peak  # what the process holds before the first step: libraries, model, data
                 try:
                     result = super().train(*args, **kwargs)
                     if cuda:
@@ -151,7 +152,7 @@ def measured(trainer_class):
             LAST.update(
                 trainer=self, tokens=m["tokens"], wall_seconds=m["wall"], excluded_seconds=m["excluded"],
                 train_seconds=m["wall"] - m["excluded"], step_marks=m["steps"], optimizer_steps=self.state.global_step,
-                peak_rss_train=rss.peak, ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                peak_rss_train=rss.peak, rss_at_train_start=rss_at_start, ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 cuda_peak_allocated=torch.cuda.max_memory_allocated() if cuda else None,
                 train_loss=result.training_loss)
             return result
@@ -163,14 +164,25 @@ def measured(trainer_class):
 # -- arms ---------------------------------------------------------------------------------------------------------
 
 def run_ours(spec: dict) -> dict:
+    import yaml
     from transformers import Trainer
 
     from hf_gpu_train.finetune.config import load_config_and_keys
+    from hf_gpu_train.finetune.launch_plan import apply_launch_plan
     from hf_gpu_train.finetune.run import finetune
+    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
 
-    cfg, _ = load_config_and_keys(spec["recipe"], spec["ours_overrides"])
-    metrics = finetune(cfg, trainer_class=measured(Trainer))
-    return {"adapter": cfg.output_dir, "own_eval_loss": metrics.get("eval_loss"),
+    cfg, explicit = load_config_and_keys(spec["recipe"], spec["ours_overrides"])
+    applied = None
+    if spec.get("plan_file"):  # ours-lean: the plan `hf-gpu-train tune` wrote, applied as scripts/finetune.py applies it
+        os.environ[PLAN_ENV] = spec["plan_file"]
+        cfg, applied = apply_launch_plan(cfg, explicit, recipe=spec["recipe"], overrides=spec["ours_overrides"])
+        print("\n".join(applied.lines), flush=True)
+    metrics = finetune(cfg, trainer_class=measured(Trainer), launch_plan=applied)
+    ran = yaml.safe_load((Path(cfg.output_dir) / "finetune_config.yaml").read_text())
+    levers = {k: ran.get(k) for k in ("per_device_train_batch_size", "gradient_checkpointing", "checkpoint_layers", "chunked_lm_loss",
+                                      "offload_activations", "packing", "dataloader_num_workers")}
+    return {"adapter": cfg.output_dir, "own_eval_loss": metrics.get("eval_loss"), "levers": levers,
             "own_eval_loss_definition": "ours: assistant tokens of the packed validation rows"}
 
 
@@ -216,7 +228,7 @@ def train_arm(spec: dict) -> dict:
     import torch
 
     load_start = os.getloadavg()[0]
-    out = run_ours(spec) if spec["arm"] == "ours" else run_trl(spec)
+    out = run_ours(spec) if spec["arm"].startswith("ours") else run_trl(spec)
     m = LAST
     marks = m["step_marks"]
     first_seconds, first_tokens = marks[0] if marks else (m["train_seconds"], m["tokens"])
@@ -226,6 +238,7 @@ def train_arm(spec: dict) -> dict:
             "tokens_per_second": m["tokens"] / m["train_seconds"],
             "steady_tokens_per_second": (m["tokens"] - first_tokens) / steady_seconds if len(marks) > 1 and steady_seconds > 0 else None,
             "first_step_seconds": first_seconds, "peak_rss_train": m["peak_rss_train"], "ru_maxrss": m["ru_maxrss"],
+            "rss_at_train_start": m["rss_at_train_start"],
             "cuda_peak_allocated": m["cuda_peak_allocated"], "train_loss": m["train_loss"],
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "load_average_1min": [load_start, os.getloadavg()[0]],  # other jobs on the machine, at the start and end

@@ -33,7 +33,7 @@ DESCRIPTION = ("Measure the fastest settings that fit for this recipe on this la
 
 
 def own_parser() -> argparse.ArgumentParser:
-    from ..tune.candidates import AXES
+    from ..tune.candidates import AXES, DEFAULT_AXES
     from ..tune.search import DEFAULT_BUDGET_S, WARMUP_STEPS
 
     p = argparse.ArgumentParser(prog="hf-gpu-train tune", usage=USAGE, description=DESCRIPTION, add_help=False)
@@ -41,7 +41,9 @@ def own_parser() -> argparse.ArgumentParser:
                    help=f"seconds of trials after the model and data are loaded (default {DEFAULT_BUDGET_S:.0f}: about a "
                    "minute holds the micro-batch ladder and the cheap axes on a GPU; torch.compile needs more)")
     p.add_argument("--fresh", action="store_true", help="measure again, ignoring NAME.tune.json")
-    p.add_argument("--axes", default=",".join(AXES), help=f"what to tune, comma-separated (default: {','.join(AXES)})")
+    p.add_argument("--axes", default=",".join(DEFAULT_AXES),
+                   help=f"what to tune, comma-separated, of {','.join(AXES)} (default: {','.join(DEFAULT_AXES)}; packing "
+                   "only when named: the packed and padded layouts train on different batches)")
     p.add_argument("--machine", metavar="FILE_OR_NAME", help="a snapshot: print the candidates for it, run nothing")
     p.add_argument("--dry-run", action="store_true", help="print the candidates for this machine, run nothing")
     p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="steps before the measured ones (not counted)")

@@ -131,7 +131,8 @@ class FinetuneConfig:
     completion_only_loss: bool = True  # loss on the completion / assistant turns only; false: on every token
     chat_template: str | None = None  # a Jinja file replacing (or supplying) the tokenizer's chat template
     packing: bool | str = "auto"  # auto: padding-free packing where the model's attention keeps examples apart
-    chunked_lm_loss: bool | str = "auto"  # auto: the LM head and loss in chunks of labelled rows where exact (lm_head_loss.py)
+    chunked_lm_loss: bool | str = "auto"  # auto: the LM head and loss in chunks of labelled rows where exact (lm_head_loss.py);
+    # liger | cce: Liger's or Cut Cross-Entropy's fused kernel instead, on CUDA, when installed
     attn_implementation: str | None = None  # None: transformers' default (sdpa); eager, flash_attention_2, ...
     generation_samples: int = 3  # held-out prompts generated before and after training (0: none)
     generation_max_new_tokens: int = 64
@@ -222,8 +223,8 @@ class FinetuneConfig:
             raise bad("merge_adapter", "method=full trains the model itself, there is no adapter to merge: drop merge_adapter")
         if self.packing not in (True, False, "auto"):
             raise bad("packing", "use auto, true or false")
-        if self.chunked_lm_loss not in (True, False, "auto"):
-            raise bad("chunked_lm_loss", "use auto, true or false")
+        if self.chunked_lm_loss not in (True, False, "auto", "liger", "cce"):
+            raise bad("chunked_lm_loss", "use auto, true or false (or, on CUDA, liger or cce: their fused kernels)")
         if self.generation_samples < 0:
             raise bad("generation_samples", "must be >= 0 (0: no samples)")
         if self.generation_max_new_tokens < 1:

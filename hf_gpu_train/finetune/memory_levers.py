@@ -12,6 +12,7 @@ This module imports no torch at the top: ``check_levers`` runs in config validat
 
 from __future__ import annotations
 
+from ..launch.training_shape import SELECTIVE_POLICIES
 from .config import ConfigError
 
 
@@ -31,9 +32,9 @@ def check_levers(cfg) -> None:
         if cfg.task == "image-classification":
             raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} is for transformers models; timm models checkpoint "
                               "every block (checkpoint_layers=all)")
-        if cfg.checkpoint_layers == "selective" and cfg.method == "qlora":
-            raise ConfigError("checkpoint_layers='selective' with method=qlora: bitsandbytes' 4-bit matmul is not covered by the "
-                              "selective policy; use checkpoint_layers=all or every-N")
+        if cfg.checkpoint_layers in SELECTIVE_POLICIES and cfg.method == "qlora":
+            raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} with method=qlora: bitsandbytes' 4-bit matmul is not "
+                              "covered by the selective policies; use checkpoint_layers=all or every-N")
     if cfg.offload_activations and cfg.torch_compile:
         raise ConfigError("offload_activations=true with torch_compile=true: the saved-tensor hooks would sit inside the "
                           "compiled forward; choose one (drop torch_compile, or offload_activations)")
@@ -52,8 +53,9 @@ def check_levers(cfg) -> None:
 
 def shape_levers(cfg) -> dict:
     """The levers as ``TrainingShape`` fields, as the planner counts them. ``chunked_lm_loss=auto`` may step aside
-    for a model, so only ``true`` is counted as chunked (the full logits otherwise: conservative)."""
-    return {"chunked_loss": cfg.chunked_lm_loss is True, "checkpoint_layers": cfg.checkpoint_layers,
+    for a model, so only ``true`` (or a fused kernel: no full logits either) is counted as chunked (the full logits
+    otherwise: conservative)."""
+    return {"chunked_loss": cfg.chunked_lm_loss in (True, "liger", "cce"), "checkpoint_layers": cfg.checkpoint_layers,
             "offload_activations": bool(cfg.offload_activations), "optimizer_in_backward": bool(cfg.optimizer_in_backward)}
 
 
@@ -68,7 +70,7 @@ def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
         raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} with the launch config's fsdp_activation_checkpointing: "
                           "FSDP checkpoints every layer itself; set fsdp_activation_checkpointing: false in the launch config")
     kwargs: dict = {"activation_checkpointing": cfg.gradient_checkpointing and not fsdp_checkpoints
-                    and cfg.checkpoint_layers != "selective"}
+                    and cfg.checkpoint_layers not in SELECTIVE_POLICIES}
     every = checkpoint_every(cfg.checkpoint_layers)
     if kwargs["activation_checkpointing"] and every > 1:
         kwargs["activation_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
@@ -82,11 +84,14 @@ def apply_levers(trainer, cfg, runtime) -> list[str]:
     from ..launch.training_shape import checkpoint_every
 
     lines = []
-    if cfg.gradient_checkpointing and cfg.checkpoint_layers == "selective":
+    if cfg.gradient_checkpointing and cfg.checkpoint_layers in SELECTIVE_POLICIES:
         from ..training import selective_checkpoint
 
-        selective_checkpoint.enable(trainer.model)
-        lines.append("checkpointing: selective (each layer keeps its matmuls' and attention's outputs, recomputes the rest)")
+        selective_checkpoint.enable(trainer.model, cfg.checkpoint_layers)
+        lines.append("checkpointing: selective (each layer keeps its matmuls' and attention's outputs, recomputes the rest)"
+                     if cfg.checkpoint_layers == "selective" else
+                     "checkpointing: selective-lean (each layer keeps attention's and its narrowing projections' outputs, "
+                     "recomputes the query, output, gate and up projections and the elementwise work)")
     elif cfg.gradient_checkpointing and cfg.checkpoint_layers != "all":
         lines.append(f"checkpointing: {cfg.checkpoint_layers} (one layer in {checkpoint_every(cfg.checkpoint_layers)} checkpointed, the others "
                      "keep their activations)")

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .model_spec import ModelSpec, adapter_shape
-from .training_shape import TrainingShape
+from .training_shape import SELECTIVE_POLICIES, TrainingShape, chunk_rows
 
 KORTHIKANTI_BYTES_PER_HIDDEN = 34  # per token and layer, 16-bit, fused attention (Korthikanti et al. 2022, eq. 1)
 EAGER_SCORES_BYTES_PER_HEAD_TOKEN = 5  # x a x s per token and layer: eager attention scores, softmax, dropout (ibid.)
@@ -134,12 +134,40 @@ def selective_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> flo
     return matmuls + attention + adapters
 
 
+def lean_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
+    """What a layer under lean selective checkpointing keeps besides its input, per token: the outputs of the matmuls
+    that narrow what they read (inner dimension above the output's: the key and value projections under grouped
+    attention, the MLP's down projection, each adapter's A), and attention's output and log-sum-exp (eager attention:
+    its score matrix)."""
+    h, q, a, kv = spec.hidden_size, spec.query_width, spec.num_heads, spec.kv_width
+    c = shape.compute_bytes
+    inter = spec.intermediate_size or 4 * h
+    projections = [(h, q), (h, kv), (h, kv), (q, h)] + ([(h, inter), (h, inter)] if _gated(spec) else [(h, inter)]) + [(inter, h)]
+    matmuls = c * sum(d_out for d_in, d_out in projections if d_in > d_out)
+    attention = c * q + (c * a * shape.seq_len if shape.attention == "eager" else LSE_BYTES_PER_HEAD * a)
+    adapters = 0.0
+    if shape.method in ("lora", "qlora"):
+        count, _, _ = adapter_shape(spec) or (0, 0, 0)
+        adapters = c * shape.lora_rank * count / spec.num_layers
+    return matmuls + attention + adapters
+
+
+def narrow_share(spec: ModelSpec) -> float:
+    """The share of a layer's matmul FLOPs lean selective checkpointing keeps (does not recompute)."""
+    h, q, kv = spec.hidden_size, spec.query_width, spec.kv_width
+    inter = spec.intermediate_size or 4 * h
+    projections = [(h, q), (h, kv), (h, kv), (q, h)] + ([(h, inter), (h, inter)] if _gated(spec) else [(h, inter)]) + [(inter, h)]
+    total = sum(i * o for i, o in projections)
+    return sum(i * o for i, o in projections if i > o) / total if total else 0.0
+
+
 def _checkpointed_terms(spec: ModelSpec, shape: TrainingShape, layer: float, kept: float, tokens: int) -> dict[str, float]:
     """``layer inputs`` (what the checkpointed layers keep through the forward) and ``layers`` (the layers that are not
     checkpointed, and the one being recomputed at the backward's peak)."""
     L = spec.num_layers
-    if shape.checkpoint_layers == "selective":
-        saved = min(layer, selective_kept_bytes_per_token(spec, shape))
+    if shape.checkpoint_layers in SELECTIVE_POLICIES:
+        per_token = (selective_kept_bytes_per_token if shape.checkpoint_layers == "selective" else lean_kept_bytes_per_token)
+        saved = min(layer, per_token(spec, shape))
         return {"layer inputs": (kept + saved) * resident_layers(L, shape) * tokens, "layers": (layer - saved) * tokens}
     checkpointed = shape.checkpointed_layers(L)
     plain = L - checkpointed  # every-N: the layers outside the checkpoints keep everything (offloaded too)
@@ -199,7 +227,7 @@ def activation_terms(spec: ModelSpec, shape: TrainingShape) -> dict[str, float]:
         if shape.chunked_loss:
             # the logits' peak of one chunk, and kept for the backward: the hidden states' gradient (the final
             # norm's output dtype, the residual's) and the mask of labelled positions (every position counted)
-            rows = min(shape.loss_chunk, s * b)
+            rows = min(shape.loss_chunk or chunk_rows(spec.vocab_size), s * b)
             kept = (residual_bytes(shape) if _gated(spec) else shape.compute_bytes) * h + CHUNKED_MASK_BYTES
             terms["loss"] = LOGITS_PEAK_BYTES_PER_VOCAB * spec.vocab_size * rows + kept * s * b
         else:

@@ -7,6 +7,10 @@ The levers:
 - the chunked LM head and loss (causal LMs; ``chunked_lm_loss``): no full logits, nothing recomputed: free;
 - selective checkpointing (``checkpoint_layers=selective``): each layer keeps its matmuls' and attention's outputs and
   recomputes the elementwise ops between them, no matmul twice: ``SELECTIVE_COST`` assumed (a few percent);
+- lean selective checkpointing (``checkpoint_layers=selective-lean``): each layer keeps only attention's outputs and those
+  of the matmuls that narrow what they read (the MLP's down projection, grouped keys and values, LoRA's A), about what
+  checkpointing every layer keeps plus a quarter, and recomputes the widening matmuls: that share of the forward's
+  matmul FLOPs (``activations.narrow_share``), never attention;
 - checkpointing one layer in N, or every layer (``checkpoint_layers=every-N`` / ``all``): the forward's matmuls of
   those layers again in the backward: 2 of full fine-tuning's 6 FLOPs per parameter and token (+33% for every
   layer), 2 of LoRA's 4 (+50%);
@@ -33,7 +37,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from .activations import offloaded_bytes
+from .activations import narrow_share, offloaded_bytes
 from .memory import GIB, estimate, largest_micro_batch
 from .model_spec import ModelSpec
 from .training_shape import TrainingShape
@@ -71,7 +75,8 @@ class LeverSet:
             names.append("chunked LM head and loss")
         if s.gradient_checkpointing:
             policy = s.checkpoint_layers
-            names.append("selective checkpointing" if policy == "selective" else "checkpointing every layer" if policy == "all"
+            names.append("selective checkpointing" if policy == "selective" else "lean selective checkpointing"
+                         if policy == "selective-lean" else "checkpointing every layer" if policy == "all"
                          else f"checkpointing one layer in {policy.removeprefix('every-')}")
         if s.offload_activations:
             names.append("activation offloading")
@@ -133,6 +138,10 @@ class _Costs:
             if shape.checkpoint_layers == "selective":
                 cost += SELECTIVE_COST
                 parts.append(f"selective ~{SELECTIVE_COST:.0%} (assumed)")
+            elif shape.checkpoint_layers == "selective-lean":  # the widening matmuls again, not attention
+                share = self.recompute * (1 - narrow_share(self.spec)) + SELECTIVE_COST
+                cost += share
+                parts.append(f"recompute +{share:.0%} FLOPs (the widening matmuls)")
             else:
                 share = self.recompute * shape.checkpointed_layers(L) / L
                 cost += share
@@ -178,7 +187,7 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     layered = spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32
     whole_model = strategy in WHOLE_MODEL_STRATEGIES
     chunk = (False, True) if chunk_offered(spec, shape, strategy) else (False,)
-    policies = [None, "all"] + (["selective"] if layered and whole_model and shape.method != "qlora" else []) + (
+    policies = [None, "all"] + (["selective", "selective-lean"] if layered and whole_model and shape.method != "qlora" else []) + (
         ["every-2"] if layered and whole_model and (spec.num_layers or 0) >= 4 else [])
     offload = (False, True) if whole_model else (False,)
     if not whole_model:
@@ -195,6 +204,7 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
         cumulative.append(("+ chunked LM head and loss", {"chunked_loss": True}))
     if "selective" in policies:
         cumulative.append(("+ selective checkpointing", {"gradient_checkpointing": True, "checkpoint_layers": "selective"}))
+        cumulative.append(("+ lean selective checkpointing", {"gradient_checkpointing": True, "checkpoint_layers": "selective-lean"}))
     cumulative.append(("+ checkpointing every layer", {"gradient_checkpointing": True, "checkpoint_layers": "all"}))
     if True in offload:
         cumulative.append(("+ activation offloading", {"offload_activations": True}))

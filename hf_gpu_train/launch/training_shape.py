@@ -29,10 +29,11 @@ class TrainingShape:
     # The LM head and its loss in chunks of labelled rows (finetune/causal_lm/lm_head_loss.py; the entry point's
     # default for causal LMs): no full logits, see activations.activation_terms.
     chunked_loss: bool = False
-    loss_chunk: int = 1024
+    loss_chunk: int | None = None  # rows of the chunked head at a time; None: ``chunk_rows`` of the model's vocabulary
     # With gradient_checkpointing: which layers and what they keep (finetune config ``checkpoint_layers``): "all"
-    # (each layer keeps its input), "every-N" (every N-th layer checkpointed, the others keep everything) or
-    # "selective" (each layer keeps its matmuls' and attention's outputs, training/selective_checkpoint.py).
+    # (each layer keeps its input), "every-N" (every N-th layer checkpointed, the others keep everything),
+    # "selective" (each layer keeps its matmuls' and attention's outputs) or "selective-lean" (attention's and the
+    # narrowing projections' outputs only: training/selective_checkpoint.py).
     checkpoint_layers: str = "all"
     # Saved activations held in pinned host memory (training/activation_offload.py): the GPU keeps one layer's.
     offload_activations: bool = False
@@ -51,11 +52,30 @@ class TrainingShape:
         return 2 if self.precision in ("bf16", "fp16") else 4
 
 
+SELECTIVE_POLICIES = ("selective", "selective-lean")
+CHUNK_LOGITS_BYTES = 64 * 2**20  # the fp32 logits of one chunk of the head at most (its gradient is as large again)
+CHUNK_ROWS_RANGE = (128, 1024)
+
+
+def chunk_rows(vocab_size: int | None) -> int:
+    """Rows of the chunked LM head at a time: the largest power of two whose fp32 logits stay within
+    ``CHUNK_LOGITS_BYTES`` (48 MiB for a 49k vocabulary at 256 rows, 63 MiB for 128k at 128), kept in
+    ``CHUNK_ROWS_RANGE``: a matmul of 128 rows against the head is still efficient, the loss's transient stays small."""
+    low, high = CHUNK_ROWS_RANGE
+    if not vocab_size:
+        return high
+    rows = high
+    while rows > low and rows * vocab_size * 4 > CHUNK_LOGITS_BYTES:
+        rows //= 2
+    return rows
+
+
 def checkpoint_every(policy: str) -> int:
-    """N of "every-N" (1 for "all" and "selective"); ValueError for anything else."""
-    if policy in ("all", "selective"):
+    """N of "every-N" (1 for "all" and the selective policies); ValueError for anything else."""
+    if policy == "all" or policy in SELECTIVE_POLICIES:
         return 1
     head, _, count = policy.partition("-")
     if head != "every" or not count.isdigit() or int(count) < 2:
-        raise ValueError(f"checkpoint_layers={policy!r}: use all, selective or every-N with N >= 2 (every-2: half the layers)")
+        raise ValueError(f"checkpoint_layers={policy!r}: use all, selective, selective-lean or every-N with N >= 2 (every-2: half "
+                         "the layers)")
     return int(count)

@@ -64,8 +64,9 @@ def planner_estimate(args, model, inputs) -> str | None:
 def _checkpoint_layers(model) -> str:
     """The checkpointing policy the model runs with: selective (marked by training/selective_checkpoint.py), one
     layer in N (transformers' every_n_layers: some layers checkpointed), or all."""
-    if getattr(model, "_hf_gpu_train_checkpoint_layers", None) == "selective":
-        return "selective"
+    marked = getattr(model, "_hf_gpu_train_checkpoint_layers", None)
+    if marked in ("selective", "selective-lean"):
+        return marked
     flags = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     done = sum(flags)
     if not flags or not done or done == len(flags):

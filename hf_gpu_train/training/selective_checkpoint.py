@@ -41,26 +41,50 @@ def keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+MATMULS = frozenset(getattr(_ATEN, name).default for name in ("mm", "addmm", "bmm", "baddbmm"))
+
+
+def narrows(op, args) -> bool:
+    """A matmul whose inner dimension exceeds its output's width: it reads more than it writes, so its output costs
+    the most compute per byte kept (2k FLOPs an element, k > n)."""
+    first, second = (args[1], args[2]) if op in (_ATEN.addmm.default, _ATEN.baddbmm.default) else (args[0], args[1])
+    return first.shape[-1] > second.shape[-1]
+
+
+def keep_attention_and_narrowing_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The lean policy: save attention's outputs and those of the matmuls that narrow the stream (the key and value
+    projections under grouped attention, the MLP's down projection, LoRA's A), recompute the rest (the query, output,
+    gate and up projections, and the elementwise work). About a quarter of what the matmul policy keeps, for
+    recomputing the widening half of the forward's matmuls (launch/activations.lean_kept_bytes_per_token)."""
+    if op in SAVED_OPS and (op not in MATMULS or narrows(op, args)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES = {"selective": keep_matmuls_and_attention, "selective-lean": keep_attention_and_narrowing_matmuls}
+
+
 def context_fn():
     """``torch.utils.checkpoint.checkpoint(..., context_fn=context_fn)``."""
     return create_selective_checkpoint_contexts(keep_matmuls_and_attention)
 
 
-def checkpoint_kwargs() -> dict:
+def checkpoint_kwargs(policy: str = "selective") -> dict:
     """The keyword arguments of ``activation_checkpointing_enable`` for selective checkpointing (non-reentrant:
     the only kind that takes a ``context_fn``)."""
-    return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention),
+    return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, POLICIES[policy]),
             # the outputs it keeps go through the saved-tensor hooks around it, so activation offloading moves them too
             # (torch keeps them outside the hooks by default, for now)
             "respect_saved_tensors_hooks": True}
 
 
-def enable(model) -> None:
-    """Selective checkpointing on every checkpointable layer of a transformers model (or a peft model around one)."""
+def enable(model, policy: str = "selective") -> None:
+    """Selective checkpointing (``policy``: a key of ``POLICIES``) on every checkpointable layer of a transformers model
+    (or a peft model around one)."""
     target = model
     if not hasattr(target, "activation_checkpointing_enable") and hasattr(target, "get_base_model"):
         target = target.get_base_model()
     if not getattr(target, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(target).__name__} does not support activation checkpointing")
-    target.activation_checkpointing_enable(checkpoint_kwargs())
-    target._hf_gpu_train_checkpoint_layers = "selective"  # for the planner's estimate in an OOM message (remedies.py)
+    target.activation_checkpointing_enable(checkpoint_kwargs(policy))
+    target._hf_gpu_train_checkpoint_layers = policy  # for the planner's estimate in an OOM message (remedies.py)

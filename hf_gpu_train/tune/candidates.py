@@ -13,9 +13,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 AXES = ("micro_batch", "checkpointing", "offload", "workers", "precision", "packing", "compile")
-# Checkpointing policies, cheapest recomputation first (launch/lever_table.py): selective keeps every matmul's output,
-# one layer in two recomputes half the layers, every layer recomputes the whole forward.
-POLICIES_BY_COST = ("selective", "every-2", "all")
+# Packing is asked for by name (--axes ...,packing): a step of N packed rows and a step of N padded examples train on
+# different batches (a packed row holds several examples), so the two layouts do not keep the run's effective batch.
+DEFAULT_AXES = tuple(axis for axis in AXES if axis != "packing")
+PACKING_NOTE = ("packing: kept at the run's own ({value}): a step of N packed rows holds several times the examples of a "
+                "step of N padded ones, so the other layout trains on other batches; --axes ...,packing measures it anyway "
+                "(by tokens/s)")
+# Checkpointing policies, cheapest recomputation first (launch/lever_table.py), each keeping less than the one before:
+# selective keeps every matmul's output, one layer in two recomputes half the layers, lean selective recomputes the
+# widening matmuls of every layer (not attention), every layer recomputes the whole forward.
+POLICIES_BY_COST = ("selective", "every-2", "selective-lean", "all")
 OFFLOAD_CPU_NOTE = "offload: not tried on the CPU (the activations are in host memory already)"
 # On a GPU the 16-bit formats run on tensor cores; a plan that chose bf16 may also run fp16 (same speed class,
 # needs loss scaling). fp16 hardware without bf16 (compute capability 7.x) has one valid fast format; the CPU
@@ -189,7 +196,7 @@ class TuneInputs:
     on_cuda: bool
     planned_micro_batch: int | None  # the planner's micro-batch (None: no memory plan)
     planned_workers: int | None
-    axes: tuple[str, ...] = AXES
+    axes: tuple[str, ...] = DEFAULT_AXES
     layered: bool = False  # a transformers model: selective and one-in-N checkpointing apply (timm: every block only)
     memory_budget_bytes: int | None = None
 
@@ -266,7 +273,10 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
         notes.append(f"compile: {CPU_COMPILE_NOTE}")
     compile_options = _options(base.torch_compile, (not base.torch_compile,), compile_open and inputs.on_cuda)
     packing = (None,)
-    if base.packing is not None:  # packed rows where the model's attention allows (auto, true), or padded examples
+    if base.packing is not None and "packing" not in inputs.axes:
+        packing = (base.packing,)
+        notes.append(PACKING_NOTE.format(value=base.packing))
+    elif base.packing is not None:  # packed rows where the model's attention allows (auto, true), or padded examples
         packing = _options(base.packing, (False,) if base.packing in (True, "auto") else ("auto",), open_axis("packing", "packing"))
     verdicts = _verdicts(rungs, checkpointing, policies, offload, precisions, memory_check)
     if memory_check is not None and not verdicts:
@@ -288,7 +298,7 @@ def _policy_options(inputs: TuneInputs, notes: list) -> tuple[str, ...]:
         notes.append("checkpointing: every block only (selective and one-in-N checkpointing are for transformers models)")
         return ("all",)
     if inputs.values.get("method") == "qlora":
-        return tuple(p for p in POLICIES_BY_COST if p != "selective")
+        return tuple(p for p in POLICIES_BY_COST if not p.startswith("selective"))
     return POLICIES_BY_COST
 
 

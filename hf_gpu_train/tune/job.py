@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from ..errors import UsageError
 from . import test_hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
-from .candidates import AXES, CandidateSpace, TuneInputs, plan_space
+from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space
 
 
 class TuneError(UsageError):
@@ -82,7 +82,7 @@ def _for_machine(plan, profile):
 
 
 def load_job(config_file: str, script: str, script_args: list[str], launch_settings: Mapping[str, object],
-             axes: tuple[str, ...] = AXES, profile=None, environ: Mapping[str, str] | None = None,
+             axes: tuple[str, ...] = DEFAULT_AXES, profile=None, environ: Mapping[str, str] | None = None,
              memory_budget_bytes: int | None = None) -> TuneJob:
     """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected);
     ``memory_budget_bytes``: a candidate fits only when its measured peak stays under it (--memory-budget-gib)."""

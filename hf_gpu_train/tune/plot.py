@@ -19,7 +19,9 @@ GIB = 2**30
 
 def _series_name(result: TrialResult) -> str:
     c = result.candidate
-    parts = [f"ckpt {'on' if c.gradient_checkpointing else 'off'}", f"{c.dataloader_num_workers} workers", c.precision]
+    from .report import checkpointing_text
+
+    parts = [f"ckpt {checkpointing_text(c)}", f"{c.dataloader_num_workers} workers", c.precision]
     if c.torch_compile:
         parts.append("compile")
     if c.packing is not None:

@@ -53,6 +53,11 @@ def planner_error(result: TrialResult, space: CandidateSpace) -> tuple[int | Non
     return verdict.estimate_bytes, memory_error_pct(verdict.estimate_bytes, result.peak_memory_bytes)
 
 
+def checkpointing_text(c) -> str:
+    """off, on (every layer), selective or every-N, and + offload."""
+    return {"all": "on"}.get(c.checkpointing, c.checkpointing) + (" + offload" if c.offload_activations else "")
+
+
 def trial_rows(results: list[TrialResult], space: CandidateSpace) -> list[list[str]]:
     header = ["#", "micro-batch", "accum.", "checkpointing", "workers", "precision", "compile", space.metric, "samples/s",
               "step spread %", "peak GiB", "planner GiB", "planner error %", "data wait %", "warm-up s", "compile s", "trial s", "result"]
@@ -60,7 +65,7 @@ def trial_rows(results: list[TrialResult], space: CandidateSpace) -> list[list[s
     for i, r in enumerate(results, 1):
         c = r.candidate
         estimate, error = planner_error(r, space)
-        rows.append([str(i), str(c.micro_batch), str(c.accumulation), "on" if c.gradient_checkpointing else "off",
+        rows.append([str(i), str(c.micro_batch), str(c.accumulation), checkpointing_text(c),
                      str(c.dataloader_num_workers), c.precision, "on" if c.torch_compile else "off", _num(r.throughput(space.metric)),
                      _num(r.samples_per_s), _num(r.spread_pct), _gib(r.peak_memory_bytes), _gib(estimate),
                      _num(error, "+.1f"), _num(r.data_wait_pct), _num(r.warmup_s), _num(r.compile_s),
@@ -99,7 +104,8 @@ def render_report(facts: RunFacts, space: CandidateSpace, choice: Choice, result
     lines += [f"- {note}" for note in (*notes, *space.notes)]
     for v in space.pruned():
         lines.append(f"- not tried, the planner says it does not fit: micro-batch {v.micro_batch}, checkpointing "
-                     f"{'on' if v.gradient_checkpointing else 'off'}, {v.precision}: {v.estimate_bytes / GIB:.2f} GiB against "
+                     f"{v.checkpoint_layers if v.gradient_checkpointing else 'off'}{' + offload' if v.offload_activations else ''}, "
+                     f"{v.precision}: {v.estimate_bytes / GIB:.2f} GiB against "
                      f"{v.usable_bytes / GIB:.2f} GiB usable")
     if facts.written:
         lines += ["", "## Written", ""] + [f"- {item}" for item in facts.written]

@@ -129,9 +129,11 @@ def faster(a: TrialResult, b: TrialResult, metric: str) -> bool:
 
 def extras(candidate: Candidate, base: Candidate) -> int:
     """What a candidate asks beyond the run's own settings: fp16 instead of bf16 (loss scaling), torch.compile
-    (compile time at every start), checkpointing (recomputation), other worker counts (processes, memory)."""
+    (compile time at every start), checkpointing (recomputation), offloading (copies), other worker counts (processes,
+    memory)."""
     return (int(candidate.precision != base.precision) + int(candidate.torch_compile and not base.torch_compile)
             + int(candidate.gradient_checkpointing and not base.gradient_checkpointing)
+            + int(candidate.offload_activations and not base.offload_activations)
             + int(candidate.dataloader_num_workers != base.dataloader_num_workers))
 
 

@@ -72,7 +72,7 @@ def test_yaml_no_stays_a_word(tmp_path):
 @pytest.mark.parametrize("overrides, pattern", [
     (["checkpoint_layers=selective"], "add gradient_checkpointing=true"),
     (["gradient_checkpointing=true", "checkpoint_layers=every-1"], "every-N with N >= 2"),
-    (["gradient_checkpointing=true", "checkpoint_layers=some"], "use all, selective or every-N"),
+    (["gradient_checkpointing=true", "checkpoint_layers=some"], "use all, selective, selective-lean or every-N"),
     (["task=image-classification", "model=timm/test_resnet", "gradient_checkpointing=true", "checkpoint_layers=every-2"],
      "timm models checkpoint every block"),
     (["task=causal-lm", "model=some/llm", "method=qlora", "gradient_checkpointing=true", "checkpoint_layers=selective"],

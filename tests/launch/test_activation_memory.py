@@ -213,8 +213,8 @@ class LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
 def checkpoint(model, policy: str) -> None:
     from hf_gpu_train.training import selective_checkpoint
 
-    if policy == "selective":
-        selective_checkpoint.enable(model)
+    if policy.startswith("selective"):
+        selective_checkpoint.enable(model, policy)
     else:
         every = 1 if policy == "all" else int(policy.split("-")[1])
         model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
@@ -233,7 +233,9 @@ def alive_after_forward(model, padded: bool, autocast: bool) -> int:
 
 @pytest.mark.parametrize("method,precision,padded,policy", [
     ("full", "bf16", True, "all"), ("full", "bf16", True, "every-2"), ("full", "bf16", False, "selective"),
-    ("full", "fp32", True, "selective"), ("lora", "bf16", False, "selective"), ("lora", "fp32", True, "every-2")])
+    ("full", "fp32", True, "selective"), ("lora", "bf16", False, "selective"), ("lora", "fp32", True, "every-2"),
+    ("full", "bf16", False, "selective-lean"), ("lora", "fp32", False, "selective-lean"), ("full", "fp32", True, "selective-lean"),
+    ("lora", "bf16", True, "selective-lean")])
 def test_checkpointing_policies_keep_what_the_planner_says(method, precision, padded, policy):
     """Issue 19, lever 2: per-layer checkpointing keeps each layer's input; every-N keeps that for every N-th layer
     and everything for the others; selective keeps the input plus the matmuls' and attention's outputs. Two layers'

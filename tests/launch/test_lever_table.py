@@ -45,7 +45,8 @@ def test_the_recommendation_is_the_cheapest_exact_set_that_reaches_the_useful_mi
     chosen = tight.recommended
     assert chosen.largest_micro_batch >= 4 and chosen.exact
     every = [replace(shape, micro_batch=4, chunked_loss=c, gradient_checkpointing=p is not None, checkpoint_layers=p or "all",
-                     offload_activations=o) for c in (False, True) for p in (None, "selective", "every-2", "all") for o in (False, True)]
+                     offload_activations=o) for c in (False, True) for p in (None, "selective", "selective-lean", "every-2", "all")
+             for o in (False, True)]
     from hf_gpu_train.launch.lever_table import _Costs, _evaluate
 
     costs = _Costs(LLAMA_1B, shape, 4 * 4096, H100["peak_flops"], H100["pcie_bytes_per_s"])

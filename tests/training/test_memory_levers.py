@@ -67,11 +67,11 @@ def assert_same_training(got, reference, exact: bool = False):
     assert moved > 1e-3  # the weights trained: an equality of untrained models would prove nothing
 
 
-@pytest.mark.parametrize("policy", ["all", "every-2", "selective"])
+@pytest.mark.parametrize("policy", ["all", "every-2", "selective", "selective-lean"])
 def test_checkpointing_policies_train_the_same_weights(tmp_path, reference, policy):
-    if policy == "selective":
+    if policy.startswith("selective"):
         trainer = trainer_for(tmp_path, policy)
-        selective_checkpoint.enable(trainer.model)
+        selective_checkpoint.enable(trainer.model, policy)
     else:
         every = {"all": 1, "every-2": 2}[policy]
         trainer = trainer_for(tmp_path, policy, activation_checkpointing=True,

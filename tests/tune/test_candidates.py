@@ -10,7 +10,7 @@ from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.launch.plan_resolution import check_memory
 from hf_gpu_train.launch.run_plan_file import read_run_plan
-from hf_gpu_train.tune.candidates import CPU_COMPILE_NOTE, Candidate, CandidateSpace
+from hf_gpu_train.tune.candidates import AXES, CPU_COMPILE_NOTE, Candidate, CandidateSpace
 from hf_gpu_train.tune.job import load_job
 
 from .simulated import space
@@ -42,9 +42,11 @@ def test_axis_options_start_with_the_runs_own_setting():
     assert f"compile: {CPU_COMPILE_NOTE}" in cpu.notes
     t4 = space(per_process=16, precision="fp16", on_cuda=True)
     assert t4.precisions == ("fp16",) and "precision: fp16 is the only fast one here" in t4.notes
-    lm = space(per_process=16, task="causal-lm", packing="auto")
+    lm = space(per_process=16, task="causal-lm", packing="auto", axes=AXES)  # packing only when --axes names it
     assert lm.packing == ("auto", False) and lm.base.describe().endswith("packing auto")
-    assert space(per_process=16, task="causal-lm", packing=False).packing == (False, "auto")
+    assert space(per_process=16, task="causal-lm", packing=False, axes=AXES).packing == (False, "auto")
+    default = space(per_process=16, task="causal-lm", packing="auto")
+    assert default.packing == ("auto",) and any(n.startswith("packing: kept at the run's own (auto)") for n in default.notes)
     assert space(per_process=16, packing="auto").packing == (None,)  # classifiers have no packing
 
 
@@ -87,7 +89,7 @@ def test_the_planner_prunes_exactly_what_it_says_does_not_fit(tmp_path):
                    profile=load_machine("1x-t4"))
     plan = read_run_plan(tmp_path / "t4.plan.json", "test")
     verdicts = {v.lookup: v for v in job.space.verdicts}
-    checkpointing = [False, "all", "selective", "every-2"]  # off, then each policy (a transformers model)
+    checkpointing = [False, "all", "selective", "every-2", "selective-lean"]  # off, then each policy (a transformers model)
     assert set(verdicts) == {(m, c, o, "fp16") for m in job.space.micro_batches for c in checkpointing for o in (False, True)}
     for (micro, policy, offloaded, _), v in verdicts.items():
         values = {"per_device_train_batch_size": micro, "gradient_checkpointing": bool(policy), "precision": "fp16"}

@@ -34,7 +34,7 @@ def test_the_dry_plan_for_a_snapshot_lists_the_candidates_and_why_some_are_skipp
     out = run.stdout
     assert "Candidates for t4.yaml on 1x-t4: 1 process(es), effective batch 64, compared by tokens/s" in out
     assert re.search(r"micro-batch +1, 2, 4, 8, 16, 32, 64\n", out) and re.search(r"precision +fp16\n", out)
-    assert re.search(r"checkpointing +off, on, selective, every-2\n", out)  # a transformers model: every policy
+    assert re.search(r"checkpointing +off, on, selective, every-2, selective-lean\n", out)  # a transformers model: every policy
     assert re.search(r"activation offloading +off, on\n", out)  # a T4 snapshot: CUDA
     assert "skipped (the planner says it does not fit): micro-batch 64, checkpointing off, fp16" in out
     assert not (tmp_path / "t4.tune.json").exists()  # nothing measured, nothing written

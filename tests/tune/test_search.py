@@ -143,7 +143,8 @@ def test_the_grid_is_every_candidate_the_planner_allows_with_the_same_trial_runn
     assert [r.candidate for r in outcome.results] == candidates == m.calls
 
 
-POLICIES = {"selective": (2, 0.03), "every-2": (3, 0.12)}  # (factor on the memory limit, cost); "all": 4, 0.25
+# (factor on the memory limit, cost); "all": 4, 0.25
+POLICIES = {"selective": (2, 0.03), "every-2": (3, 0.12), "selective-lean": (3.5, 0.15)}
 
 
 def levers(machine: Machine) -> list[tuple]:
@@ -152,18 +153,19 @@ def levers(machine: Machine) -> list[tuple]:
 
 def test_the_cheapest_checkpointing_policy_goes_first_and_a_costlier_one_starts_where_it_ran_out():
     """Issue 19: memory stops the ladder at 16; selective checkpointing fits 16 and pays; one layer in two (limit 24)
-    starts where selective ran out (32) and does not fit; every layer fits 32 and pays more than selective's 16."""
+    starts where selective ran out (32) and does not fit, nor does lean selective (limit 28); every layer fits 32 and
+    pays more than selective's 16."""
     m = Machine(oom_above=8, ckpt_factor=4, ckpt_cost=0.25, half_speed_micro=32.0, policies=POLICIES)
     outcome, choice = search(space(per_process=64, start=8, layered=True), m)
     assert levers(m)[:3] == [(8, "off", False), (16, "off", False), (4, "off", False)]
-    assert levers(m)[3:] == [(16, "selective", False), (32, "selective", False), (32, "every-2", False), (32, "all", False),
-                             (64, "all", False)]
+    assert levers(m)[3:] == [(16, "selective", False), (32, "selective", False), (32, "every-2", False),
+                             (32, "selective-lean", False), (32, "all", False), (64, "all", False)]
     assert (choice.winner.candidate.micro_batch, choice.winner.candidate.checkpointing) == (32, "all")
     assert any(n.startswith("checkpointing selective:") for n in outcome.notes)
 
 
 def test_when_the_cheapest_policy_lifts_the_memory_limit_the_costlier_ones_are_not_measured():
-    m = Machine(oom_above=8, half_speed_micro=32.0, policies={"selective": (8, 0.03), "every-2": (8, 0.12)})
+    m = Machine(oom_above=8, half_speed_micro=32.0, policies={"selective": (8, 0.03), "every-2": (8, 0.12), "selective-lean": (8, 0.2)})
     outcome, choice = search(space(per_process=64, start=8, layered=True), m)
     assert {c.checkpointing for c in m.calls} == {"off", "selective"}
     assert choice.winner.candidate.checkpointing == "selective" and choice.winner.candidate.micro_batch == 64

@@ -91,7 +91,7 @@ def test_trials_share_one_model_and_leave_nothing_behind(tmp_path):
 
     enabled = []
     original = selective_checkpoint.enable
-    selective_checkpoint.enable = lambda model: (enabled.append(model), original(model))[1]
+    selective_checkpoint.enable = lambda model, *policy: (enabled.append(model), original(model, *policy))[1]
     try:
         selective = combine(C, [session.run(replace(C, gradient_checkpointing=True, checkpoint_layers="selective"), 1, 3)], 1, 1.0, 1)
     finally:

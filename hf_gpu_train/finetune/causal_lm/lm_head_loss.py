@@ -11,6 +11,10 @@ backward keeps their gradient as large again. Here, when the forward is given la
    accumulated, so backward is one multiplication by the incoming gradient. Per chunk, the logits and their gradient
    are ``chunk x vocabulary``; nothing is recomputed (a checkpointed chunk would run its matmul twice).
 
+On CUDA a fused kernel may do step 2 instead (``kernel``: Liger's ``liger_fused_linear_cross_entropy``, Triton, or
+Cut Cross-Entropy's ``linear_cross_entropy``, with its gradient filtering off so it stays exact): the same rows and
+targets, summed, then the same scale. ``KERNELS`` names what each needs.
+
 Exact: the loss is transformers' ``ForCausalLMLoss`` (labels shifted left, fp32 cross-entropy, summed and divided by
 ``num_items_in_batch`` when the Trainer passes it, else averaged), the gradients those of the same expression; only
 the order of the fp32 sums differs. Without labels (generation, a caller that wants logits) the model's own forward
@@ -25,9 +29,14 @@ from dataclasses import dataclass
 import torch
 
 IGNORE = -100
-DEFAULT_CHUNK = 1024  # rows of the head's matmul at a time: 1024 x 49k fp32 logits = 200 MB, and a matmul this wide is efficient
+DEFAULT_CHUNK = 1024  # rows at a time when the vocabulary is unknown; else launch.training_shape.chunk_rows(vocabulary)
 # config attributes that change what the head computes beyond hidden @ W.T (+ b): the chunked path would not be exact
 HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+# chunked_lm_loss value -> (module to import, the pip package): the fused kernels used instead of the chunks on CUDA
+KERNELS = {"liger": ("liger_kernel.transformers.functional", "liger-kernel"),
+           "cce": ("cut_cross_entropy", "cut-cross-entropy")}
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,32 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def linear_cross_entropy(hidden, weight, bias, targets, scale, chunk: int = DEFAULT_CHUNK):
+def linear_cross_entropy(hidden, weight, bias, targets, scale, chunk: int = DEFAULT_CHUNK, kernel: str | None = None):
+    """sum_i CE(hidden_i @ W.T + b, target_i) * scale: in chunks here, or by a fused kernel (``KERNELS``)."""
+    if kernel == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="sum") * scale
+    if kernel == "cce":
+        from cut_cross_entropy import linear_cross_entropy as cut_cross_entropy
+
+        # filter_eps=None: no gradient entry below a threshold is skipped (its default "high" skips some: not exact)
+        return cut_cross_entropy(hidden, weight, targets, reduction="sum", filter_eps=None) * scale
     return LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk, torch.is_grad_enabled())
+
+
+def kernel_problem(kernel: str, on_cuda: bool) -> str | None:
+    """Why ``kernel`` cannot run here (None: it can)."""
+    import importlib
+
+    module, package = KERNELS[kernel]
+    if not on_cuda:
+        return "its kernels run on CUDA only (this run is on the CPU): chunked_lm_loss=true chunks the head in plain PyTorch"
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return f"{package} is not installed ({error}): pip install {package}, or chunked_lm_loss=true"
+    return None
 
 
 def causal_lm_of(model):
@@ -122,7 +155,7 @@ def support(model, precision: str | None = None) -> Support:
     return Support(True, "the head's matmul and the loss in chunks of rows with a label")
 
 
-def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int):
+def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int, kernel: str | None = None):
     """transformers' ForCausalLMLoss on ``hidden`` through ``base``'s head, in chunks of the labelled rows only."""
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:].to(hidden.device)
     keep = shifted != IGNORE
@@ -135,14 +168,21 @@ def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int):
     if num_items_in_batch is None and targets.shape[0] == 0:  # transformers' mean over no token: nan
         scale = torch.tensor(float("nan"), device=hidden.device)
     head = base.get_output_embeddings()
-    return linear_cross_entropy(rows, head.weight, head.bias, targets, scale, chunk)
+    return linear_cross_entropy(rows, head.weight, head.bias, targets, scale, chunk, kernel)
 
 
-def install(model, chunk: int = DEFAULT_CHUNK, precision: str | None = None) -> Support:
-    """Give ``model``'s causal LM the chunked head and loss (when ``support`` allows); returns the verdict."""
+def install(model, chunk: int | None = None, precision: str | None = None, kernel: str | None = None) -> Support:
+    """Give ``model``'s causal LM the chunked head and loss (when ``support`` allows), or a fused kernel's (``kernel``:
+    a key of ``KERNELS``; the caller checked it can run); returns the verdict."""
     verdict = support(model, precision)
     if not verdict.supported:
         return verdict
+    if kernel == "cce" and causal_lm_of(model).get_output_embeddings().bias is not None:
+        return Support(False, "its output head has a bias, which Cut Cross-Entropy does not take")
+    if chunk is None:  # the planner's rows: launch/activations.py counts one chunk's logits
+        from ...launch.training_shape import chunk_rows
+
+        chunk = chunk_rows(causal_lm_of(model).get_output_embeddings().weight.shape[0])
     base = causal_lm_of(model)
     original = base.forward
 
@@ -159,9 +199,11 @@ def install(model, chunk: int = DEFAULT_CHUNK, precision: str | None = None) -> 
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)
         outputs = base.get_decoder()(**kwargs)
-        loss = chunked_loss(base, outputs[0], labels, num_items_in_batch, chunk)
+        loss = chunked_loss(base, outputs[0], labels, num_items_in_batch, chunk, kernel)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None))
 
     base.forward = forward
     base._hf_gpu_train_chunked_loss = chunk
+    if kernel:
+        return Support(True, f"the head's matmul and the loss fused by {KERNELS[kernel][1]}'s kernel, rows with a label only")
     return verdict

@@ -53,17 +53,22 @@ def _encode_and_pack(cfg: FinetuneConfig, data: CausalLMData, tokenizer, packs: 
     return Prepared(train, validation, {"notes": notes, "packing": packing})
 
 
-def _chunk_the_head(model, cfg: FinetuneConfig, precision: str) -> str:
+def _chunk_the_head(model, cfg: FinetuneConfig, precision: str, on_cuda: bool) -> str:
     """``chunked_lm_loss``: the LM head and loss in chunks where exact (auto), asked for (true: refused with the reason
-    where not exact), or the model's own (false)."""
+    where not exact), by a fused kernel on CUDA (liger, cce: refused where it cannot run), or the model's own (false)."""
     from . import lm_head_loss
 
     if cfg.chunked_lm_loss is False:
         return "LM head and loss: the model's own (chunked_lm_loss=false): full logits"
-    verdict = lm_head_loss.install(model, precision=precision)
-    if not verdict.supported and cfg.chunked_lm_loss is True:
-        raise ConfigError(f"chunked_lm_loss=true, but {verdict.reason}: chunked_lm_loss=auto (or false) to use the model's "
-                          "own head and loss")
+    kernel = cfg.chunked_lm_loss if cfg.chunked_lm_loss in lm_head_loss.KERNELS else None
+    if kernel:
+        problem = lm_head_loss.kernel_problem(kernel, on_cuda)
+        if problem:
+            raise ConfigError(f"chunked_lm_loss={kernel}, but {problem}")
+    verdict = lm_head_loss.install(model, precision=precision, kernel=kernel)
+    if not verdict.supported and cfg.chunked_lm_loss not in (False, "auto"):
+        raise ConfigError(f"chunked_lm_loss={str(cfg.chunked_lm_loss).lower()}, but {verdict.reason}: chunked_lm_loss=auto (or "
+                          "false) to use the model's own head and loss")
     return (f"LM head and loss: chunked ({verdict.reason}; no full logits)" if verdict.supported else
             f"LM head and loss: the model's own ({verdict.reason})")
 
@@ -88,7 +93,7 @@ def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
         raise ConfigError(f"packing=true, but {verdict.reason}: packing=auto (or false) to pad instead, or "
                           "attn_implementation=sdpa")
     model = apply_method(model, cfg)
-    head_note = _chunk_the_head(model, cfg, runtime.precision)
+    head_note = _chunk_the_head(model, cfg, runtime.precision, runtime.on_cuda)
     packs = verdict is not None and verdict.supported
     key = data_key(cfg, {"train": data.train, "validation": data.validation}, data.model_path, tokenizer, packs=packs)
     prepared = prepare_once(key, lambda: _encode_and_pack(cfg, data, tokenizer, packs))

@@ -147,3 +147,58 @@ def test_an_evaluation_makes_no_gradients_and_fp16_keeps_the_models_own():
         loss = model(**_batch(False)).loss
     assert loss.grad_fn is None and torch.isfinite(loss)
     assert not support(tiny_llama(64), precision="fp16").supported  # the loss scale would reach the gradients too late
+
+
+def _fake_kernels(monkeypatch, calls: list):
+    """Liger's and Cut Cross-Entropy's functions as plain PyTorch on the full logits (their kernels are Triton and CUDA):
+    what the install path hands them is checked, not their arithmetic."""
+    import sys
+    import types
+
+    def full_ce(hidden, weight, targets, bias=None, reduction="sum"):
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, bias).float(), targets,
+                                                 reduction=reduction)
+
+    def liger(input, weight, target, bias=None, reduction="mean", **kwargs):
+        calls.append(("liger", input.shape[0], reduction, kwargs))
+        return full_ce(input, weight, target, bias, reduction)
+
+    def cce(e, c, targets, reduction="mean", filter_eps="high", **kwargs):
+        calls.append(("cce", e.shape[0], reduction, {"filter_eps": filter_eps, **kwargs}))
+        return full_ce(e, c, targets, None, reduction)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    cut = types.ModuleType("cut_cross_entropy")
+    cut.linear_cross_entropy = cce
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", cut)
+
+
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+def test_a_fused_kernel_gets_the_labelled_rows_summed_and_the_same_scale(monkeypatch, kernel):
+    calls = []
+    _fake_kernels(monkeypatch, calls)
+    reference = tiny_llama(128).train()
+    fused = copy.deepcopy(reference)
+    verdict = install(fused, kernel=kernel)
+    assert verdict.supported and lm_head_loss.KERNELS[kernel][1] in verdict.reason
+    extra = {"num_items_in_batch": torch.tensor(40)}
+    want, want_grads = _loss_and_grads(reference, _batch(True), **extra)
+    got, got_grads = _loss_and_grads(fused, _batch(True), **extra)
+    torch.testing.assert_close(got, want, **TOL)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL, msg=name)
+    (name, rows, reduction, kwargs), = calls
+    labelled = int((torch.nn.functional.pad(_batch(True)["labels"], (0, 1), value=-100)[..., 1:] != -100).sum())
+    assert (name, rows, reduction) == (kernel, labelled, "sum")  # ignored rows never reach the kernel
+    if kernel == "cce":
+        assert kwargs["filter_eps"] is None  # its default skips small gradient entries: not exact
+
+
+def test_a_fused_kernel_is_refused_where_it_cannot_run(monkeypatch):
+    assert "CUDA only" in lm_head_loss.kernel_problem("liger", on_cuda=False)
+    monkeypatch.setitem(__import__("sys").modules, "cut_cross_entropy", None)  # not installed
+    assert "pip install cut-cross-entropy" in lm_head_loss.kernel_problem("cce", on_cuda=True)
