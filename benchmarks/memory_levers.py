@@ -3,7 +3,8 @@ SmolLM2-135M-Instruct (the recipe recipes/smollm2_lora_demo.yaml: its chat rows,
 
 Levers, each added to the ones above (the order of hf_gpu_train/launch/lever_table.py): the chunked LM head and loss
 (``chunked_lm_loss``), the optimizer step in the backward (``optimizer_in_backward``, full fine-tuning only), selective
-checkpointing (``checkpoint_layers=selective``), checkpointing every layer (``checkpoint_layers=all``, replacing it).
+checkpointing (``checkpoint_layers=selective``), lean selective checkpointing (``selective-lean``, replacing it),
+checkpointing every layer (``checkpoint_layers=all``, replacing that).
 Activation offloading has nothing to offload on the CPU (the activations are in host memory): it is measured on a GPU by
 scripts/gpu_check.py. Each arm is a fresh process (benchmarks/memory_levers_arm.py); the arms of one configuration run
 back to back, in alternating order. Gradient clipping is off in every arm (the optimizer in the backward cannot clip),
@@ -18,7 +19,8 @@ nearly full). Evaluation, checkpoints, telemetry and generation are off in every
 
 The second form: the longest ``max_length`` (one packed row of that many tokens per step, LoRA, one optimizer step) whose
 training process stays within a fixed memory budget, ours with every exact lever that saves memory here (the chunked
-head, checkpointing every layer; offloading on a GPU) against TRL 1.16's leanest ``SFTTrainer`` (its fused LM head,
+head, checkpointing every layer; offloading on a GPU; and, a second series, ``release_memory`` too) against TRL 1.16's
+leanest ``SFTTrainer`` (its fused LM head,
 packing, gradient checkpointing; its activation offloading on a GPU only: on the CPU it does not start). Lengths double
 from the first, then one step halfway between the longest that fits and the first that does not. Memory is the
 process's peak RSS (``ru_maxrss``: loading included) on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU.
@@ -40,6 +42,8 @@ LEVERS = {  # cumulative: each arm has the levers of the arms above it
     "+ optimizer step in the backward": ["chunked_lm_loss=true", "optimizer_in_backward=true"],
     "+ selective checkpointing": ["chunked_lm_loss=true", "optimizer_in_backward=true", "gradient_checkpointing=true",
                                   "checkpoint_layers=selective"],
+    "+ lean selective checkpointing": ["chunked_lm_loss=true", "optimizer_in_backward=true", "gradient_checkpointing=true",
+                                       "checkpoint_layers=selective-lean"],
     "+ checkpointing every layer": ["chunked_lm_loss=true", "optimizer_in_backward=true", "gradient_checkpointing=true",
                                     "checkpoint_layers=all"],
 }
@@ -67,14 +71,22 @@ def arm(tmp: Path, name: str, overrides: list[str]) -> dict:
 OURS_LEANEST = ["chunked_lm_loss=true", "gradient_checkpointing=true", "checkpoint_layers=all"]
 
 
-def ours_at(tmp: Path, length: int) -> dict:
-    """ours' peak and time for one step of one packed row of ``length`` tokens, LoRA, every memory-saving lever."""
+def ours_at(tmp: Path, length: int, release: bool = False) -> dict:
+    """ours' peak and time for one step of one packed row of ``length`` tokens, LoRA, every memory-saving lever (with
+    ``release``: also release_memory, the allocator giving freed memory back at once)."""
     import torch
 
-    levers = OURS_LEANEST + (["offload_activations=true"] if torch.cuda.is_available() else [])
+    levers = OURS_LEANEST + (["offload_activations=true"] if torch.cuda.is_available() else []) + (
+        ["release_memory=true"] if release else [])
     overrides = ["method=lora", f"max_length={length}", "max_steps=1", *QUIET, *levers]
-    result = arm(tmp, f"ours-context-{length}", overrides)
-    return {"fits_bytes": result["peak_rss_bytes"], "seconds": result["train_seconds"]}
+    result = arm(tmp, f"ours-context-{length}-{int(release)}", overrides)
+    peak = result["cuda_peak_reserved"] if torch.cuda.is_available() else result["peak_rss_bytes"]
+    return {"fits_bytes": peak, "seconds": result["train_seconds"]}
+
+
+def ours_releasing_at(tmp: Path, length: int) -> dict:
+    return ours_at(tmp, length, release=True)
+
 
 
 def trl_at(tmp: Path, length: int) -> dict:
@@ -96,42 +108,61 @@ def trl_at(tmp: Path, length: int) -> dict:
                         warmup_ratio=0.0, weight_decay=cfg.weight_decay, max_length=length, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                         lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules, batch=1, options=options)}
     result = run_spec(spec, tmp, f"trl-context-{length}")
-    return {"fits_bytes": result["cuda_peak_allocated"] if on_cuda else result["ru_maxrss"], "seconds": result["train_seconds"]}
+    return {"fits_bytes": result["cuda_peak_reserved"] if on_cuda else result["ru_maxrss"], "seconds": result["train_seconds"]}
 
 
-def longest_context(measure, tmp: Path, budget: int, lengths: list[int], name: str) -> tuple[int | None, list[str]]:
-    """The longest length whose peak stays within ``budget``: the ladder, then one step halfway."""
-    lines, fits, fails = [], None, None
-    for length in lengths:
+SIDES = {"trl": (trl_at, "TRL leanest (fused head, packing, ckpt)"), "ours": (ours_at, "ours (chunked head, ckpt every layer)"),
+         "ours-release": (ours_releasing_at, "ours (+ release_memory)")}
+BISECT_TO = 1.125  # bisect until the first length over the budget is within 12.5% of the longest that fits
+
+
+def longest_context(measure, tmp: Path, budget: int, lengths: list[int], name: str) -> tuple[int | None, int | None]:
+    """(the longest length whose peak stays within ``budget``, the shortest seen over it): the ladder, then halving the
+    gap (to multiples of 128 tokens) until it is within ``BISECT_TO``."""
+    fits, fails = None, None
+
+    def step(length: int) -> bool:
         r = measure(tmp, length)
         ok = r["fits_bytes"] <= budget
-        lines.append(f"| {name} | {length} | {r['fits_bytes'] / 2**30:.2f} GiB | {'fits' if ok else 'over'} | {r['seconds']:.0f} s |")
-        print(lines[-1], flush=True)
-        if not ok:
+        print(f"| {name} | {length} | {r['fits_bytes'] / 2**30:.2f} GiB | {'fits' if ok else 'over'} | {r['seconds']:.0f} s |",
+              flush=True)
+        return ok
+
+    for length in lengths:
+        if not step(length):
             fails = length
             break
         fits = length
-    if fits is not None and fails is not None:
-        middle = (fits + fails) // 2
-        r = measure(tmp, middle)
-        ok = r["fits_bytes"] <= budget
-        lines.append(f"| {name} | {middle} | {r['fits_bytes'] / 2**30:.2f} GiB | {'fits' if ok else 'over'} | {r['seconds']:.0f} s |")
-        print(lines[-1], flush=True)
-        fits = middle if ok else fits
-    return fits, lines
+    while fits is not None and fails is not None and fails > fits * BISECT_TO:
+        middle = (fits + fails) // 2 // 128 * 128
+        if middle in (fits, fails):
+            break
+        if step(middle):
+            fits = middle
+        else:
+            fails = middle
+    return fits, fails
 
 
 def context_in_budget(args) -> int:
     budget = int(args.context_budget_gib * 2**30)
-    print(f"The longest context in {args.context_budget_gib:g} GiB (peak RSS of the training process on the CPU, CUDA peak "
-          "allocated on a GPU): LoRA on SmolLM2-135M, one packed row per step, one step")
+    print(f"The longest context in {args.context_budget_gib:g} GiB (peak RSS of the training process on the CPU, torch's peak "
+          "reserved on a GPU, for both): LoRA on SmolLM2-135M, one packed row per step, one step")
     print("| trainer | max_length | peak | within the budget | train s |")
     print("|---|---|---|---|---|")
+    found = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trl, _ = longest_context(trl_at, Path(tmp), budget, args.context_lengths, "TRL leanest (fused head, packing, ckpt)")
-        ours, _ = longest_context(ours_at, Path(tmp), budget, args.context_lengths, "ours (chunked head, ckpt every layer)")
-    ratio = "-" if not trl or not ours else f"{ours / trl:.2f}x"
-    print(f"longest context in {args.context_budget_gib:g} GiB: ours {ours}, TRL {trl}: {ratio} (goal: >= 2x)")
+        for side in args.context_sides:
+            measure, name = SIDES[side]
+            found[side] = longest_context(measure, Path(tmp), budget, args.context_lengths, name)
+    trl, trl_over = found.get("trl", (None, None))
+    for side in [s for s in found if s != "trl"]:
+        ours, ours_over = found[side]
+        ratio = "-" if not trl or not ours else f"{ours / trl:.2f}x"
+        bounds = "" if not (trl and ours and trl_over) else f"; between {ours / trl_over:.2f}x and {(ours_over or ours) / trl:.2f}x"
+        met = "MET   " if trl and ours and ours / trl >= 2 else "MISSED"
+        print(f"{met} longest context in {args.context_budget_gib:g} GiB: {SIDES[side][1]} {ours} (over at {ours_over}), TRL "
+              f"{trl} (over at {trl_over}): {ratio}{bounds} (goal: >= 2x)")
     return 0
 
 
@@ -142,6 +173,7 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=["lora", "full"])
     parser.add_argument("--context-budget-gib", type=float, help="instead of the table: the longest context in this budget")
     parser.add_argument("--context-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--context-sides", nargs="+", default=list(SIDES), choices=list(SIDES))
     args = parser.parse_args()
     if args.context_budget_gib:
         return context_in_budget(args)

@@ -22,6 +22,9 @@ out, overrides = Path(sys.argv[1]), sys.argv[2:]
 cfg = load_config("recipes/smollm2_lora_demo.yaml", overrides)
 finetune(cfg)
 summary = json.loads((Path(cfg.output_dir) / "run_summary.json").read_text())
-out.write_text(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+import torch  # noqa: E402
+
+cuda_peak = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None
+out.write_text(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cuda_peak_reserved": cuda_peak,
                            "train_seconds": summary["train_seconds"], "steps": summary["global_step"],
                            "eval_loss": summary.get("eval_loss")}))

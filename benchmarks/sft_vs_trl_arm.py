@@ -14,7 +14,7 @@ Training arms: ``ours`` (``hf_gpu_train.finetune.run.finetune`` on the demo reci
   evaluates and saves on a timer; TRL's defaults do neither in a short run); also the time to the first optimizer
   step's end, so a steady rate without the first step (CUDA and allocator warm-up) can be given;
 - peak memory: on the CPU the process RSS sampled every 20 ms during ``train()`` (psutil) and the process's
-  ``ru_maxrss`` (loading and tokenizing included); on a GPU ``torch.cuda.max_memory_allocated`` over ``train()``.
+  ``ru_maxrss`` (loading and tokenizing included); on a GPU ``torch.cuda.max_memory_reserved`` over ``train()`` (and allocated, and what the device holds outside torch).
 
 The common evaluation loads the base model once in fp32 and each saved adapter onto it, and computes, over the same
 validation conversations tokenized the same way (the chat template, as both tools render it): the mean token
@@ -79,6 +79,15 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def _outside_torch() -> int:
+    """What the device holds beyond torch's reservation (the CUDA context, other processes): what tune's measured peak
+    adds to torch's peak reserved (callbacks/memory_probe.device_peak)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return max(0, (total - free) - torch.cuda.memory_reserved())
 
 
 LAST = {}  # the measures of the last train() in this process
@@ -154,6 +163,8 @@ def measured(trainer_class):
                 train_seconds=m["wall"] - m["excluded"], step_marks=m["steps"], optimizer_steps=self.state.global_step,
                 peak_rss_train=rss.peak, rss_at_train_start=rss_at_start, ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 cuda_peak_allocated=torch.cuda.max_memory_allocated() if cuda else None,
+                cuda_peak_reserved=torch.cuda.max_memory_reserved() if cuda else None,
+                cuda_outside_torch=_outside_torch() if cuda else None,
                 train_loss=result.training_loss)
             return result
 
@@ -239,7 +250,8 @@ def train_arm(spec: dict) -> dict:
             "steady_tokens_per_second": (m["tokens"] - first_tokens) / steady_seconds if len(marks) > 1 and steady_seconds > 0 else None,
             "first_step_seconds": first_seconds, "peak_rss_train": m["peak_rss_train"], "ru_maxrss": m["ru_maxrss"],
             "rss_at_train_start": m["rss_at_train_start"],
-            "cuda_peak_allocated": m["cuda_peak_allocated"], "train_loss": m["train_loss"],
+            "cuda_peak_allocated": m["cuda_peak_allocated"], "cuda_peak_reserved": m["cuda_peak_reserved"],
+            "cuda_outside_torch": m["cuda_outside_torch"], "train_loss": m["train_loss"],
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "load_average_1min": [load_start, os.getloadavg()[0]],  # other jobs on the machine, at the start and end
             "torch_threads": torch.get_num_threads()}

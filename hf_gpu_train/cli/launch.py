@@ -130,9 +130,10 @@ def _deepspeed_file_precision(settings: dict, config: dict) -> tuple[str, str] |
         raise UsageError(f"deepspeed_config_file {path} (in the accelerate config) does not exist from {Path.cwd()}: accelerate "
                          "reads it from the directory the launch runs in; launch from where `hf-gpu-train config` ran, or "
                          "write an absolute path there")
-    if "mixed_precision" in settings or config.get("mixed_precision") in (None, "no"):
+    if "mixed_precision" in settings or config.get("mixed_precision") is None:
         return None
-    value = str(config["mixed_precision"])
+    raw = config["mixed_precision"]
+    value = "no" if raw is False else str(raw)  # "no" too (YAML may read an unquoted no as false): refused there like any other
     return value, (f"--mixed_precision {value} from the config on the command line: accelerate refuses a config file's "
                    "mixed_precision beside deepspeed_config_file")
 

@@ -94,10 +94,12 @@ class FinetuneConfig:
     precision: str = "auto"
     gradient_checkpointing: bool = False
     # memory levers (finetune/memory_levers.py): which layers checkpointing covers and what they keep (all | every-N
-    # | selective), saved activations in pinned host memory, the optimizer step inside the backward (full, 1 process)
+    # | selective | selective-lean), saved activations in pinned host memory, the optimizer step inside the backward
+    # (full, 1 process), freed memory given back at once (the allocator: training/release_memory.py)
     checkpoint_layers: str = "all"
     offload_activations: bool = False
     optimizer_in_backward: bool = False
+    release_memory: bool = False
     torch_compile: bool = False
     dataloader_num_workers: int | str = "auto"
     seed: int = 42

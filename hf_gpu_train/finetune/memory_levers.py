@@ -79,6 +79,16 @@ def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
     return kwargs
 
 
+def release_memory(cfg, runtime) -> list[str]:
+    """``release_memory``: the allocator gives freed memory back at once (training/release_memory.py); before the model
+    loads and CUDA allocates. The lines to print."""
+    if not cfg.release_memory:
+        return []
+    from ..training.release_memory import release
+
+    return [release(runtime.on_cuda)]
+
+
 def apply_levers(trainer, cfg, runtime) -> list[str]:
     """The levers on a built Trainer; the lines to print (what each does here, or why it stepped aside)."""
     from ..launch.training_shape import checkpoint_every
@@ -126,6 +136,10 @@ def planned_levers_that_hold(values: dict, from_plan: set, cfg, world_size: int)
     if "checkpoint_layers" in from_plan and values.get("checkpoint_layers") not in (None, "all") and not values.get(
             "gradient_checkpointing"):
         drop("checkpoint_layers", "all", "gradient checkpointing is off in this run")
+    elif "checkpoint_layers" in from_plan and values.get("checkpoint_layers") in SELECTIVE_POLICIES and cfg.method == "qlora":
+        drop("checkpoint_layers", "all", "this run trains method=qlora (bitsandbytes' 4-bit matmul is not covered)")
+    if "chunked_lm_loss" in from_plan and values.get("chunked_lm_loss") is True and values.get("precision") == "fp16":
+        drop("chunked_lm_loss", "auto", "this run trains in fp16 (the loss scale would reach the gradients after they are made)")
     compiled = bool(values.get("torch_compile"))
     if "offload_activations" in from_plan and values.get("offload_activations") and compiled:
         drop("offload_activations", False, "this run compiles the model (torch_compile)")

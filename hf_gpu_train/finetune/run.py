@@ -186,7 +186,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
     from .fsdp import fsdp_requested, save_full_model
-    from .memory_levers import apply_levers
+    from .memory_levers import apply_levers, release_memory
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
@@ -194,6 +194,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     check_output_dir(cfg)
     check_extra_arguments(cfg)
     runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
+    released = release_memory(cfg, runtime)  # before CUDA allocates and before the model loads
     if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
         # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
@@ -225,7 +226,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
     guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
-    lever_lines = apply_levers(trainer, cfg, runtime)  # selective checkpointing, activation offloading, optimizer in backward
+    lever_lines = released + apply_levers(trainer, cfg, runtime)  # selective checkpointing, offloading, optimizer in backward
     check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
                        "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,

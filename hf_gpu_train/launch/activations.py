@@ -144,7 +144,11 @@ def lean_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
     inter = spec.intermediate_size or 4 * h
     projections = [(h, q), (h, kv), (h, kv), (q, h)] + ([(h, inter), (h, inter)] if _gated(spec) else [(h, inter)]) + [(inter, h)]
     matmuls = c * sum(d_out for d_in, d_out in projections if d_in > d_out)
-    attention = c * q + (c * a * shape.seq_len if shape.attention == "eager" else LSE_BYTES_PER_HEAD * a)
+    if shape.attention == "eager":  # its two batched matmuls by the same rule: scores (inner: head_dim), output (inner: s)
+        head_dim = q // a
+        attention = c * a * shape.seq_len * (head_dim > shape.seq_len) + c * q * (shape.seq_len > head_dim)
+    else:
+        attention = c * q + LSE_BYTES_PER_HEAD * a  # SDPA's output and log-sum-exp: always kept
     adapters = 0.0
     if shape.method in ("lora", "qlora"):
         count, _, _ = adapter_shape(spec) or (0, 0, 0)

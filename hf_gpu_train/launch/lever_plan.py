@@ -88,6 +88,12 @@ class _HostCheck:
     def fits(self, strategy: str, activations: float = 0.0) -> bool:
         return self.ram is None or self.needs(strategy, activations) <= self.ram * HOST_FRACTION
 
+    def room_per_process(self, strategy: str) -> float | None:
+        """What offloaded activations may take of the host per process beside the strategy's own (None: unknown)."""
+        if self.ram is None:
+            return None
+        return max(0.0, self.ram * HOST_FRACTION / self.per_machine - host_bytes_per_process(self.spec, self.shape, strategy, self.world))
+
     def reason(self, strategy: str, activations: float = 0.0) -> str | None:
         need = self.needs(strategy, activations)
         if not need:
@@ -99,10 +105,9 @@ class _HostCheck:
 def _with_levers(spec, memory, world, shape, global_batch, strategy, plain, host, table_args) -> MemoryPlan | None:
     per_gpu = math.ceil(global_batch / world)
     useful = useful_micro_batch(spec, shape, per_gpu)  # 4 samples, or 2048 tokens when fewer: method_choice.py
-    table = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, **table_args)
+    table = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu,
+                        host_bytes_per_process=host.room_per_process(strategy), **table_args)
     chosen = table.recommended
-    if chosen is not None and not host.fits(strategy, chosen.offloaded_bytes):
-        return None
     if chosen is None or (plain is None and chosen.largest_micro_batch < 1):
         return None
     best = chosen.largest_micro_batch

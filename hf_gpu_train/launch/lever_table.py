@@ -52,7 +52,8 @@ WHOLE_MODEL_STRATEGIES = ("single", "ddp")  # every lever; sharded strategies of
 
 def chunk_offered(spec: ModelSpec, shape: TrainingShape, strategy: str) -> bool:
     """Whether the chunked LM head and loss is a lever here (module docstring)."""
-    return bool(spec.causal_lm and spec.vocab_size) and shape.precision != "fp16" and not strategy.startswith("deepspeed-zero3")
+    return (bool(spec.causal_lm and spec.vocab_size) and not spec.lm_head_extras and shape.precision != "fp16"
+            and not strategy.startswith("deepspeed-zero3"))
 
 
 @dataclass(frozen=True)
@@ -175,10 +176,11 @@ def _evaluate(spec, shape, strategy, memory, costs) -> LeverSet:
 
 def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory_bytes: int, useful_micro_batch: int,
                 per_gpu_batch: int | None = None, peak_flops: float | None = None,
-                pcie_bytes_per_s: float | None = None) -> LeverTable:
+                pcie_bytes_per_s: float | None = None, host_bytes_per_process: float | None = None) -> LeverTable:
     """The cumulative rows and the recommended set (module docstring). ``per_gpu_batch``: the samples one GPU
     contributes to a step (None: the micro-batch); the optimizer in the backward is offered only when one micro-batch
-    is the whole step (no accumulation)."""
+    is the whole step (no accumulation). ``host_bytes_per_process``: the host memory offloading may fill (None:
+    unknown, not checked); a set that would offload more is not recommended."""
     micro = useful_micro_batch
     base = replace(shape, micro_batch=micro, gradient_checkpointing=False, checkpoint_layers="all", chunked_loss=False,
                    offload_activations=False, optimizer_in_backward=False)
@@ -219,7 +221,11 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     for label, change in cumulative:
         current = replace(current, **change)
         rows.append((label, evaluated[current]))
-    recommended, reason = _recommend(combos, useful_micro_batch, per_gpu_batch or micro)
+    host_ok = [s for s in combos if host_bytes_per_process is None or s.offloaded_bytes <= host_bytes_per_process]
+    if len(host_ok) < len(combos):
+        notes.append(f"offloading: sets that would hold more than {host_bytes_per_process / GIB:.1f} GiB of the host's memory "
+                     "per process are not recommended")
+    recommended, reason = _recommend(host_ok, useful_micro_batch, per_gpu_batch or micro)
     return LeverTable(rows=tuple(rows), recommended=recommended, reason=reason, micro_batch=micro, notes=tuple(notes))
 
 

@@ -46,6 +46,9 @@ class ModelSpec:
     adapted_out_features: int | None = None  # their summed output widths (d_out)
     quantized_params: int | None = None  # weights bitsandbytes stores in 4 bits
     largest_linear_params: int | None = None  # the largest of those: QLoRA's dequantized buffer
+    # what a causal LM's head and loss do beyond hidden @ W.T and a cross-entropy (config attributes: soft-capping, a
+    # logit scale, a router's auxiliary loss, a loss of its own): the chunked head steps aside for such a model
+    lm_head_extras: tuple[str, ...] = ()
 
     @property
     def is_transformer_shaped(self) -> bool:
@@ -184,6 +187,22 @@ def _is_causal(config) -> bool:
     return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
+# config attributes that change what the LM head computes beyond hidden @ W.T (+ b)
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def lm_head_extras(config) -> tuple[str, ...]:
+    """What the config's head and loss do beyond a matmul and transformers' causal-LM cross-entropy (empty: the
+    chunked head and loss is exact for it; finetune/causal_lm/lm_head_loss.support says the same of a loaded model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = {name for name in HEAD_EXTRAS for c in (config, text) if getattr(c, name, None) not in (None, 1, 1.0)}
+    if getattr(text, "output_router_logits", False) or getattr(config, "output_router_logits", False):
+        found.add("output_router_logits")
+    if getattr(config, "loss_type", None) not in (None, "ForCausalLM", "ForCausalLMLoss"):
+        found.add(f"loss_type={config.loss_type}")
+    return tuple(sorted(found))
+
+
 def from_config(config, name: str | None = None, causal_lm: bool | None = None) -> ModelSpec:
     """A ModelSpec from a transformers config object or a config dict (``model_type`` plus the config's keys,
     as in config.json), built on the meta device: no weights, no hub. ``causal_lm`` None: decided from the
@@ -214,6 +233,7 @@ def from_config(config, name: str | None = None, causal_lm: bool | None = None) 
         head_dim=getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None),
         intermediate_size=getattr(text, "intermediate_size", None),
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)) and causal,
+        lm_head_extras=lm_head_extras(config) if causal else (),
         **census,
     )
 

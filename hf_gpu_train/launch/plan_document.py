@@ -61,11 +61,15 @@ def _batch_values(plan: LaunchPlan) -> dict:
 
 
 def _lever_values(plan: LaunchPlan) -> dict:
-    from .lever_plan import LEVER_KEYS, lever_settings
+    from .lever_plan import LEVER_KEYS, lever_settings, levers_apply
 
     decided = {key: _value(value, reason) for key, value, reason in lever_settings(plan.memory)}
-    why = ("the planner counts memory levers for transformer models it models layer by layer; this one's activations "
-           "are measured as a whole: the run's own")
+    if plan.options.model is not None and levers_apply(plan.options.model):
+        why = (f"no lever planned for {plan.strategy}: it does not fit a whole model per GPU, so the planner counts only "
+               "what that strategy runs (checkpointing through its own setting): the run's own")
+    else:
+        why = ("the planner counts memory levers for transformer models it models layer by layer; this one's activations "
+               "are measured as a whole: the run's own")
     return {key: decided.get(key, _value(None, why)) for key in LEVER_KEYS}
 
 

@@ -57,12 +57,16 @@ def _prefix(plan: LaunchPlan) -> str:
     return f"{binding.command_prefix} " if binding is not None and binding.command_prefix else ""
 
 
+def _deepspeed_precision(plan: LaunchPlan | None) -> str:
+    """`` --mixed_precision X`` beside a DeepSpeed config file: accelerate takes the precision from the command line
+    only there (a YAML's, "no" included, is refused: deepspeed_config.py); else ''."""
+    return f" --mixed_precision {plan.accelerate['mixed_precision']}" if plan is not None and plan.deepspeed_file else ""
+
+
 def accelerate_command(config_path: str | Path, script: str = "scripts/finetune.py", plan: LaunchPlan | None = None) -> str:
     env = env_path_for(config_path)
     prefix = _prefix(plan) if plan is not None else ""
-    # beside a DeepSpeed config file accelerate takes the precision from the command line only (deepspeed_config.py)
-    precision = f" --mixed_precision {plan.accelerate['mixed_precision']}" if plan is not None and plan.deepspeed_file else ""
-    return f"(set -a; . {env}; set +a; {prefix}accelerate launch --config_file {config_path}{precision} {script})"
+    return f"(set -a; . {env}; set +a; {prefix}accelerate launch --config_file {config_path}{_deepspeed_precision(plan)} {script})"
 
 
 def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", config_path: str | Path | None = None) -> str:
@@ -112,6 +116,6 @@ ACCELERATE=${{ACCELERATE:-accelerate}}
 srun --kill-on-bad-exit=1 bash -c "{_prefix(plan)}$ACCELERATE launch --config_file {config_path} \\
     --num_machines {nodes} --num_processes {acc['num_processes']} \\
     --machine_rank \\$SLURM_NODEID --main_process_ip $MAIN_NODE --main_process_port $MAIN_PORT \\
-    --rdzv_backend c10d --same_network \\
+    --rdzv_backend c10d --same_network{_deepspeed_precision(plan)} \\
     {script} $*"
 """

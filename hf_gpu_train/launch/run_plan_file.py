@@ -202,7 +202,7 @@ def _memory(doc: Mapping | None) -> PlannedMemory | None:
         return None
     planned = doc["planned_for"]
     return PlannedMemory(
-        model=ModelSpec(**planned["model"]), seq_len=planned["seq_len"], image_size=planned["image_size"],
+        model=_model_spec(planned["model"]), seq_len=planned["seq_len"], image_size=planned["image_size"],
         optimizer=planned["optimizer"], precision=planned["precision"], world_size=planned["world_size"],
         global_batch_target=planned["global_batch_target"], per=doc["per"], strategy=doc["strategy"],
         micro_batch=doc["micro_batch"], gradient_checkpointing=doc["gradient_checkpointing"],
@@ -210,6 +210,11 @@ def _memory(doc: Mapping | None) -> PlannedMemory | None:
         breakdown_bytes=tuple((k, int(v)) for k, v in doc.get("breakdown_bytes", {}).items()),
         method=planned.get("method", "full"), lora_rank=int(planned.get("lora_rank", 16)),
         levers=tuple((doc.get("levers") or {}).items()))
+
+
+def _model_spec(recorded: Mapping) -> ModelSpec:
+    """The spec a plan recorded (JSON lists back to the dataclass's tuples)."""
+    return ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
 
 
 def _environment(doc_env: list, env_file: Path) -> tuple[tuple[str, str, str], ...]:

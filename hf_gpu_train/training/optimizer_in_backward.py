@@ -120,6 +120,14 @@ def attach(trainer, world_size: int, precision: str) -> str:
             "freed at once; gradient clipping off (the Trainer's default clips at max_grad_norm=1.0)")
 
 
+def remove_hooks(optimizer) -> None:
+    """Take an ``OptimizerInBackward``'s hooks off the parameters (a Trainer's optimizer, wrapped or not; anything
+    else: nothing): for a train() that raised before its end (tune's trials share one model)."""
+    inner = _unwrapped(optimizer)
+    if isinstance(inner, OptimizerInBackward):
+        inner.remove_hooks()
+
+
 def _unwrapped(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
 

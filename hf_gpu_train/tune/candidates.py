@@ -163,9 +163,10 @@ class CandidateSpace:
         return next((v for v in self.verdicts if v.lookup == wanted), None)
 
     def planner_allows(self, candidate: Candidate) -> bool:
-        """False only when the planner has a verdict and it says this does not fit."""
+        """False when the planner has a verdict and it says this does not fit, or when the run would refuse the
+        combination (``runnable``)."""
         found = self.verdict(candidate)
-        return found is None or found.fits
+        return runnable(candidate, self.base) is None and (found is None or found.fits)
 
     def pruned(self) -> list[PlannerVerdict]:
         return [v for v in self.verdicts if not v.fits]
@@ -199,6 +200,13 @@ class TuneInputs:
     axes: tuple[str, ...] = DEFAULT_AXES
     layered: bool = False  # a transformers model: selective and one-in-N checkpointing apply (timm: every block only)
     memory_budget_bytes: int | None = None
+
+
+def runnable(candidate: Candidate, base: Candidate) -> str | None:
+    """Why the run would refuse this candidate's combination (finetune/memory_levers.check_levers), or None."""
+    if candidate.torch_compile and candidate.offload_activations:
+        return "torch.compile beside activation offloading (its hooks would sit inside the compiled forward)"
+    return None
 
 
 def divisors(n: int) -> tuple[int, ...]:

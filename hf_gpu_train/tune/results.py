@@ -53,7 +53,10 @@ class TrialResult:
 
     @property
     def within_budget(self) -> bool:
-        return self.memory_budget_bytes is None or self.peak_memory_bytes is None or self.peak_memory_bytes <= self.memory_budget_bytes
+        """Under the memory budget (per process); a trial with no measured peak cannot show it fits one."""
+        if self.memory_budget_bytes is None:
+            return True
+        return self.peak_memory_bytes is not None and self.peak_memory_bytes <= self.memory_budget_bytes
 
     @property
     def ran(self) -> bool:
@@ -76,6 +79,8 @@ class TrialResult:
         """One word or phrase for tables: ok, over headroom, oom (rescued at 8), skipped: ..., failed: ..."""
         if self.status == OK:
             if not self.within_budget:
+                if self.peak_memory_bytes is None:
+                    return "no peak measured: the memory budget cannot be judged"
                 return f"over the memory budget ({self.memory_budget_bytes / 2**30:.2f} GiB)"
             return "ok" if self.within_headroom else f"over {HEADROOM_FRACTION:.0%} of memory"
         if self.status == OOM:
@@ -182,6 +187,8 @@ def _extras_text(candidate: Candidate, base: Candidate) -> str:
         found.append("torch.compile")
     if candidate.gradient_checkpointing and not base.gradient_checkpointing:
         found.append("gradient checkpointing")
+    if candidate.offload_activations and not base.offload_activations:
+        found.append("activation offloading")
     if candidate.dataloader_num_workers != base.dataloader_num_workers:
         found.append(f"{candidate.dataloader_num_workers} workers instead of {base.dataloader_num_workers}")
     return ", ".join(found) or "nothing more"

@@ -169,24 +169,29 @@ class Search:
 
     def _checkpointing(self, failing: int | None, best_micro: int | None) -> Generator[Candidate, TrialResult, None]:
         """Checkpointing pays only by letting a larger micro-batch fit: where memory stopped the ladder, each policy's
-        ladder above the best micro-batch, the cheapest recomputation first (selective, one layer in two, every layer),
-        until one no longer meets memory; then activation offloading, where memory still stops it. A run that has
-        checkpointing on tries it off, and the cheaper policies, at the best candidate."""
+        ladder above the best micro-batch, the cheapest recomputation first (selective, one layer in two, lean selective,
+        every layer), until one no longer meets memory; then activation offloading, where memory still stops it. A run
+        that has checkpointing on tries it off, and the cheaper policies, at the best candidate, then offloading where
+        memory stopped its ladder."""
         space, base = self.space, self.space.base
-        if len(space.checkpointing) < 2 and len(space.policies) < 2 and len(space.offload) < 2:
-            return
+        open_axis = len(space.checkpointing) > 1 or len(space.policies) > 1
         top = self.fastest()
         start = top.candidate if top is not None else base
-        if base.gradient_checkpointing:  # the run has it on: off (and a cheaper policy) is faster wherever it fits
-            cheaper = [p for p in POLICIES_BY_COST if p in space.policies][:POLICIES_BY_COST.index(base.checkpoint_layers)
-                                                                           if base.checkpoint_layers in POLICIES_BY_COST else 0]
+        if base.gradient_checkpointing and open_axis:  # the run has it on: off (and a cheaper policy) is faster wherever it fits
+            rank = POLICIES_BY_COST.index(base.checkpoint_layers) if base.checkpoint_layers in POLICIES_BY_COST else 0
+            cheaper = [p for p in POLICIES_BY_COST[:rank] if p in space.policies]
             for policy in (["off"] if len(space.checkpointing) > 1 else []) + cheaper:
                 result = yield from self._try(start.with_checkpointing(policy))
                 self.notes.append(f"checkpointing {policy}: {self._outcome(result, top)}")
+            yield from self._offload(failing, None)
+            return
+        if not open_axis or base.gradient_checkpointing:
+            yield from self._offload(failing, None)
             return
         if failing is None:
             self.notes.append(f"checkpointing: not tried: memory did not stop the micro-batch ladder (best {best_micro}), "
                               "and checkpointing only pays by letting a larger micro-batch fit")
+            yield from self._offload(None, None)
             return
         # each costlier policy starts where the cheaper one ran out of memory: at a micro-batch the cheaper one fits it
         # is only slower; a policy whose larger micro-batch fits but does not pay (or whose ladder met no memory limit)
@@ -208,15 +213,22 @@ class Search:
         yield from self._offload(still_failing, best_policy)
 
     def _offload(self, failing: int | None, policy: str | None) -> Generator[Candidate, TrialResult, None]:
-        """Activation offloading (CUDA), only where memory still stops the ladder with checkpointing."""
-        if True not in self.space.offload or self.space.base.offload_activations:
+        """Activation offloading (CUDA): a run that has it on tries it off at the best candidate; else it is tried only
+        where memory still stops the ladder, with the best checkpointing found (``policy``; None: the best candidate's
+        own, as when the checkpointing axis is closed: tune never turns on what the user fixed)."""
+        space = self.space
+        if len(space.offload) < 2:
+            return
+        top = self.fastest()
+        start = top.candidate if top is not None else space.base
+        if space.base.offload_activations:
+            result = yield from self._try(replace(start, offload_activations=False))
+            self.notes.append(f"offload off: {self._outcome(result, top)}")
             return
         if failing is None:
             self.notes.append("offload: not tried: memory did not stop the ladder")
             return
-        top = self.fastest()
-        template = replace((top.candidate if top is not None else self.space.base).with_checkpointing(policy or "all"),
-                           offload_activations=True)
+        template = replace(start.with_checkpointing(policy) if policy else start, offload_activations=True)
         _, _, why = yield from self._ladder(template, failing, bar=top, floor=top.candidate.micro_batch if top else 0)
         self.notes.append(f"offload: {why}")
 

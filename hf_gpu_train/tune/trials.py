@@ -72,6 +72,9 @@ def checkpointing_off(model) -> None:
     inner = getattr(model, "model", None)  # finetune.vision.TimmClassifier holds the timm model
     if inner is not None and hasattr(inner, "set_grad_checkpointing"):
         inner.set_grad_checkpointing(False)
+    for module in (model, getattr(model, "get_base_model", lambda: None)()):
+        if module is not None and hasattr(module, "_hf_gpu_train_checkpoint_layers"):
+            del module._hf_gpu_train_checkpoint_layers  # the policy marker (remedies.py) goes with the checkpointing
 
 
 class TrialSession:
@@ -125,7 +128,10 @@ class TrialSession:
         layout = self.layout(candidate.packing)
         if layout.train is None:
             return LocalMeasurement(SKIPPED, layout.reason)
-        cfg = trial_config(self.cfg, candidate, self.world_size, warmup_steps, measure_steps, self.output_dir)
+        try:
+            cfg = trial_config(self.cfg, candidate, self.world_size, warmup_steps, measure_steps, self.output_dir)
+        except ConfigError as error:  # a combination the run refuses (every rank refuses it alike: the same config)
+            return LocalMeasurement(SKIPPED, str(error))
         runtime = resolve_runtime(cfg, profile=self.runtime.profile)
         device = torch.device("cuda", torch.cuda.current_device()) if runtime.on_cuda else torch.device("cpu")
         if runtime.on_cuda:
@@ -188,6 +194,9 @@ class TrialSession:
         if recovery is not None and recovery.reducer is not None:
             recovery.reducer.remove()  # its gradient hooks sit on the shared model's parameters
         if trainer is not None:
+            from ..training.optimizer_in_backward import remove_hooks
+
+            remove_hooks(trainer.optimizer)  # a trial that raised never reached on_train_end, which removes them
             trainer.accelerator.free_memory()
             trainer.optimizer = trainer.lr_scheduler = None
         checkpointing_off(self.model)

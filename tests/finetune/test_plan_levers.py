@@ -70,13 +70,16 @@ def test_a_planned_lever_this_run_rules_out_is_dropped_with_its_reason(llama8b_p
     ({"optimizer_in_backward": True, "per_device_train_batch_size": 4, "global_batch_size": 4}, 1, {"max_grad_norm": 1.0},
      ("optimizer_in_backward", "clips gradients")),
     ({"optimizer_in_backward": True, "per_device_train_batch_size": 4, "global_batch_size": 4}, 1, {}, None),
+    ({"gradient_checkpointing": True, "checkpoint_layers": "selective-lean"}, 1, {"method": "qlora"}, ("checkpoint_layers", "qlora")),
+    ({"chunked_lm_loss": True, "precision": "fp16"}, 1, {}, ("chunked_lm_loss", "fp16")),
 ])
 def test_which_planned_levers_hold(values, world, extra, dropped):
     from types import SimpleNamespace
 
     from hf_gpu_train.finetune.memory_levers import planned_levers_that_hold
 
-    cfg = SimpleNamespace(method="full", extra=extra)
+    extra = dict(extra)
+    cfg = SimpleNamespace(method=extra.pop("method", "full"), extra=extra)
     before = dict(values)
     found = planned_levers_that_hold(values, set(values), cfg, world)
     if dropped is None:
@@ -84,7 +87,7 @@ def test_which_planned_levers_hold(values, world, extra, dropped):
         return
     (key, planned, why), = found
     assert key == dropped[0] and planned == before[key] and dropped[1] in why
-    assert values[key] in ("all", False)
+    assert values[key] in ("all", False, "auto")
     assert planned_levers_that_hold(dict(before), set(), cfg, world) == []  # the user's own choice is never dropped
 
 

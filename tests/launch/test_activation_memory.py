@@ -295,3 +295,20 @@ def test_offloading_under_selective_checkpointing_takes_the_kept_outputs_too():
     shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="fp32", method="full", padded=False)
     extra = (copied(4, "selective") - copied(2, "selective")) - (copied(4, "all") - copied(2, "all"))
     assert extra == 2 * selective_kept_bytes_per_token(SPEC, shape) * TOKENS
+
+
+def test_lean_selective_checkpointing_under_eager_attention_keeps_what_the_planner_says():
+    """Review of issue 19: eager attention's score matrix is a widening batched matmul (inner dimension the head's 32,
+    output the 128 keys): lean selective checkpointing recomputes it and keeps only attention's output."""
+    def measured(layers):
+        torch.manual_seed(0)
+        cfg = config(layers)
+        cfg._attn_implementation = "eager"
+        model = transformers.LlamaForCausalLM(cfg)
+        checkpoint(model, "selective-lean")
+        return alive_after_forward(model, padded=False, autocast=False)
+
+    shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="fp32", method="full", padded=False, attention="eager",
+                          gradient_checkpointing=True, checkpoint_layers="selective-lean")
+    predicted = [sum(activation_terms(replace(SPEC, num_layers=n), shape).values()) for n in (2, 4)]
+    assert measured(4) - measured(2) == predicted[1] - predicted[0]

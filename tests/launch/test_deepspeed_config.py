@@ -80,10 +80,13 @@ def deepspeed_config_of_the_run(monkeypatch, yaml_path: Path, micro: int, accumu
     return DeepSpeedConfig(filled.config), filled.config
 
 
-def test_zero3_with_cpu_offload_names_deepspeeds_cpu_adam_and_parses(tmp_path, monkeypatch, llama8b):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero3_with_cpu_offload_names_deepspeeds_cpu_adam_and_parses(tmp_path, monkeypatch, llama8b, precision):
     """The last resort for Llama-3-8B full fine-tuning on one 24 GB card: ZeRO-3 with the optimizer and the parameters
-    in CPU memory, stepped by DeepSpeed's CPU Adam (a client optimizer beside offloading is refused by DeepSpeed)."""
-    yaml_path = configure(tmp_path, "2x-rtx4090", "--gpus", "1", "--model", str(llama8b), "--seq-len", "2048", "--global-batch", "16")
+    in CPU memory, stepped by DeepSpeed's CPU Adam (a client optimizer beside offloading is refused by DeepSpeed). In
+    fp32 too: accelerate refuses the YAML's mixed_precision "no" beside the file as it refuses bf16."""
+    yaml_path = configure(tmp_path, "2x-rtx4090", "--gpus", "1", "--model", str(llama8b), "--seq-len", "2048", "--global-batch", "16",
+                          "--precision", precision)
     plan = json.loads(yaml_path.with_suffix(".plan.json").read_text())
     assert plan["strategy"]["value"] == "deepspeed-zero3-offload"
     ds_file = yaml_path.with_suffix(".deepspeed.json")
@@ -92,7 +95,7 @@ def test_zero3_with_cpu_offload_names_deepspeeds_cpu_adam_and_parses(tmp_path, m
     parsed, config = deepspeed_config_of_the_run(monkeypatch, yaml_path, micro, accumulation, 4096)
     zero = parsed.zero_config
     assert (zero.stage, zero.offload_optimizer.device, zero.offload_param.device) == (3, "cpu", "cpu")
-    assert parsed.optimizer_name == "adamw" and parsed.bfloat16_config.enabled
+    assert parsed.optimizer_name == "adamw" and parsed.bfloat16_config.enabled == (precision == "bf16")
     assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (micro, accumulation)
     assert config["zero_optimization"]["reduce_bucket_size"] == 4096 * 4096 and parsed.gradient_clipping == 1.0
     assert zero.gather_16bit_weights_on_model_save
@@ -120,8 +123,8 @@ def test_zero_without_offload_parses_from_the_yaml_keys(tmp_path, monkeypatch, l
     assert not yaml_path.with_suffix(".deepspeed.json").exists()
     micro, accumulation = plan["values"]["per_device_train_batch_size"]["value"], plan["values"]["gradient_accumulation_steps"]["value"]
     parsed, _ = deepspeed_config_of_the_run(monkeypatch, yaml_path, micro, accumulation, 4096)
-    assert parsed.zero_config.stage == stage and parsed.zero_config.offload_optimizer is None or \
-        parsed.zero_config.offload_optimizer.device == "none"
+    assert parsed.zero_config.stage == stage
+    assert parsed.zero_config.offload_optimizer is None or parsed.zero_config.offload_optimizer.device == "none"
     assert parsed.bfloat16_config.enabled and parsed.train_micro_batch_size_per_gpu == micro
 
 
@@ -132,3 +135,12 @@ def test_a_missing_deepspeed_file_is_named_before_accelerate_starts(tmp_path, ll
     yaml_path.with_suffix(".deepspeed.json").unlink()
     with pytest.raises(UsageError, match="deepspeed_config_file .* does not exist"):
         build_launch(["--config-file", str(yaml_path), SCRIPT], environ={}, here=load_machine("2x-rtx4090"))
+
+
+def test_the_sbatch_of_a_deepspeed_file_plan_passes_the_precision(tmp_path, llama8b):
+    """Every node's accelerate launch would refuse the YAML's mixed_precision beside the DeepSpeed file."""
+    out = tmp_path / "nodes"
+    assert main(["config", "--machine", "2x-rtx4090", "--gpus", "1", "--num-machines", "2", "--main-process-ip", "10.0.0.1",
+                 "--strategy", "deepspeed-zero3", "--model", str(llama8b), "--seq-len", "2048", "--output", str(out)]) == 0
+    assert out.with_suffix(".deepspeed.json").is_file()
+    assert "--mixed_precision bf16" in out.with_suffix(".sbatch").read_text()

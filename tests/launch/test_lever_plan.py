@@ -103,3 +103,26 @@ def test_the_optimizer_in_the_backward_is_planned_only_for_a_step_of_one_micro_b
     assert (eight.micro_batch, eight.gradient_accumulation, dict(eight.levers)["optimizer_in_backward"]) == (8, 1, True)
     # 4096 samples a step do not fit in one micro-batch even with it, and accumulating would step on partial gradients
     assert plan_with_levers(llama3, memory, 1, shape, 4096, ("single",), last_resort=False) is None
+
+
+def test_a_host_too_small_for_the_cheapest_offloading_gets_a_set_that_offloads_less(machine, llama3):
+    """Review of issue 19: the host-memory check used to reject the strategy when the recommended set offloaded more than
+    the host holds; now sets that fit the host compete (LoRA at 16k tokens on one 24 GB card, 16 GiB of RAM)."""
+    box = machine("2x-rtx4090")
+    small = replace(box, host=replace(box.host, ram_total_bytes=16 * 2**30))
+    options = PlanOptions(gpus="1", model=llama3, seq_len=16384, global_batch=16, method="lora")
+    roomy = make_plan(box, options).memory
+    tight = make_plan(small, options).memory
+    assert roomy.host_bytes > 16 * 2**30 * 0.8  # what it chose on a roomy host would not fit this one
+    assert tight.micro_batch >= 1 and tight.host_bytes <= 16 * 2**30 * 0.8
+
+
+def test_a_model_whose_head_does_more_than_a_matmul_is_not_planned_with_the_chunked_head(machine):
+    """Review of issue 19: Gemma-2 soft-caps its logits; the run refuses chunked_lm_loss=true for it, so the plan must
+    not count on it."""
+    gemma = from_config({"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
+                         "final_logit_softcapping": 30.0}, name="gemma-2-2b")
+    assert "final_logit_softcapping" in gemma.lm_head_extras
+    plan = make_plan(machine("1x-h200"), PlanOptions(model=gemma, seq_len=8192, global_batch=16))
+    assert dict(plan.memory.levers)["chunked_lm_loss"] is None

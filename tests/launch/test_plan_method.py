@@ -2,6 +2,8 @@
 method: an 8B LoRA recipe on a 24 GB card is planned (full fine-tuning does not fit), and a LoRA run on a plan is not
 warned about with full fine-tuning's gradients and optimizer states."""
 
+from dataclasses import replace
+
 import pytest
 
 from hf_gpu_train.launch.decisions import PlanError
@@ -29,8 +31,14 @@ def test_lora_and_qlora_plans_for_an_8b_model_on_a_24gb_card(machine, llama3):
     # a 4-bit base leaves room for more: the levers it needs recompute less (one layer in two, or none)
     lora_base, qlora_base = lora.memory.breakdown, qlora.memory.breakdown
     assert qlora_base.quantized_weights + qlora_base.weights < lora_base.weights / 2
-    assert dict(qlora.memory.levers)["checkpoint_layers"] in (None, "selective") or dict(qlora.memory.levers)[
-        "checkpoint_layers"].startswith("every-")
+    policy = dict(qlora.memory.levers)["checkpoint_layers"]
+    assert policy is None or policy == "all" or policy.startswith("every-")  # the selective policies are not for QLoRA
+    from hf_gpu_train.launch.memory import TrainingShape, largest_micro_batch
+
+    every_layer = TrainingShape(seq_len=2048, precision="bf16", gradient_checkpointing=True, chunked_loss=True)
+    memory = lora.memory.gpu_memory_bytes
+    assert largest_micro_batch(llama3, replace(every_layer, method="qlora"), "single", memory) > largest_micro_batch(
+        llama3, replace(every_layer, method="lora"), "single", memory)  # with the same levers, the 4-bit base fits more
     with pytest.raises(PlanError, match="adapters train on one GPU or with DDP"):
         make_plan(machine("2x-rtx4090"), PlanOptions(**options, method="lora", strategy="fsdp"))
 

@@ -297,3 +297,17 @@ def test_offloading_comes_off_again_and_puts_back_the_forward_it_wrapped():
     activation_offload.attach(model, on_cuda=False, min_bytes=0, offload_cpu_tensors=True)
     assert model.__dict__["forward"] is not chunked
     assert activation_offload.detach(model) and model.__dict__["forward"] is chunked
+
+
+def test_lean_selective_reads_each_matmuls_operands_where_that_op_keeps_them():
+    """The narrowing rule looks at the inner and output dimensions: (a, b) for mm and bmm, (bias, a, b) for addmm and
+    (input, a, b) for baddbmm (a biased projection is an addmm)."""
+    from hf_gpu_train.training.selective_checkpoint import narrows
+
+    aten = torch.ops.aten
+    down, up = (torch.empty(5, 16), torch.empty(16, 4)), (torch.empty(5, 4), torch.empty(4, 16))
+    assert narrows(aten.mm.default, down) and not narrows(aten.mm.default, up)
+    assert narrows(aten.addmm.default, (torch.empty(4), *down)) and not narrows(aten.addmm.default, (torch.empty(16), *up))
+    batched_down = (torch.empty(2, 5, 16), torch.empty(2, 16, 4))
+    assert narrows(aten.bmm.default, batched_down)
+    assert narrows(aten.baddbmm.default, (torch.empty(2, 5, 4), *batched_down))

@@ -104,7 +104,9 @@ def test_the_planner_prunes_exactly_what_it_says_does_not_fit(tmp_path):
     assert any(not v.fits for v in verdicts.values()) and any(v.fits for v in verdicts.values())
     # each lever lets the planner allow more: selective above off, every layer above selective, offloading above each
     allowed = {c: max((m for (m, p, o, _), v in verdicts.items() if p == c and not o and v.fits), default=0) for c in checkpointing}
-    assert allowed[False] <= allowed["selective"] <= allowed["all"]
+    assert allowed[False] < allowed["all"] and allowed[False] <= allowed["selective"] <= allowed["selective-lean"] <= allowed["all"]
+    offloaded = max((m for (m, p, o, _), v in verdicts.items() if p == "all" and o and v.fits), default=0)
+    assert offloaded >= allowed["all"]  # offloading keeps two layers' activations on the GPU: never less room
 
 
 def test_tune_refuses_a_sharded_launch_config(tmp_path):

@@ -196,3 +196,26 @@ def test_with_a_memory_budget_the_fastest_candidate_under_it_wins():
     assert winner.samples_per_s == max(r.samples_per_s for r in fitting)
     unbudgeted, plain = search(space(per_process=64, start=64, layered=True), Machine(oom_above=1000, half_speed_micro=32.0))
     assert not plain.winner.candidate.gradient_checkpointing and plain.winner.candidate.micro_batch == 64
+
+
+def test_offloading_never_turns_on_checkpointing_the_user_fixed_and_compile_never_joins_it():
+    """Review of issue 19: with gradient_checkpointing fixed on the command line, the offload ladder keeps it as fixed
+    (a winner with checkpointing on was written without it: an unmeasured run); torch.compile is never tried beside
+    offloading (the run refuses the pair)."""
+    m = Machine(oom_above=2, ckpt_factor=4, half_speed_micro=32.0, policies=POLICIES, offload=(4.0, 0.05))
+    sp = space(per_process=32, start=2, layered=True, on_cuda=True, fixed=frozenset({"gradient_checkpointing"}))
+    _, choice = search(sp, m)
+    assert not any(c.gradient_checkpointing for c in m.calls)
+    assert any(c.offload_activations for c in m.calls) and not any(c.offload_activations and c.torch_compile for c in m.calls)
+    assert choice.winner.candidate.offload_activations and not choice.winner.candidate.gradient_checkpointing
+
+
+def test_a_run_with_checkpointing_on_still_gets_offloading_and_one_with_offloading_tries_it_off():
+    m = Machine(oom_above=4, ckpt_factor=4, half_speed_micro=32.0, policies=POLICIES, offload=(2.0, 0.05))
+    outcome, _ = search(space(per_process=64, start=8, layered=True, on_cuda=True, gradient_checkpointing=True,
+                              checkpoint_layers="all"), m)
+    assert any(c.offload_activations for c in m.calls), outcome.notes  # memory stopped "all" at 32: offloading fits more
+    lean = Machine(oom_above=1000, half_speed_micro=8.0, policies=POLICIES, offload=(2.0, 0.3))
+    outcome, choice = search(space(per_process=16, start=16, layered=True, on_cuda=True, offload_activations=True), lean)
+    assert [c.offload_activations for c in lean.calls][:1] == [True] and False in [c.offload_activations for c in lean.calls]
+    assert not choice.winner.candidate.offload_activations  # 30% slower and not needed: off wins

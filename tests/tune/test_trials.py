@@ -87,16 +87,25 @@ def test_trials_share_one_model_and_leave_nothing_behind(tmp_path):
     assert checkpointed.peak_memory_bytes and checkpointed.device_memory_bytes  # on the CPU: the peak resident memory
     from dataclasses import replace
 
+    import transformers.modeling_utils as modeling_utils
+
     from hf_gpu_train.training import selective_checkpoint
 
-    enabled = []
-    original = selective_checkpoint.enable
+    enabled, selective_calls = [], []
+    original, checkpoint = selective_checkpoint.enable, modeling_utils.checkpoint
+
+    def counting_checkpoint(function, *args, **kwargs):  # what each checkpointed layer runs, with its policy
+        selective_calls.append(kwargs.get("context_fn") is not None)
+        return checkpoint(function, *args, **kwargs)
+
     selective_checkpoint.enable = lambda model, *policy: (enabled.append(model), original(model, *policy))[1]
+    modeling_utils.checkpoint = counting_checkpoint
     try:
         selective = combine(C, [session.run(replace(C, gradient_checkpointing=True, checkpoint_layers="selective"), 1, 3)], 1, 1.0, 1)
     finally:
-        selective_checkpoint.enable = original
+        selective_checkpoint.enable, modeling_utils.checkpoint = original, checkpoint
     assert selective.status == "ok" and enabled and not session.model.is_activation_checkpointing  # on for the trial only
+    assert selective_calls and all(selective_calls)  # every layer ran under the selective policy during the trial
     plain = combine(C, [session.run(C, 1, 3)], 1, 1.0, 1)
     gc.collect()
     assert plain.status == "ok" and hooks() == before

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...launch.model_spec import HEAD_EXTRAS  # config attributes beyond hidden @ W.T: the chunked path would not be exact
+
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # rows at a time when the vocabulary is unknown; else launch.training_shape.chunk_rows(vocabulary)
-# config attributes that change what the head computes beyond hidden @ W.T (+ b): the chunked path would not be exact
-HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 # chunked_lm_loss value -> (module to import, the pip package): the fused kernels used instead of the chunks on CUDA
