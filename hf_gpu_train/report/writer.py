@@ -12,8 +12,6 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from ..callbacks.verdicts import Verdict
-
 JSONL = "telemetry.jsonl"
 SUMMARY = "telemetry_summary.json"
 REPORT = "report.md"
@@ -36,7 +34,8 @@ def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu
             "verdict_counts": dict(verdict_counts), "final_verdict": verdict}
 
 
-def write_run_report(output_dir, samples, records, verdict: Verdict | None, gpu_names: dict) -> Path:
+def write_run_report(output_dir, samples, records, verdict, gpu_names: dict) -> Path:
+    """``verdict``: the run's last (anything with ``to_dict()``: callbacks/verdicts.Verdict), or None."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     sample_dicts = [s.to_dict() for s in samples]
