@@ -13,6 +13,41 @@ from ..closed_pipe import EXIT_CLOSED_PIPE, until_the_pipe_closes  # noqa: F401 
 from ..errors import UsageError
 
 SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory", "report", "tune")
+# One runnable example per subcommand, printed at the end of its --help (tests/cli/test_help.py parses each).
+EXAMPLES = {
+    "detect": "hf-gpu-train detect --save box.json",
+    "doctor": "hf-gpu-train doctor",
+    "machines": "hf-gpu-train machines",
+    "config": "hf-gpu-train config --machine 1x-h200 --model builtin:minilm --output launch_configs/h200",
+    "launch": "hf-gpu-train launch --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config recipes/minilm_text_demo.yaml",
+    "check-config": "hf-gpu-train check-config launch_configs/2x-rtx4090.yaml --machine 2x-rtx4090",
+    "plan-memory": "hf-gpu-train plan-memory --machine 1x-h200 --params 8e9 --seq-len 4096",
+    "report": "hf-gpu-train report outputs/minilm_text_demo",
+    "tune": "hf-gpu-train tune --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config recipes/minilm_text_demo.yaml",
+}
+
+
+def example(name: str) -> str:
+    """The lines that end ``hf-gpu-train NAME --help``."""
+    return f"example:\n  {EXAMPLES[name]}"
+
+
+class _OneLineCommands(argparse.RawDescriptionHelpFormatter):
+    """Each subcommand and its help on one line (argparse would push a long name's help to the next)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=24, width=max(100, min(140, _columns())))
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):  # its commands are indented one step more than it measures
+            self._action_max_length += self._indent_increment
+
+
+def _columns() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((100, 24)).columns
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-gpu-train",
         description="Detect GPUs, check the stack, and plan fine-tuning runs for Hugging Face Trainer/Accelerate.",
+        formatter_class=_OneLineCommands,
+        epilog="Each command's --help ends with an example; the documentation: docs/README.md",
     )
     parser.add_argument("--version", action="version", version=f"hf-gpu-train {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -29,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f".{name.replace('-', '_')}", __name__)
         sub = module.register(subparsers)
         sub.set_defaults(handler=module.run)
+        sub.formatter_class = argparse.RawDescriptionHelpFormatter
+        sub.epilog = "\n\n".join(part for part in (sub.epilog, example(name)) if part)
     return parser
 
 

@@ -212,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
     from ..launch.accelerate_argv import split_launch_argv
 
     if split_launch_argv(args.argv).has(*HELP_FLAGS):
-        print(f"usage: {USAGE}\n\n{DESCRIPTION}")
+        from . import example
+
+        print(f"usage: {USAGE}\n\n{DESCRIPTION}\n\n{example('launch')}")
         return 0
     launch = build_launch(args.argv)
     for note in launch.notes:

@@ -148,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     own_argv, rest = split_tune_argv(args.argv)
     if any(t in ("-h", "--help") for t in own_argv + rest[:1]):
+        from . import example
+
         own_parser().print_help()
+        print(f"\n{example('tune')}")
         return 0
     opts = own_parser().parse_args(own_argv)
     from ..launch.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
