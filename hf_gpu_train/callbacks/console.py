@@ -5,14 +5,18 @@ Trainer's ``PrinterCallback`` / ``ProgressCallback`` would then print that dict 
 loss dict) in full at every log step. ``attach_telemetry`` swaps them for the printers here, which
 print::
 
-    step 40/500 | loss 0.41 | lr 3.00e-05 | 812 samples/s | 52k tok/s | MFU 38% | mem 12.1/80.0 GiB | healthy
+    step 40/500 [01:12<13:48] | loss 0.41 | lr 3.00e-05 | 812 samples/s | 52k tok/s | MFU 38% | mem 12.1/80.0 GiB | healthy
 
 from rank 0: the telemetry window (kept when it is logged) joined with the Trainer's loss log of the
-same step; evaluation and end-of-training logs get one short line each. Nothing is dropped from
-``logs``: the printers only read it.
+same step; evaluation and end-of-training logs get one short line each. ``[elapsed<remaining]`` is tqdm's: the time
+since training began, and the steps left at the average step time so far. Nothing is dropped from ``logs``: the
+printers only read it. The Trainer's progress bar (``ProgressCallback``, on by default, and what TRL's trainers keep) is
+replaced too: one display, the lines, not a bar with lines written through it.
 """
 
 from __future__ import annotations
+
+import time
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -57,8 +61,25 @@ def telemetry_parts(metrics: dict[str, float], verdict_label: str | None) -> lis
     return parts
 
 
-def step_line(step: int, max_steps: int | None, train_logs: dict | None, telemetry: list[str]) -> str:
-    head = f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"
+def clock(seconds: float) -> str:
+    """tqdm's format: mm:ss, or h:mm:ss from an hour."""
+    seconds = int(round(max(0.0, seconds)))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+def progress(step: int, max_steps: int | None, elapsed_s: float | None, steps_timed: int) -> str:
+    """`` [elapsed<remaining]`` (``steps_timed``: the steps the elapsed time covers; the rest at their average), or
+    ``[elapsed]`` without a known end, or '' without a clock."""
+    if elapsed_s is None:
+        return ""
+    if not max_steps or max_steps <= 0 or steps_timed <= 0:
+        return f" [{clock(elapsed_s)}]"
+    return f" [{clock(elapsed_s)}<{clock((max_steps - step) * elapsed_s / steps_timed)}]"
+
+
+def step_line(step: int, max_steps: int | None, train_logs: dict | None, telemetry: list[str], timing: str = "") -> str:
+    head = (f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}") + timing
     parts = [head]
     if train_logs:
         if "loss" in train_logs:
@@ -94,6 +115,16 @@ class _CompactLines:
     def __init__(self, telemetry):
         self.telemetry = telemetry
         self._pending: tuple[int, list[str]] | None = None
+        self._started: tuple[float, int] | None = None  # (monotonic time, global step) when training began
+
+    def start(self, state) -> None:
+        self._started = (time.monotonic(), state.global_step)
+
+    def _timing(self, state, step: int) -> str:
+        if self._started is None:  # attached after train() began: timed from the first line
+            self.start(state)
+        began, first = self._started
+        return progress(step, state.max_steps, time.monotonic() - began, step - first)
 
     def lines_for(self, state, logs: dict) -> list[str]:
         if self.telemetry.emitting:
@@ -105,7 +136,7 @@ class _CompactLines:
             pending = self._pending[1] if self._pending and self._pending[0] == state.global_step else []
             out = [] if pending or not self._pending else self.flush(state)
             self._pending = None
-            return out + [step_line(state.global_step, state.max_steps, logs, pending)]
+            return out + [step_line(state.global_step, state.max_steps, logs, pending, self._timing(state, state.global_step))]
         return self.flush(state) + [brief_line(state.global_step, logs)]
 
     def flush(self, state) -> list[str]:
@@ -113,14 +144,18 @@ class _CompactLines:
             return []
         step, parts = self._pending
         self._pending = None
-        return [step_line(step, state.max_steps, None, parts)]
+        return [step_line(step, state.max_steps, None, parts, self._timing(state, step))]
 
 
 class CompactPrinterCallback(TrainerCallback):
-    """Replaces ``PrinterCallback`` (``disable_tqdm=True``)."""
+    """Replaces ``PrinterCallback`` (``disable_tqdm=True``) and ``ProgressCallback`` (the default)."""
 
     def __init__(self, telemetry):
         self.lines = _CompactLines(telemetry)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.lines.start(state)
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs is not None:
@@ -135,44 +170,23 @@ class CompactPrinterCallback(TrainerCallback):
         return control
 
 
-class CompactProgressCallback(ProgressCallback):
-    """Replaces ``ProgressCallback``: the same progress bars, compact lines written above them."""
-
-    def __init__(self, telemetry, max_str_len: int = 100):
-        super().__init__(max_str_len=max_str_len)
-        self.lines = _CompactLines(telemetry)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and self.training_bar is not None and logs is not None:
-            for line in self.lines.lines_for(state, logs):
-                self.training_bar.write(line)
-        return control
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self.training_bar is not None:
-            for line in self.lines.flush(state):
-                self.training_bar.write(line)
-        return super().on_train_end(args, state, control, **kwargs)
-
-
 def use_compact_console(trainer, telemetry, in_place: bool = False) -> None:
     """Swap the Trainer's own printer (exactly ``PrinterCallback`` or ``ProgressCallback``; a user's subclass
-    or a notebook printer is left alone) for the compact one, through the public callback API. ``in_place``: from
+    or a notebook printer is left alone) for the compact lines, through the public callback API. ``in_place``: from
     inside a callback event (the Trainer is iterating its callbacks), the printer is replaced at its own position
     instead, which the running event then reaches as usual (the Trainer adds its printer after the user's callbacks)."""
     handler = trainer.callback_handler
     for index, callback in enumerate(list(handler.callbacks)):
-        if type(callback) is PrinterCallback:
-            replacement = CompactPrinterCallback(telemetry)
-        elif type(callback) is ProgressCallback:
-            replacement = CompactProgressCallback(telemetry, max_str_len=callback.max_str_len)
-        else:
+        if type(callback) not in (PrinterCallback, ProgressCallback):
             continue
+        replacement = CompactPrinterCallback(telemetry)
         if in_place:
-            # a printer before us in the list has had its on_train_begin (its progress bar exists): keep what it built
-            lines = getattr(replacement, "lines", None)
-            replacement.__dict__.update(callback.__dict__)
-            replacement.lines = lines
+            # a bar the Trainer's progress callback already drew (its on_train_begin ran before ours) is closed, so
+            # the lines are the one display from here on
+            for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
+                if bar is not None:
+                    bar.close()
+            replacement.lines.start(trainer.state)
             handler.callbacks[index] = replacement
         else:
             trainer.remove_callback(callback)

@@ -1,4 +1,5 @@
 import json
+import re
 import threading
 import time
 
@@ -212,6 +213,13 @@ def test_the_run_verdict_comes_from_the_last_full_window_not_a_one_step_tail(tmp
     assert summary["final_verdict"]["kind"] == "healthy" and callback.last_verdict.kind == "healthy"
 
 
+def head(line: str) -> str:
+    """The step line's first field without its clock, which is there ([mm:ss<mm:ss])."""
+    first = line.split(" | ")[0]
+    assert re.search(r" \[\d\d:\d\d<\d\d:\d\d\]$", first), line
+    return re.sub(r" \[.*\]$", "", first)
+
+
 @pytest.mark.parametrize("progress_bar, trainer_counts_tokens", [(False, False), (True, False), (False, True)])
 def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_bar, trainer_counts_tokens):
     extra = dict(include_num_input_tokens_seen="non_padding") if trainer_counts_tokens else {}  # adds train_* to loss logs
@@ -229,7 +237,7 @@ def test_console_gets_one_compact_line_per_log_step(tmp_path, capsys, progress_b
     trainer.train()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     steps = [line for line in lines if line.startswith("step ")]
-    assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"], lines
+    assert [head(line) for line in steps] == ["step 2/4", "step 4/4"], lines
     for line in steps:
         fields = line.split(" | ")
         assert fields[1].startswith("loss ") and fields[2].startswith("lr ")
@@ -275,7 +283,7 @@ def test_the_callback_route_works_like_attach_telemetry(tmp_path, capsys, progre
     assert getattr(trainer, "_hf_gpu_train_loss_guard", None) is not None
     assert trainer.model_accepts_loss_kwargs is False  # the guard asked BERT's loss: a mean
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"] and all("tok/s" in s for s in steps)
+    assert [head(line) for line in steps] == ["step 2/4", "step 4/4"] and all("tok/s" in s for s in steps)
     tags = rewrite_logs(telemetry[0])  # what TensorBoard and W&B write: their own "train/" prefix, once
     assert "train/loop/tokens_per_s" in tags and not any(t.startswith("train/train/") for t in tags)
 
@@ -287,14 +295,33 @@ def test_the_callback_route_without_a_trainer_on_the_stack_fails_with_the_fix():
         TelemetryCallback()._attach_late(None)
 
 
-def test_the_callback_added_after_the_printer_keeps_its_progress_bar(tmp_path, capsys):
+def test_the_callback_added_after_the_printer_closes_its_progress_bar(tmp_path, capsys):
     """trainer.add_callback(TelemetryCallback()) puts telemetry after the Trainer's ProgressCallback, whose
-    on_train_begin has already made the bar when the compact printer takes its place: the bar is kept (it was None,
-    and the first step raised)."""
+    on_train_begin has already drawn the bar when the compact printer takes its place: the bar is closed and the lines
+    are the one display (issue 20: not a bar with lines written through it)."""
     trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=False),
                       train_dataset=TokenDataset())
     trainer.add_callback(TelemetryCallback(interval_s=0.05, write_report=False))
     trainer.train()
     assert len([h for h in trainer.state.log_history if "loop/tokens_per_s" in h]) == 2
     captured = capsys.readouterr()
-    assert "step 4/4 | loss" in captured.out + captured.err  # the compact line, written above the kept bar
+    assert re.search(r"step 4/4 \[\d\d:\d\d<00:00\] \| loss", captured.out)
+    assert "| 1/4 [" not in captured.err and "| 4/4 [" not in captured.err  # the bar never moved past its first frame
+
+
+def test_with_attach_telemetry_a_trainer_that_shows_a_bar_shows_the_lines_alone(tmp_path, capsys):
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=False),
+                      train_dataset=TokenDataset())
+    attach_telemetry(trainer, interval_s=0.05, write_report=False)
+    trainer.train()
+    captured = capsys.readouterr()
+    assert re.search(r"step 2/4 \[\d\d:\d\d<\d\d:\d\d\] \| loss", captured.out)
+    assert "it/s" not in captured.out + captured.err  # tqdm's bar never drawn
+
+
+def test_the_clock_reads_like_tqdms():
+    from hf_gpu_train.callbacks.console import clock, progress
+
+    assert (clock(72), clock(220), clock(3725)) == ("01:12", "03:40", "1:02:05")
+    assert progress(40, 500, 72.0, 40) == " [01:12<13:48]"  # 460 steps left at 1.8 s a step
+    assert progress(40, None, 72.0, 40) == " [01:12]" and progress(40, 500, None, 40) == ""
