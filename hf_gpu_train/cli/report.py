@@ -7,8 +7,11 @@ from pathlib import Path
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("report", help="render the telemetry report of a run and print its verdict",
-                              description="Re-render report.md and the SVG charts from OUTPUT_DIR/telemetry.jsonl.")
+    p = subparsers.add_parser("report", help="redraw a run's report (metrics, curves, config, plan, telemetry) from its output_dir",
+                              description="Re-render OUTPUT_DIR/report.md and its SVG charts from the files the run left: "
+                              "trainer_state.json (loss, learning rate, gradient norm), eval_results.json, "
+                              "finetune_config.yaml, run_summary.json (the launch plan) and, when telemetry recorded the run, "
+                              "telemetry.jsonl; prints the telemetry summary and verdict.")
     p.add_argument("output_dir")
     return p
 
@@ -18,10 +21,13 @@ def run(args: argparse.Namespace) -> int:
     from ..report.writer import JSONL, SUMMARY, load_run, render_report, render_terminal_summary
 
     out = Path(args.output_dir)
-    if not (out / JSONL).is_file() or not (out / SUMMARY).is_file():
-        raise UsageError(f"{out} has no {JSONL} / {SUMMARY}: was the run trained with telemetry (telemetry=true)?")
+    recorded = (out / JSONL).is_file() and (out / SUMMARY).is_file()
+    if not recorded and not any((out / name).is_file() for name in ("trainer_state.json", "eval_results.json")):
+        raise UsageError(f"{out} holds no run: no trainer_state.json, eval_results.json or {JSONL}; give the output_dir "
+                         "of a fine-tune (scripts/finetune.py writes them there)")
     plots = render_report(out)
-    _, _, summary = load_run(out)
-    print(render_terminal_summary(summary))
-    print(f"\nreport: {out / 'report.md'}; plots: {', '.join(p.name for p in plots) or 'none (no GPU samples)'}")
+    if recorded:
+        _, _, summary = load_run(out)
+        print(render_terminal_summary(summary))
+    print(f"\nreport: {out / 'report.md'}; charts: {', '.join(p.name for p in plots) or 'none'}")
     return 0

@@ -283,10 +283,9 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         if launch_plan is not None:
             summary["plan"] = launch_plan.record(*measured_peak_memory(runtime))
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        if launch_plan is not None and cfg.telemetry:
-            from ..report.writer import render_report
+        from ..report.writer import render_report
 
-            render_report(cfg.output_dir)  # again, now with the plan next to what was measured
+        render_report(cfg.output_dir)  # the run's story: metrics, curves, config, the plan next to what was measured
         print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
     if cfg.task == "causal-lm":
         from .causal_lm.model import compute_dtype

@@ -68,22 +68,31 @@ def renamed_loop_keys(metrics: dict) -> dict:
 
 
 def render_report(output_dir) -> list[Path]:
-    """(Re)draw the plots and report.md from the files already in output_dir."""
+    """(Re)draw report.md and its charts from the files already in output_dir: the run's story (final metrics, loss,
+    learning rate and gradient norm against steps, the resolved config: story.py), the launch plan applied and not
+    applied, the telemetry summary and panels when telemetry recorded the run, the generations of a causal LM."""
     from .generations import generations_section
     from .plots import draw_all
+    from .story import story
 
     out = Path(output_dir)
-    samples, windows, summary = load_run(out)
-    plots = draw_all(out, samples, windows)
-    lines = ["# Run report", "", render_terminal_summary(summary), ""]
+    told, story_plots = story(out)
+    recorded = (out / JSONL).is_file() and (out / SUMMARY).is_file()
+    samples, windows, summary = load_run(out) if recorded else ([], [], {})
+    plots = draw_all(out, samples, windows) if recorded else []
+    lines = ["# Run report", "", *told]
     run_summary = out / "run_summary.json"
-    if run_summary.is_file():
-        plan = json.loads(run_summary.read_text()).get("plan")
-        lines += render_plan_section(plan) if plan else []
-    lines += [f"![{p.stem}]({p.name})" for p in plots]
-    lines += ["", *generations_section(out)]
+    plan = (json.loads(run_summary.read_text()).get("plan") if run_summary.is_file() else None)
+    lines += render_plan_section(plan) if plan else ["## Launch plan", "", "none: the recipe's values and the defaults "
+                                                     "(`hf-gpu-train config` writes one: docs/config-and-launch.md)", ""]
+    lines += ["## Telemetry", ""]
+    if recorded:
+        lines += [render_terminal_summary(summary), "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    else:
+        lines += ["not recorded (telemetry=false, or a Trainer without attach_telemetry)", ""]
+    lines += generations_section(out)
     (out / REPORT).write_text("\n".join(lines) + "\n")
-    return plots
+    return story_plots + plots
 
 
 def render_plan_section(plan: dict) -> list[str]:

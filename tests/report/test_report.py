@@ -27,11 +27,6 @@ def test_report_command_redraws_and_prints_the_verdict(tmp_path, capsys):
     assert summary["metrics"]["loop/samples_per_s"]["max"] == 100.0
 
 
-def test_report_of_a_run_without_telemetry_is_a_usage_error(tmp_path, capsys):
-    assert main(["report", str(tmp_path)]) == 2
-    assert "telemetry=true" in capsys.readouterr().err
-
-
 def test_power_limit_is_reported_as_such_not_as_throttling(tmp_path):
     from hf_gpu_train.report.writer import load_run, render_terminal_summary
 

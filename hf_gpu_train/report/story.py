@@ -1,0 +1,132 @@
+"""The run's story in report.md, from the files a fine-tune leaves in ``output_dir``: what it learned (training and
+evaluation loss against steps), how it was driven (learning rate, gradient norm), where it ended (the final metrics),
+and what it ran with (the resolved config's key values). The telemetry panels and the launch plan follow in
+``writer.render_report``; this module reads only what the Trainer and ``scripts/finetune.py`` write:
+
+- ``trainer_state.json``: the Trainer's ``log_history`` (``loss``, ``learning_rate``, ``grad_norm`` at each logging
+  step, ``eval_*`` at each evaluation);
+- ``eval_results.json``: the final metrics;
+- ``finetune_config.yaml``: the resolved config.
+
+Each piece is optional: a run of anyone's Trainer with telemetry attached has a ``trainer_state.json`` only once it
+saves its state; what is missing is left out, never guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..svg import Chart
+
+# the resolved config's values a reader of the report wants first, in this order (present ones only)
+CONFIG_KEYS = ("task", "model", "method", "dataset", "train_file", "num_train_epochs", "max_steps", "learning_rate",
+               "lr_scheduler_type", "warmup_ratio", "per_device_train_batch_size", "global_batch_size", "precision",
+               "max_length", "image_size", "packing", "gradient_checkpointing", "checkpoint_layers", "chunked_lm_loss",
+               "offload_activations", "optimizer_in_backward", "lora_r", "seed")
+SKIPPED_DEFAULTS = {"max_steps": -1, "offload_activations": False, "optimizer_in_backward": False}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def log_series(history: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """(steps, values) for the training loss, the evaluation loss, the learning rate and the gradient norm."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for key in ("loss", "eval_loss", "learning_rate", "grad_norm"):
+        points = [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float)) and "step" in h]
+        if points:
+            series[key] = ([float(s) for s, _ in points], [float(v) for _, v in points])
+    return series
+
+
+def charts(out: Path, series: dict) -> list[Path]:
+    """The loss, learning-rate and gradient-norm charts (SVG), for the series that have points."""
+    paths = []
+    if "loss" in series or "eval_loss" in series:
+        chart = Chart("loss", xlabel="optimizer step")
+        if "loss" in series:
+            chart.line(*series["loss"], "training loss")
+        if "eval_loss" in series:
+            chart.line(*series["eval_loss"], "evaluation loss", marker="circle")
+        paths.append(chart.save(out / "run_loss.svg"))
+    for key, title, name in (("learning_rate", "learning rate", "run_learning_rate.svg"),
+                             ("grad_norm", "gradient norm (before clipping)", "run_grad_norm.svg")):
+        if key in series:
+            paths.append(Chart(title, xlabel="optimizer step").line(*series[key], title.split(" (")[0]).save(out / name))
+    return paths
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def metrics_section(results: dict) -> list[str]:
+    shown = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, (int, float))
+             and not k.endswith(("_runtime", "_per_second"))}
+    if not shown:
+        return []
+    lines = ["## Final metrics", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k.removeprefix('eval_')} | {_fmt(v)} |" for k, v in shown.items()]
+    baseline = results.get("baseline")
+    if isinstance(baseline, dict) and baseline:
+        lines += ["", "Before training (the same evaluation of the model as it was loaded): "
+                  + ", ".join(f"{k.removeprefix('eval_')} {_fmt(v)}" for k, v in baseline.items())]
+    return lines + [""]
+
+
+def _irrelevant(config: dict) -> set[str]:
+    """Keys that say nothing about this run: another task's, a dataset beside a train_file, a policy without
+    checkpointing, adapter settings for full fine-tuning."""
+    vision = config.get("task") == "image-classification"
+    found = {"max_length", "packing", "chunked_lm_loss"} if vision else {"image_size"}
+    if config.get("task") != "causal-lm":
+        found |= {"packing", "chunked_lm_loss", "method", "lora_r"}
+    if config.get("train_file"):
+        found.add("dataset")
+    if not config.get("gradient_checkpointing"):
+        found.add("checkpoint_layers")
+    if config.get("method") == "full":
+        found.add("lora_r")
+    return found
+
+
+def config_section(config: dict) -> list[str]:
+    skip = _irrelevant(config)
+    rows = [(k, config[k]) for k in CONFIG_KEYS if k in config and k not in skip and config[k] is not None
+            and SKIPPED_DEFAULTS.get(k, object()) != config[k]]
+    if not rows:
+        return []
+    return ["## Configuration", "", "The resolved config's key values (all of them: `finetune_config.yaml`).", "",
+            "| key | value |", "|---|---|", *[f"| {k} | {_fmt(v)} |" for k, v in rows], ""]
+
+
+def story(out: Path) -> tuple[list[str], list[Path]]:
+    """(report.md lines, chart paths) for the run in ``out``."""
+    lines: list[str] = []
+    results = _read_json(out / "eval_results.json") or {}
+    baseline = _read_json(out / "baseline_results.json")
+    if baseline:
+        results = {**results, "baseline": baseline}
+    lines += metrics_section(results)
+    state = _read_json(out / "trainer_state.json") or {}
+    series = log_series(state.get("log_history", []))
+    plots = charts(out, series)
+    if plots:
+        lines += ["## Training", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    config_file = out / "finetune_config.yaml"
+    if config_file.is_file():
+        import yaml
+
+        try:
+            config = yaml.safe_load(config_file.read_text()) or {}
+        except yaml.YAMLError:
+            config = {}
+        lines += config_section(config if isinstance(config, dict) else {})
+    return lines, plots

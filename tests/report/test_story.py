@@ -1,0 +1,70 @@
+"""Issue 20: report.md tells the run's story from the files a fine-tune leaves (the final metrics, training and
+evaluation loss, learning rate and gradient norm against steps, the resolved config, the launch plan applied or its
+absence), and `hf-gpu-train report` redraws it from output_dir, with telemetry or without."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from hf_gpu_train.cli import main
+from hf_gpu_train.report.story import log_series
+
+HISTORY = [{"step": 2, "loss": 0.9, "learning_rate": 2e-5, "grad_norm": 3.5}, {"step": 4, "loss": 0.7, "learning_rate": 4e-5, "grad_norm": 2.1},
+           {"step": 4, "eval_loss": 0.75, "eval_accuracy": 0.6}, {"step": 6, "loss": 0.5, "learning_rate": 3e-5, "grad_norm": 1.2},
+           {"step": 8, "loss": 0.4, "learning_rate": 1e-5, "grad_norm": 0.9}, {"step": 8, "eval_loss": 0.55, "eval_accuracy": 0.8},
+           {"step": 8, "train_runtime": 12.0, "train_loss": 0.6}]
+
+
+def finished_run(out, **config):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trainer_state.json").write_text(json.dumps({"log_history": HISTORY, "global_step": 8}))
+    (out / "eval_results.json").write_text(json.dumps({"eval_loss": 0.55, "eval_accuracy": 0.8, "eval_f1": 0.79,
+                                                       "eval_runtime": 1.5, "eval_samples_per_second": 100.0}))
+    (out / "finetune_config.yaml").write_text(yaml.safe_dump({"task": "text-classification", "model": "builtin:minilm",
+                                                              "dataset": "builtin:text", "learning_rate": 5e-5, "image_size": 224,
+                                                              "gradient_checkpointing": False, "checkpoint_layers": "all",
+                                                              "method": "full", "lora_r": 16, **config}))
+    return out
+
+
+def polyline_points(svg: str) -> list[int]:
+    return [len(p.split()) for p in re.findall(r'points="([^"]*)"', svg)]
+
+
+def test_the_report_of_a_run_without_telemetry_tells_its_story(tmp_path, capsys):
+    out = finished_run(tmp_path / "run")
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    metrics = report.split("## Final metrics")[1].split("##")[0]
+    assert "| accuracy | 0.8 |" in metrics and "| f1 | 0.79 |" in metrics and "runtime" not in metrics
+    for chart in ("run_loss.svg", "run_learning_rate.svg", "run_grad_norm.svg"):
+        assert f"({chart})" in report and (out / chart).is_file()
+    assert sorted(polyline_points((out / "run_loss.svg").read_text())) == [2, 4]  # evaluation at 2 steps, training at 4
+    config = report.split("## Configuration")[1].split("##")[0]
+    assert "| model | builtin:minilm |" in config and "| learning_rate | 5e-05 |" in config
+    assert "image_size" not in config and "lora_r" not in config and "checkpoint_layers" not in config  # not this run's
+    assert "## Launch plan\n\nnone" in report and "not recorded (telemetry=false" in report
+
+
+def test_the_report_names_the_plan_applied_and_not_applied(tmp_path):
+    out = finished_run(tmp_path / "run")
+    plan = {"file": "box.plan.json", "machine": "1x-h200", "strategy": "single", "found_by": "HF_GPU_TRAIN_PLAN",
+            "values": {"per_device_train_batch_size": {"plan": 64, "used": 32, "reason": "largest micro-batch that fits"}},
+            "overridden": [{"source": "config", "key": "per_device_train_batch_size", "user_value": 32, "plan_value": 64}]}
+    (out / "run_summary.json").write_text(json.dumps({"global_step": 8, "plan": plan}))
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "| per_device_train_batch_size | 64 | 32 |" in report and "overridden by config" in report
+
+
+def test_a_folder_without_a_run_is_a_usage_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no run" in capsys.readouterr().err
+
+
+def test_the_series_skip_logs_without_the_value():
+    series = log_series(HISTORY)
+    assert series["loss"] == ([2.0, 4.0, 6.0, 8.0], [0.9, 0.7, 0.5, 0.4]) and series["eval_loss"][0] == [4.0, 8.0]
