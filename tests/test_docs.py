@@ -57,10 +57,7 @@ def placeholder(value: str) -> bool:
 
 
 # Commands shown on purpose in a form that does not parse, each with its reason: (page, command) -> reason.
-NOT_PARSED = {
-    ("README.md", "hf-gpu-train config --strategy fsdp"):
-        "the README names the option inline, without the required --output; docs/ show the full command",
-}
+NOT_PARSED: dict[tuple[str, str], str] = {}
 
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*(\S*)")
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n).)+?)(?<!`)\1(?!`)", re.S)  # within a paragraph

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
+from pathlib import Path
 
+from ..errors import UsageError
 from ..hardware.profile import HardwareProfile
 from ..textfmt import gib, table
 from .common import add_machine_argument, resolve_profile
@@ -18,10 +21,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the machine snapshot as JSON")
     p.add_argument("--save", metavar="FILE", help="write the machine snapshot to FILE (for --machine elsewhere)")
     p.add_argument("--software", action="store_true", help="also collect torch, CUDA build, cuDNN and NCCL versions (imports torch)")
+    p.add_argument("--topology-svg", metavar="PATH",
+                   help="draw how the GPUs reach each other (NVLink, PCIe switch, host bridge, CPU sockets; P2P) as an SVG "
+                   "picture at PATH; on a machine without a GPU the picture says why")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    picture = _picture_target(args.topology_svg) if args.topology_svg else None  # before detecting: fail fast
     profile, live = resolve_profile(args)
     if args.software and live:
         from ..hardware.software import detect_software
@@ -33,13 +40,38 @@ def run(args: argparse.Namespace) -> int:
         path = save(profile, args.save)
         if not args.json:
             print(f"saved snapshot to {path}")
+    if picture is not None:
+        _write_picture(profile, picture, args.topology_svg)
     if args.json:
         from ..hardware.snapshot import to_json
 
         print(to_json(profile), end="")
-        return 0
-    print(render(profile, live))
+    else:
+        print(render(profile, live))
+    if picture is not None:  # last, where the eye lands; on stderr with --json, whose stdout is the snapshot
+        why = "" if profile.gpus and not profile.nvml_error else " (no GPU to draw: the picture says why)"
+        print(f"wrote the topology picture to {picture}{why}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _picture_target(value: str) -> Path:
+    """The --topology-svg path, checked before anything is detected: its folder must exist, and it is no folder."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--topology-svg {value}: that is a directory; name a file in it, e.g. {path / 'topology.svg'}")
+    if not path.parent.is_dir():
+        raise UsageError(f"--topology-svg {value}: the directory {path.parent} does not exist; "
+                         f"create it (mkdir -p {path.parent}) or choose another path")
+    return path
+
+
+def _write_picture(profile: HardwareProfile, path: Path, value: str) -> None:
+    from ..report.topology_picture import save_topology_svg
+
+    try:
+        save_topology_svg(profile, path)
+    except OSError as error:
+        raise UsageError(f"--topology-svg {value}: cannot write it: {error.strerror or error}") from error
 
 
 def render(profile: HardwareProfile, live: bool = True) -> str:

@@ -7,6 +7,12 @@ The same seed gives the same 2,400 sentences (2,000 train, 400 validation) on ev
 Labels are strings ("negative", "positive") to exercise label mapping. A bag of single words cannot
 score perfectly on it (negation), a pretrained encoder learns it in one epoch.
 
+``builtin:python-docs`` (the default) is real text that every Python ships: sentences of Python's own reference manual
+(``pydoc_data.topics``, the text behind ``help("topics")``), labelled with the section they come from (special method
+names, compound statements, the standard type hierarchy, the debugger, string methods): about 1,000 sentences of 6 to
+60 words, 5 classes, a seeded, stratified 80/20 split. A question a reader can check: which part of the manual does this
+sentence come from?
+
 ``builtin:digits`` is scikit-learn's digits (1,797 real 8x8 handwritten digits, shipped with
 scikit-learn) as RGB images, labels "0".."9".
 
@@ -56,6 +62,40 @@ def make_text_examples(count: int = 2400, seed: int = 1234) -> list[dict[str, st
     return examples
 
 
+PYTHON_DOCS_SECTIONS = ("specialnames", "compound", "types", "debugger", "string-methods")
+
+
+def python_docs_sentences(section: str) -> list[str]:
+    """The distinct sentences of 6 to 60 words of one section of Python's reference manual, sorted."""
+    import re
+    from pydoc_data.topics import topics
+
+    text = re.sub(r"\s+", " ", topics[section])
+    parts = [s.strip() for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text)]
+    return sorted({s for s in parts if 6 <= len(s.split()) <= 60 and not s.startswith(">>>")})
+
+
+def python_docs_split(seed: int = 0, validation_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
+    """(train, validation) rows {text, label}: every section split 80/20 with a seeded shuffle, then mixed."""
+    rng = random.Random(seed)
+    train, validation = [], []
+    for section in PYTHON_DOCS_SECTIONS:
+        rows = [{"text": s, "label": section} for s in python_docs_sentences(section)]
+        rng.shuffle(rows)
+        cut = round(len(rows) * validation_fraction)
+        validation += rows[:cut]
+        train += rows[cut:]
+    rng.shuffle(train)
+    return train, validation
+
+
+def python_docs_dataset():
+    from datasets import Dataset, DatasetDict
+
+    train, validation = python_docs_split()
+    return DatasetDict(train=Dataset.from_list(train), validation=Dataset.from_list(validation))
+
+
 def text_dataset():
     from datasets import Dataset, DatasetDict
 
@@ -77,4 +117,4 @@ def digits_dataset():
     return DatasetDict(train=data)
 
 
-BUILTIN_DATASETS = {"builtin:text": text_dataset, "builtin:digits": digits_dataset}
+BUILTIN_DATASETS = {"builtin:python-docs": python_docs_dataset, "builtin:text": text_dataset, "builtin:digits": digits_dataset}

@@ -18,16 +18,16 @@ from typing import Any
 import yaml
 
 from ..errors import UsageError
+from .learning_rates import FINETUNE_LEARNING_RATE  # noqa: F401 - the reference rate, imported from here by callers
 
 TASKS = ("text-classification", "image-classification", "causal-lm")
 METHODS = ("auto", "full", "lora", "qlora")  # auto: lora for causal-lm, full for the classifiers
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes of training, and at the end
-# learning_rate when the user sets none. Fine-tuning moves pretrained weights a little: 5e-5 (BERT's fine-tuning
-# range, Devlin et al. 2019). Training from random weights (pretrained=false) needs far larger steps: 1e-3 is Adam's
-# own default step size (Kingma & Ba 2015; torch.optim.AdamW's default). Measured on scikit-learn digits with
-# EfficientNet-Lite0 from scratch (recipes/efficientnet_lite0_digits.yaml): see the README's vision figures.
-FINETUNE_LEARNING_RATE = 5e-5
+# learning_rate when the user sets none. A classifier's depends on the model it trains (finetune/learning_rates.py,
+# resolved once the model is built). Training from random weights (pretrained=false) needs far larger steps: 1e-3 is
+# Adam's own default step size (Kingma & Ba 2015; torch.optim.AdamW's default). Measured on scikit-learn digits with
+# EfficientNet-Lite0 from scratch (recipes/efficientnet_lite0_digits.yaml): see docs/finetuning.md.
 SCRATCH_LEARNING_RATE = 1e-3
 # Causal language models. Full fine-tuning: 2e-5, TRL SFTConfig's default (a pretrained LM moves less than an encoder
 # with a fresh head). LoRA/QLoRA: 2e-4, the QLoRA paper's rate for 7B-13B models (Dettmers et al. 2023, table 9);
@@ -63,7 +63,7 @@ class FinetuneConfig:
     pretrained: bool = True  # vision: start from pretrained weights (hub, pretrained_weights or builtin); false: from scratch
     pretrained_weights: str | None = None  # vision: a local .safetensors/.pth file with the timm model's pretrained weights
     # data
-    dataset: str | None = "builtin:text"  # builtin:text, builtin:digits, a hub id, a local dataset dir, or imagefolder:DIR
+    dataset: str | None = "builtin:python-docs"  # builtin:python-docs, builtin:text, builtin:digits, a hub id, a local dataset dir, or imagefolder:DIR
     dataset_config: str | None = None
     train_file: str | None = None
     validation_file: str | None = None
@@ -79,6 +79,9 @@ class FinetuneConfig:
     augmentation: dict[str, Any] = field(default_factory=dict)  # vision: timm create_transform kwargs for training
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    # evaluate the model as loaded before training, for the comparison the run ends with (baseline_results.json):
+    # auto: when the validation set has at most EVALUATE_BEFORE_ROWS rows and the model is not sharded
+    evaluate_before: bool | str = "auto"
     # schedule
     output_dir: str = "outputs/run"
     num_train_epochs: float = 3.0
@@ -86,7 +89,7 @@ class FinetuneConfig:
     per_device_train_batch_size: int = 32
     per_device_eval_batch_size: int | None = None
     global_batch_size: int | None = None  # gradient accumulation is derived from it
-    learning_rate: float | None = None  # None: FINETUNE_LEARNING_RATE, or SCRATCH_LEARNING_RATE for pretrained=false
+    learning_rate: float | None = None  # None: by the model (finetune/learning_rates.py), the method (causal-lm), or from scratch
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
     lr_scheduler_type: str = "linear"
@@ -150,6 +153,8 @@ class FinetuneConfig:
         for key in ("per_device_train_batch_size", "max_length", "image_size", "logging_steps"):
             if getattr(self, key) < 1:
                 raise bad(key, "must be at least 1")
+        if self.evaluate_before not in (True, False, "auto"):
+            raise bad("evaluate_before", "use auto, true or false")
         if self.per_device_eval_batch_size is not None and self.per_device_eval_batch_size < 1:
             raise bad("per_device_eval_batch_size", "must be at least 1")
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -165,9 +170,10 @@ class FinetuneConfig:
         self._check_pretrained()
         self._check_causal_lm()
         self._check_memory_levers()
-        if self.learning_rate is None:  # resolved here, once: everything after validation reads a number
-            self.learning_rate = SCRATCH_LEARNING_RATE if self.trains_from_scratch else FINETUNE_LEARNING_RATE
-            if self.task == "causal-lm":
+        if self.learning_rate is None:  # a pretrained classifier's stays None until its model is built (learning_rates.py)
+            if self.trains_from_scratch:
+                self.learning_rate = SCRATCH_LEARNING_RATE
+            elif self.task == "causal-lm":
                 self.learning_rate = ADAPTER_LEARNING_RATE if self.method in ("lora", "qlora") else CAUSAL_LM_FULL_LEARNING_RATE
         if not 0 <= self.warmup_ratio < 1:
             raise bad("warmup_ratio", "must be in [0, 1)")

@@ -7,6 +7,7 @@ overwritten), anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -75,6 +76,7 @@ def prepare(cfg: FinetuneConfig, runtime):
     """
     from .checkpoints import is_main_process
     from .data import open_classification_data, process_classification_data
+    from .learning_rates import resolve_learning_rate
     from .prepare_once import Prepared, data_key, prepare_once
 
     def say(notes):
@@ -97,6 +99,9 @@ def prepare(cfg: FinetuneConfig, runtime):
         if model_dir is not None:
             check_label_map(model_dir, opened.label_names, "model")  # warm start from one of our runs
         model, tokenizer = load_text_model(cfg, opened.label_names)
+        chosen = resolve_learning_rate(cfg, model)
+        if chosen:
+            say([chosen])
 
         def tokenized() -> Prepared:
             data = process_classification_data(cfg, opened)
@@ -110,9 +115,10 @@ def prepare(cfg: FinetuneConfig, runtime):
     from .vision import attach_transforms, image_collator, load_vision_model
 
     weights = resolve_vision_weights(cfg)
-    say([weights.describe(cfg.learning_rate)])  # the run's first line: which weights, and a from-scratch learning rate
     opened = open_classification_data(cfg)
     model = load_vision_model(cfg, opened.label_names, weights)
+    chosen = resolve_learning_rate(cfg, model)
+    say([weights.describe(cfg.learning_rate), *([chosen] if chosen else [])])  # which weights, at which learning rate
 
     def processed() -> Prepared:
         data = process_classification_data(cfg, opened)
@@ -168,6 +174,67 @@ def final_metrics(trainer, first_step: int) -> dict:
     if last is not None and last.get("step") == trainer.state.global_step > first_step:
         return {k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"}
     return trainer.evaluate()
+
+
+EVALUATE_BEFORE_ROWS = 4000  # evaluate_before=auto: a validation set this small costs seconds to minutes, not more
+SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
+
+
+@contextlib.contextmanager
+def untouched_random_state():
+    """Python's, NumPy's and torch's generators (every CUDA device's too) as they were before the block.
+
+    Why: creating the evaluation DataLoader's iterator draws a seed from torch's generator, and the training sampler's
+    epoch order is drawn from it next; a run that evaluated first would shuffle differently from the run it resumes."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def evaluate_before(cfg: FinetuneConfig, trainer, validation) -> dict | None:
+    """The evaluation of the model as loaded (``evaluate_before``), every rank together, saved as baseline_results.json
+    for the run's last line and its report; None when not asked, or (auto) too large or sharded."""
+    from .fsdp import fsdp_requested
+
+    sharded = fsdp_requested() or getattr(trainer, "is_deepspeed_enabled", False)
+    wanted = cfg.evaluate_before is True or (cfg.evaluate_before == "auto" and len(validation) <= EVALUATE_BEFORE_ROWS and not sharded)
+    if not wanted:
+        return None
+    with untouched_random_state():  # the same training as without it: a DataLoader draws its seed from torch's generator
+        metrics = trainer.evaluate()
+    if cfg.task == "causal-lm":
+        from .causal_lm.outputs import with_perplexity
+
+        metrics = with_perplexity(metrics)
+    baseline = {k: v for k, v in metrics.items() if k in SHOWN_METRICS}
+    if trainer.is_world_process_zero():
+        (Path(cfg.output_dir) / "baseline_results.json").write_text(json.dumps(baseline, indent=2))
+    return baseline
+
+
+def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneConfig) -> str:
+    """The run's last line: the figures that mean something, and what the model scored before training."""
+    def figures(values: dict) -> str:
+        return ", ".join(f"{name} {values[key]:.4g}" for key, name in SHOWN_METRICS.items() if key in values)
+
+    line = f"{figures(metrics)} on {rows} validation {'rows' if cfg.task == 'causal-lm' else 'examples'}"
+    if baseline:
+        what = ("the model as loaded" if cfg.task == "causal-lm" else "the pretrained model with its new, untrained head"
+                if cfg.pretrained else "the untrained model")
+        line += f"; before training ({what}): {figures(baseline)}"
+    return line
 
 
 def _report_finished(cfg: FinetuneConfig, results: dict) -> dict:
@@ -264,6 +331,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from ..callbacks import attach_telemetry
 
         attach_telemetry(trainer)
+    baseline = evaluate_before(cfg, trainer, validation) if not resume else None
     start = time.perf_counter()
     first_step = int(json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]) if resume else 0
     result = trainer.train(resume_from_checkpoint=resume)
@@ -287,6 +355,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
         render_report(cfg.output_dir)  # the run's story: metrics, curves, config, the plan next to what was measured
         print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
+        print(f"hf_gpu_train: {result_line(metrics, baseline, len(validation), cfg)}", flush=True)
     if cfg.task == "causal-lm":
         from .causal_lm.model import compute_dtype
         from .causal_lm.outputs import merge_and_save

@@ -7,7 +7,7 @@ from hf_gpu_train.finetune.config import ConfigError, FinetuneConfig, load_confi
 def test_defaults_live_in_one_place_and_validate():
     cfg = load_config()
     assert cfg == FinetuneConfig().validate()
-    assert cfg.model == "builtin:minilm" and cfg.dataset == "builtin:text"
+    assert cfg.model == "builtin:minilm" and cfg.dataset == "builtin:python-docs"
 
 
 def test_yaml_plus_overrides_with_types(tmp_path):

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_gpu_train.finetune.builtin import PYTHON_DOCS_SECTIONS
 from hf_gpu_train.finetune.run import main
 
 from ..launching import cpu_config, launch
@@ -57,12 +58,32 @@ def assert_scored_as_by_hand(out: Path, arguments: list[str]) -> None:
 
 def test_text_one_process(tmp_path, capsys):
     out = tmp_path / "text"
-    assert main([*TEXT_SMALL, f"output_dir={out}"]) == 0
+    assert main([*TEXT_SMALL, f"output_dir={out}"]) == 0  # the default data: builtin:python-docs
+    printed = capsys.readouterr().out
     assert_scored_as_by_hand(out, TEXT_SMALL)
-    assert json.loads((out / "label_map.json").read_text()) == ["negative", "positive"]
+    assert json.loads((out / "label_map.json").read_text()) == sorted(PYTHON_DOCS_SECTIONS)
     assert (out / "finetune_config.yaml").is_file()
     assert not list(out.glob("checkpoint-*"))  # save_strategy=auto: a run shorter than checkpoint_minutes saves at the end only
-    assert '"eval_accuracy"' in capsys.readouterr().out
+    assert '"eval_accuracy"' in printed
+    after, before = results(out), json.loads((out / "baseline_results.json").read_text())
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith(f"hf_gpu_train: accuracy {after['eval_accuracy']:.4g}, macro F1 {after['eval_f1']:.4g}")
+    assert f"on 64 validation examples; before training (the pretrained model with its new, untrained head): " \
+           f"accuracy {before['eval_accuracy']:.4g}" in last
+
+
+def test_evaluating_before_training_changes_nothing_the_run_trains(tmp_path):
+    """The evaluation before training draws from the random generators (its DataLoader's seed); the run puts them back,
+    so the weights equal those of a run that did not evaluate first."""
+    from safetensors.torch import load_file
+
+    from ..scaling.equivalence import assert_same_params
+
+    outs = {flag: tmp_path / f"before-{flag}" for flag in ("true", "false")}
+    for flag, out in outs.items():
+        assert main([*TEXT_SMALL, "max_train_samples=48", f"evaluate_before={flag}", "save_strategy=no", f"output_dir={out}"]) == 0
+    assert (outs["true"] / "baseline_results.json").is_file() and not (outs["false"] / "baseline_results.json").exists()
+    assert_same_params(load_file(outs["true"] / "model.safetensors"), load_file(outs["false"] / "model.safetensors"), atol=0)
 
 
 def test_vision_one_process(tmp_path):

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import timm
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from hf_gpu_train.finetune import data as data_module
-from hf_gpu_train.finetune.config import FINETUNE_LEARNING_RATE, SCRATCH_LEARNING_RATE, ConfigError, load_config
+from hf_gpu_train.finetune.config import SCRATCH_LEARNING_RATE, ConfigError, load_config
 from hf_gpu_train.finetune.pretrained import resolve_vision_weights
 from hf_gpu_train.finetune.run import main, prepare
 from hf_gpu_train.finetune.vision import load_vision_model
@@ -77,8 +78,8 @@ def test_from_scratch_only_when_asked_and_at_its_own_learning_rate(monkeypatch):
     assert "from scratch (pretrained=false) at learning_rate=0.001 (the from-scratch default" in resolve_vision_weights(cfg).describe(
         cfg.learning_rate)
     assert load_config(None, [*VISION, "model=timm/test_resnet", "pretrained=false", "learning_rate=5e-5"]).learning_rate == 5e-5
-    assert load_config(None, [*VISION, "model=timm/test_resnet"]).learning_rate == FINETUNE_LEARNING_RATE == 5e-5
-    assert load_config(None, []).learning_rate == FINETUNE_LEARNING_RATE
+    assert load_config(None, [*VISION, "model=timm/test_resnet"]).learning_rate is None  # pretrained: by the model
+    assert load_config(None, []).learning_rate is None
 
     def no_downloads(*args, **kwargs):
         raise AssertionError("pretrained=false fetched weights")
@@ -167,6 +168,8 @@ def test_a_small_run_fine_tunes_the_shipped_efficientnet_lite0(tmp_path, capsys)
     assert main(["task=image-classification", "model=builtin:efficientnet_lite0", "dataset=builtin:digits", "image_size=32",
                  "max_train_samples=64", "max_eval_samples=32", "per_device_train_batch_size=32", "num_train_epochs=1",
                  "telemetry=false", "save_strategy=no", f"output_dir={out}"]) == 0
-    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("hf_gpu_train:"))
-    assert "fine-tuning tf_efficientnet_lite0 from its ImageNet weights" in first and "learning_rate=5e-05" in first
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hf_gpu_train:")][:2]
+    assert "fine-tuning tf_efficientnet_lite0 from its ImageNet weights" in first and "learning_rate=0.001" in first
+    assert "learning_rate=0.001: the default for convolutional nets normalised by BatchNorm" in second
+    assert yaml.safe_load((out / "finetune_config.yaml").read_text())["learning_rate"] == 1e-3
     assert json.loads((out / "label_map.json").read_text()) == [str(i) for i in range(10)]

@@ -12,7 +12,6 @@ from hf_gpu_train.finetune.causal_lm.outputs import with_perplexity
 from hf_gpu_train.finetune.config import (
     ADAPTER_LEARNING_RATE,
     CAUSAL_LM_FULL_LEARNING_RATE,
-    FINETUNE_LEARNING_RATE,
     ConfigError,
     load_config,
 )
@@ -27,7 +26,7 @@ def test_method_and_learning_rate_resolve_per_task():
     assert load_config(None, [*LM, "method=full"]).learning_rate == CAUSAL_LM_FULL_LEARNING_RATE
     assert load_config(None, [*LM, "learning_rate=1e-5"]).learning_rate == 1e-5
     classifier = load_config()
-    assert classifier.method == "full" and classifier.learning_rate == FINETUNE_LEARNING_RATE
+    assert classifier.method == "full" and classifier.learning_rate is None  # by the model: finetune/learning_rates.py
     assert load_config(None, [*LM, "packing=false"]).packing is False and load_config(None, [*LM, "packing=true"]).packing is True
 
 

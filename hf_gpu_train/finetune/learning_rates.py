@@ -1,0 +1,71 @@
+"""The learning rate of a classification run whose config sets none, chosen from the model it trains.
+
+Why by model, not one number: the fine-tuning guides of timm, fastai and transformers give rates that differ by a factor
+of twenty between families, and one default fits only one of them. Measured with this toolkit (``benchmarks/
+learning_rates.py``): EfficientNet-Lite0 at 5e-5 (BERT's rate) barely moves its new head in three epochs, while at 1e-3
+it learns both image sets; MiniLM-L6 (width 384) at 5e-5 is still far from what 1e-4 reaches in the same steps.
+
+- **Images, convolutional nets normalised by BatchNorm** (ResNet, EfficientNet, MobileNet, RegNet, ...):
+  ``BATCHNORM_LEARNING_RATE`` = 1e-3, Adam's own step size, the order of fastai's ``fine_tune`` (base_lr 2e-3) and
+  what timm's recipes give AdamW on small batches. BatchNorm makes each layer's output indifferent to its weights'
+  scale, so these nets take large steps without diverging.
+- **Images, everything else** (ViT, DeiT, Swin, ConvNeXt, hybrids: any LayerNorm or GroupNorm): 5e-5, the rate of
+  transformers' image-classification guide for ViT; layer-normalised transformers are sensitive to large steps.
+- **Text encoders**: 5e-5 at BERT-base's width (768, Devlin et al. 2019), scaled as 1/width (Adam's update per weight
+  is about the learning rate, so a layer's output moves with its fan-in: muP, Yang et al. 2022), within
+  [1e-5, 3e-4], the range Google's BERT README searched for its small BERTs. MiniLM-L6 (384) gets 1e-4, BERT-large
+  (1024) 3.75e-5.
+
+Resolved once the model exists (the family is read from its modules), on every rank the same way, before the
+resolved config is written: ``finetune_config.yaml`` holds the number, and the run prints why it was chosen.
+Causal LMs and runs from scratch get theirs in the config (``finetune/config.py``): they do not depend on the model.
+"""
+
+from __future__ import annotations
+
+FINETUNE_LEARNING_RATE = 5e-5  # BERT-base and ViT fine-tuning: the reference the families are measured against
+BATCHNORM_LEARNING_RATE = 1e-3
+REFERENCE_WIDTH = 768  # BERT-base's hidden size, at which a text encoder gets FINETUNE_LEARNING_RATE
+TEXT_RANGE = (1e-5, 3e-4)
+WIDTH_KEYS = ("hidden_size", "d_model", "dim", "n_embd")  # what transformers' configs call the width
+
+
+def normalised_by_batchnorm(model) -> bool:
+    """Every normalisation layer is a BatchNorm (timm's BatchNormAct2d included), and there is at least one."""
+    from torch import nn
+
+    norms = [m for m in model.modules() if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
+                                                           nn.modules.instancenorm._InstanceNorm))]
+    return bool(norms) and all(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in norms)
+
+
+def vision_learning_rate(model) -> tuple[float, str]:
+    if normalised_by_batchnorm(model):
+        return BATCHNORM_LEARNING_RATE, "the default for convolutional nets normalised by BatchNorm"
+    return FINETUNE_LEARNING_RATE, "the default for layer-normalised vision models (ViT, ConvNeXt, hybrids)"
+
+
+def model_width(config) -> int | None:
+    for key in WIDTH_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def text_learning_rate(model) -> tuple[float, str]:
+    width = model_width(getattr(model, "config", None))
+    if width is None:
+        return FINETUNE_LEARNING_RATE, "the text default (the model's config names no width to scale it by)"
+    low, high = TEXT_RANGE
+    rate = min(high, max(low, FINETUNE_LEARNING_RATE * REFERENCE_WIDTH / width))
+    return rate, f"the default for a text encoder of width {width}: {FINETUNE_LEARNING_RATE:g} at {REFERENCE_WIDTH}, scaled as 1/width"
+
+
+def resolve_learning_rate(cfg, model) -> str | None:
+    """Set ``cfg.learning_rate`` from ``model`` when the config left it to the model; the line saying why, or None."""
+    if cfg.learning_rate is not None:
+        return None
+    rate, why = (vision_learning_rate if cfg.task == "image-classification" else text_learning_rate)(model)
+    cfg.learning_rate = rate
+    return f"learning_rate={rate:g}: {why} (set learning_rate= to choose)"

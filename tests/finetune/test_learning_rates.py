@@ -1,0 +1,78 @@
+"""The default learning rate follows the model's family: BatchNorm conv nets far above layer-normalised ones, text
+encoders scaled by width; what a user sets is never replaced."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import timm
+import torch
+
+from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.learning_rates import (
+    BATCHNORM_LEARNING_RATE,
+    FINETUNE_LEARNING_RATE,
+    normalised_by_batchnorm,
+    resolve_learning_rate,
+    text_learning_rate,
+    vision_learning_rate,
+)
+
+VISION = ["task=image-classification", "dataset=builtin:digits"]
+
+
+def timm_on_meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):  # the family is read from the modules; no weights are needed
+        return timm.create_model(name)
+
+
+@pytest.mark.parametrize("name, batchnorm", [
+    ("test_resnet", True), ("test_efficientnet", True), ("tf_efficientnet_lite0", True), ("mobilenetv3_small_100", True),
+    ("test_vit", False), ("test_convnext", False), ("test_efficientnet_ln", False), ("test_efficientnet_gn", False),
+    ("maxvit_tiny_tf_224", False),  # BatchNorm in its conv blocks, LayerNorm in its attention: the careful rate
+])
+def test_the_vision_family_is_read_from_the_normalisation_layers(name, batchnorm):
+    model = timm_on_meta(name)
+    assert normalised_by_batchnorm(model) is batchnorm
+    assert vision_learning_rate(model)[0] == (BATCHNORM_LEARNING_RATE if batchnorm else FINETUNE_LEARNING_RATE)
+
+
+def test_a_model_without_normalisation_gets_the_careful_rate():
+    assert not normalised_by_batchnorm(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("config, rate", [
+    (SimpleNamespace(hidden_size=768), 5e-5),  # BERT-base: the reference
+    (SimpleNamespace(hidden_size=384), 1e-4),  # MiniLM-L6
+    (SimpleNamespace(hidden_size=1024), 3.75e-5),  # BERT-large
+    (SimpleNamespace(hidden_size=128), 3e-4),  # BERT-tiny: 3e-4 by the rule, the top of the range
+    (SimpleNamespace(hidden_size=64), 3e-4),  # clamped
+    (SimpleNamespace(hidden_size=8192), 1e-5),  # clamped
+    (SimpleNamespace(dim=384), 1e-4),  # DistilBERT's name for it
+    (SimpleNamespace(d_model=1536), 2.5e-5),
+    (SimpleNamespace(), FINETUNE_LEARNING_RATE),  # no width named: the reference rate
+])
+def test_a_text_encoder_gets_the_reference_rate_scaled_by_its_width(config, rate):
+    assert text_learning_rate(SimpleNamespace(config=config))[0] == pytest.approx(rate)
+
+
+def test_the_shipped_minilm_resolves_to_its_width_rate():
+    from transformers import AutoConfig
+
+    from hf_gpu_train.builtin_models import minilm_path
+
+    assert AutoConfig.from_pretrained(minilm_path()).hidden_size == 384
+    cfg = load_config()
+    line = resolve_learning_rate(cfg, SimpleNamespace(config=AutoConfig.from_pretrained(minilm_path())))
+    assert cfg.learning_rate == pytest.approx(1e-4) and "width 384" in line
+
+
+def test_what_the_user_set_is_kept_and_said_nothing_about():
+    cfg = load_config(None, [*VISION, "learning_rate=3e-5"])
+    assert resolve_learning_rate(cfg, timm_on_meta("test_resnet")) is None and cfg.learning_rate == 3e-5
+    scratch = load_config(None, [*VISION, "model=timm/test_resnet", "pretrained=false"])
+    assert resolve_learning_rate(scratch, timm_on_meta("test_vit")) is None and scratch.learning_rate == 1e-3
+    pretrained = load_config(None, [*VISION, "model=timm/test_vit"])
+    assert "layer-normalised" in resolve_learning_rate(pretrained, timm_on_meta("test_vit"))
+    assert pretrained.learning_rate == FINETUNE_LEARNING_RATE
