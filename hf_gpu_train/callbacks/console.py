@@ -25,7 +25,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 # (with include_num_input_tokens_seen the Trainer adds its running train_* speed to every training log)
 _SHOWN_APART = frozenset({"loss", "learning_rate", "epoch", "total_flos", "grad_norm", "num_input_tokens_seen", "train_runtime",
                           "train_samples_per_second", "train_steps_per_second", "train_tokens_per_second"})
-_EVAL_APART = frozenset({"runtime", "samples_per_second", "steps_per_second"})
+_EVAL_APART = frozenset({"runtime", "samples_per_second", "steps_per_second", "model_preparation_time"})  # the last: load-time noise
 
 
 def _num(value: float) -> str:

@@ -69,7 +69,7 @@ def _fmt(value) -> str:
 
 def metrics_section(results: dict) -> list[str]:
     shown = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, (int, float))
-             and not k.endswith(("_runtime", "_per_second"))}
+             and not k.endswith(("_runtime", "_per_second", "_preparation_time"))}  # time, not a metric
     if not shown:
         return []
     lines = ["## Final metrics", "", "| metric | value |", "|---|---|"]

@@ -22,7 +22,7 @@ def finished_run(out, **config):
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainer_state.json").write_text(json.dumps({"log_history": HISTORY, "global_step": 8}))
     (out / "eval_results.json").write_text(json.dumps({"eval_loss": 0.55, "eval_accuracy": 0.8, "eval_f1": 0.79,
-                                                       "eval_runtime": 1.5, "eval_samples_per_second": 100.0}))
+                                                       "eval_runtime": 1.5, "eval_samples_per_second": 100.0, "eval_model_preparation_time": 0.002}))
     (out / "finetune_config.yaml").write_text(yaml.safe_dump({"task": "text-classification", "model": "builtin:minilm",
                                                               "dataset": "builtin:text", "learning_rate": 5e-5, "image_size": 224,
                                                               "gradient_checkpointing": False, "checkpoint_layers": "all",
@@ -39,7 +39,7 @@ def test_the_report_of_a_run_without_telemetry_tells_its_story(tmp_path, capsys)
     assert main(["report", str(out)]) == 0
     report = (out / "report.md").read_text()
     metrics = report.split("## Final metrics")[1].split("##")[0]
-    assert "| accuracy | 0.8 |" in metrics and "| f1 | 0.79 |" in metrics and "runtime" not in metrics
+    assert "| accuracy | 0.8 |" in metrics and "| f1 | 0.79 |" in metrics and "runtime" not in metrics and "preparation" not in metrics
     for chart in ("run_loss.svg", "run_learning_rate.svg", "run_grad_norm.svg"):
         assert f"({chart})" in report and (out / chart).is_file()
     assert sorted(polyline_points((out / "run_loss.svg").read_text())) == [2, 4]  # evaluation at 2 steps, training at 4
