@@ -1,5 +1,5 @@
 """One arm of oom_overhead.py or faults.py, launched on 2 gloo processes: ``scripts/finetune.py``'s ``finetune()`` as
-shipped (MiniLM on the built-in text set), short, with the arm's key=value and nothing else different.
+shipped (MiniLM on builtin:text, the default when its figures were measured), short, with the arm's key=value and nothing else different.
 
     default_finetune_probe.py OUT NAME STEPS [key=value ...]   (writes OUT/NAME.json: the steps/s)
 """
@@ -18,9 +18,13 @@ from hf_gpu_train.process_group import leave_process_group  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 
+# the defaults its figures were measured with (docs/oom-recovery.md, docs/faults.md), before the default run moved to
+# builtin:python-docs with a learning rate by model and an evaluation first
+PINNED = ("dataset=builtin:text", "learning_rate=5e-5", "evaluate_before=false")
 out, name, steps, arm = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 cfg = load_config(None, [f"output_dir={out}/{name}", f"max_steps={steps}", "per_device_train_batch_size=16", "max_length=64",
-                         "logging_steps=10", "eval_strategy=no", "save_strategy=no", "telemetry=false", "resume=never", *arm])
+                         "logging_steps=10", "eval_strategy=no", "save_strategy=no", "telemetry=false", "resume=never",
+                         *PINNED, *arm])
 finetune(cfg)
 if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary
     summary = json.loads(Path(out, name, "run_summary.json").read_text())

@@ -57,7 +57,8 @@ def main() -> int:
                 if arm == "ours":
                     cmd = [sys.executable, "scripts/finetune.py", f"output_dir={out}", f"train_file={train_csv}",
                            f"validation_file={validation_csv}", f"num_train_epochs={args.epochs}",
-                           f"per_device_train_batch_size={args.batch}", f"max_length={args.max_length}"]
+                           f"per_device_train_batch_size={args.batch}", f"max_length={args.max_length}",
+                           "learning_rate=5e-5", "evaluate_before=false"]  # the plain script's rate; it evaluates no untrained model
                 else:
                     cmd = [sys.executable, "benchmarks/reference_plain_trainer.py", str(out), str(train_csv), str(validation_csv),
                            str(args.epochs), str(args.batch), str(args.max_length)] + (["static"] if arm == "static" else [])

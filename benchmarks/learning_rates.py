@@ -1,6 +1,6 @@
 """The default learning rate by model family against the one-number default it replaced (5e-5 for every classifier).
 
-    python benchmarks/learning_rates.py                 # all three cases, two arms each: ~15-25 min on 2 CPU cores
+    python benchmarks/learning_rates.py                 # all four cases, two arms each: ~25-35 min on 2 CPU cores
     python benchmarks/learning_rates.py --cases shapes  # one case
 
 Each case runs ``scripts/finetune.py`` twice, the same config, once with ``learning_rate=5e-5`` and once with
@@ -13,6 +13,8 @@ macro F1 after training next to the untrained head's (``baseline_results.json``)
 - ``shapes``: the same model on a second image set made here: 64x64 pictures of a circle, a square or a triangle of
   random size, position, rotation and colour on a noisy background of another colour (120 per class, seeded), written
   as an ``imagefolder:`` directory; 3 epochs at batch 32.
+- ``shapes-defaults``: the same folder as a new user would run it, the model and the folder and nothing else (224x224,
+  timm's default augmentation, batch 32, 3 epochs).
 
 Accuracy, not time, is the figure: the arms of one case train the same steps on the same data.
 """
@@ -69,6 +71,9 @@ def cases(work: Path) -> dict[str, list[str]]:
         "python-docs": [],
         "digits": [*vision, "dataset=builtin:digits", "image_size=64", "per_device_train_batch_size=64"],
         "shapes": [*vision, f"dataset=imagefolder:{work / 'shapes'}", "image_size=64", "per_device_train_batch_size=32"],
+        # what a new user types: the model and the folder, every other value the toolkit's (224x224, batch 32, timm's
+        # default augmentation, 3 epochs)
+        "shapes-defaults": ["task=image-classification", "model=builtin:efficientnet_lite0", f"dataset=imagefolder:{work / 'shapes'}"],
     }
 
 
@@ -87,7 +92,8 @@ def run(overrides: list[str], output_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=["python-docs", "digits", "shapes"], choices=["python-docs", "digits", "shapes"])
+    names = ["python-docs", "digits", "shapes", "shapes-defaults"]
+    parser.add_argument("--cases", nargs="+", default=names, choices=names)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

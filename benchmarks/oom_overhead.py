@@ -1,6 +1,6 @@
 """What OOM recovery costs when nothing runs out of memory: 2 gloo DDP processes, with and without it.
 
-Both arms are ``scripts/finetune.py``'s ``finetune()`` with its defaults (MiniLM on the built-in text set, the
+Both arms are ``scripts/finetune.py``'s ``finetune()`` with its defaults (MiniLM on builtin:text, pinned as when its figures were measured, the
 loss-scaling fix, length grouping, fused AdamW); the only difference is ``oom_recovery``. Without it DDP's reducer
 all-reduces the gradient buckets during backward; with it our ``GradientReducer`` does the same from
 post-accumulate-grad hooks, plus one small vote per optimizer step and DDP's buffer broadcast done by us.

@@ -1,7 +1,7 @@
 """Telemetry as shipped vs no telemetry: the same ``scripts/finetune.py`` run, alternating, side by side.
 
-Both arms run the real ``hf_gpu_train.finetune.run.finetune`` with every default (MiniLM on the built-in
-text set, OOM recovery on, the Trainer arguments the factory sets when telemetry is on); the only
+Both arms run the real ``hf_gpu_train.finetune.run.finetune`` with every default (MiniLM on builtin:text, pinned as when its figures
+were measured, OOM recovery on, the Trainer arguments the factory sets when telemetry is on); the only
 difference is ``telemetry=true`` / ``telemetry=false``. On a machine without a GPU the telemetry
 samples a fake NVML GPU (``FakeNvmlBackend`` from the shipped ``1x-h200`` snapshot) every second, so
 the sampler thread and its per-log work are measured too; on a GPU it samples the real one.
@@ -85,7 +85,8 @@ def shipped_run(out: str, steps: int, logging_steps: int, telemetry: bool) -> tu
             return result
 
     cfg = load_config(None, [f"output_dir={out}", f"max_steps={steps}", f"logging_steps={logging_steps}",
-                             f"telemetry={'true' if telemetry else 'false'}", "max_eval_samples=64"])
+                             f"telemetry={'true' if telemetry else 'false'}", "max_eval_samples=64",
+                             "dataset=builtin:text", "learning_rate=5e-5", "evaluate_before=false"])  # as when measured (docs)
     finetune(cfg, trainer_class=Measured)
     return seen["steps_per_s"], seen.get("telemetry")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("report", help="redraw a run's report (metrics, curves, config, plan, telemetry) from its output_dir",
+    p = subparsers.add_parser("report", help="redraw a run's report.md (metrics, curves, config, plan, telemetry)",
                               description="Re-render OUTPUT_DIR/report.md and its SVG charts from the files the run left: "
                               "trainer_state.json (loss, learning rate, gradient norm), eval_results.json, "
                               "finetune_config.yaml, run_summary.json (the launch plan) and, when telemetry recorded the run, "

@@ -80,7 +80,7 @@ class FinetuneConfig:
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     # evaluate the model as loaded before training, for the comparison the run ends with (baseline_results.json):
-    # auto: when the validation set has at most EVALUATE_BEFORE_ROWS rows and the model is not sharded
+    # auto: when the validation set has at most 4,000 rows and the model is not sharded (finetune/evaluate_before.py)
     evaluate_before: bool | str = "auto"
     # schedule
     output_dir: str = "outputs/run"
@@ -278,6 +278,8 @@ def _coerce(key: str, raw: Any) -> Any:
     kind = _HINTS[key]
     is_union = typing.get_origin(kind) in (typing.Union, types.UnionType)
     options = [a for a in typing.get_args(kind) if a is not type(None)] if is_union else [kind]
+    if raw is None and is_union and type(None) in typing.get_args(kind):  # YAML's null: finetune_config.yaml holds them
+        return None
     if isinstance(raw, str):
         text = raw.strip()
         if text.lower() in ("none", "null", "~") and is_union and type(None) in typing.get_args(kind):

@@ -30,26 +30,43 @@ TEXT_RANGE = (1e-5, 3e-4)
 WIDTH_KEYS = ("hidden_size", "d_model", "dim", "n_embd")  # what transformers' configs call the width
 
 
+def _norm_layers(model) -> list:
+    from torch import nn
+
+    kinds = [nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm]
+    if hasattr(nn, "RMSNorm"):
+        kinds.append(nn.RMSNorm)
+    return [m for m in model.modules() if isinstance(m, tuple(kinds)) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+
+
 def normalised_by_batchnorm(model) -> bool:
     """Every normalisation layer is a BatchNorm (timm's BatchNormAct2d included), and there is at least one."""
     from torch import nn
 
-    norms = [m for m in model.modules() if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
-                                                           nn.modules.instancenorm._InstanceNorm))]
+    norms = _norm_layers(model)
     return bool(norms) and all(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in norms)
 
 
 def vision_learning_rate(model) -> tuple[float, str]:
     if normalised_by_batchnorm(model):
         return BATCHNORM_LEARNING_RATE, "the default for convolutional nets normalised by BatchNorm"
+    if not _norm_layers(model):
+        return FINETUNE_LEARNING_RATE, "the careful default: the model has no normalisation layer to tell its family by"
     return FINETUNE_LEARNING_RATE, "the default for layer-normalised vision models (ViT, ConvNeXt, hybrids)"
 
 
 def model_width(config) -> int | None:
+    """The hidden size, from the config or, for composite models, from its text model's or encoder's config."""
     for key in WIDTH_KEYS:
         value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
+    for part in ("text_config", "encoder", "decoder"):
+        sub = getattr(config, part, None)
+        if sub is not None and not isinstance(sub, (int, float, str, bool)) and sub is not config:
+            width = model_width(sub)
+            if width is not None:
+                return width
     return None
 
 

@@ -55,7 +55,7 @@ TRAINING_ONLY = frozenset({
     "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes",
     "save_total_limit", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery", "watchdog",
     "extra", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_adapter",
-    "generation_samples", "generation_max_new_tokens", "chunked_lm_loss",
+    "generation_samples", "generation_max_new_tokens", "chunked_lm_loss", "evaluate_before",
 })
 # The modules whose code decides the prepared rows: their source is part of the key.
 PASSES = ("data.py", "carve.py", "text.py", "prepare_once.py", "causal_lm/encode.py", "causal_lm/packing.py",

@@ -7,7 +7,6 @@ overwritten), anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
+from .evaluate_before import SHOWN_METRICS
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -176,54 +176,6 @@ def final_metrics(trainer, first_step: int) -> dict:
     return trainer.evaluate()
 
 
-EVALUATE_BEFORE_ROWS = 4000  # evaluate_before=auto: a validation set this small costs seconds to minutes, not more
-SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
-
-
-@contextlib.contextmanager
-def untouched_random_state():
-    """Python's, NumPy's and torch's generators (every CUDA device's too) as they were before the block.
-
-    Why: creating the evaluation DataLoader's iterator draws a seed from torch's generator, and the training sampler's
-    epoch order is drawn from it next; a run that evaluated first would shuffle differently from the run it resumes."""
-    import random
-
-    import numpy as np
-    import torch
-
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.random.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-def evaluate_before(cfg: FinetuneConfig, trainer, validation) -> dict | None:
-    """The evaluation of the model as loaded (``evaluate_before``), every rank together, saved as baseline_results.json
-    for the run's last line and its report; None when not asked, or (auto) too large or sharded."""
-    from .fsdp import fsdp_requested
-
-    sharded = fsdp_requested() or getattr(trainer, "is_deepspeed_enabled", False)
-    wanted = cfg.evaluate_before is True or (cfg.evaluate_before == "auto" and len(validation) <= EVALUATE_BEFORE_ROWS and not sharded)
-    if not wanted:
-        return None
-    with untouched_random_state():  # the same training as without it: a DataLoader draws its seed from torch's generator
-        metrics = trainer.evaluate()
-    if cfg.task == "causal-lm":
-        from .causal_lm.outputs import with_perplexity
-
-        metrics = with_perplexity(metrics)
-    baseline = {k: v for k, v in metrics.items() if k in SHOWN_METRICS}
-    if trainer.is_world_process_zero():
-        (Path(cfg.output_dir) / "baseline_results.json").write_text(json.dumps(baseline, indent=2))
-    return baseline
-
-
 def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneConfig) -> str:
     """The run's last line: the figures that mean something, and what the model scored before training."""
     def figures(values: dict) -> str:
@@ -231,9 +183,7 @@ def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneCo
 
     line = f"{figures(metrics)} on {rows} validation {'rows' if cfg.task == 'causal-lm' else 'examples'}"
     if baseline:
-        what = ("the model as loaded" if cfg.task == "causal-lm" else "the pretrained model with its new, untrained head"
-                if cfg.pretrained else "the untrained model")
-        line += f"; before training ({what}): {figures(baseline)}"
+        line += f"; before training (the model as loaded): {figures(baseline)}"
     return line
 
 
@@ -252,6 +202,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from ..training.disk_full import MERGED, guard_saves, saving_to
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
+    from .evaluate_before import attach_evaluate_before, read_baseline
     from .fsdp import fsdp_requested, save_full_model
     from .memory_levers import apply_levers, release_memory
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
@@ -280,6 +231,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
                   backend=cfg.extra.get("ddp_backend"))
     model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
+    if identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
+        identity = RunIdentity.of(cfg, runtime.precision, effective)
+        if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
+            return _report_finished(cfg, previous.results)
     resume = _resume_point(cfg, data.label_names, previous.finished)
     back_up_config(cfg.output_dir, cfg)
     if is_main_process():
@@ -298,7 +253,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
                        "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,
                        "offload_activations": cfg.offload_activations, "optimizer_in_backward": cfg.optimizer_in_backward,
-                       "torch_compile": cfg.torch_compile,
+                       "torch_compile": cfg.torch_compile, "learning_rate": cfg.learning_rate,
+                       "evaluate_before": cfg.evaluate_before, "validation_rows": len(validation),
                        "packing": getattr(data, "packing", cfg.packing)})
     if trainer.is_world_process_zero():
         for line in launch_plan.lines if launch_plan else ():
@@ -331,13 +287,13 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from ..callbacks import attach_telemetry
 
         attach_telemetry(trainer)
-    baseline = evaluate_before(cfg, trainer, validation) if not resume else None
+    before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume))  # at train begin (why: its module)
     start = time.perf_counter()
     first_step = int(json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]) if resume else 0
     result = trainer.train(resume_from_checkpoint=resume)
-    train_seconds = time.perf_counter() - start
-    trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations
+    train_seconds = time.perf_counter() - start - (before.seconds if before is not None else 0.0)
     metrics = final_metrics(trainer, first_step)
+    trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations (the last too)
     if cfg.task == "causal-lm":
         from .causal_lm.outputs import with_perplexity
 
@@ -353,8 +309,13 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
         from ..report.writer import render_report
 
-        render_report(cfg.output_dir)  # the run's story: metrics, curves, config, the plan next to what was measured
+        try:  # the run's story: metrics, curves, config, the plan next to what was measured
+            render_report(cfg.output_dir)
+        except Exception as error:  # noqa: BLE001 - a report that cannot be drawn must not cost the trained model
+            log.warning("report.md not written (%s: %s); `hf-gpu-train report %s` draws it again", type(error).__name__, error,
+                        cfg.output_dir)
         print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
+        baseline = before.baseline if before is not None else read_baseline(cfg.output_dir) if resume else None
         print(f"hf_gpu_train: {result_line(metrics, baseline, len(validation), cfg)}", flush=True)
     if cfg.task == "causal-lm":
         from .causal_lm.model import compute_dtype

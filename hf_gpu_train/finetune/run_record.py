@@ -34,8 +34,11 @@ OUTPUT_ONLY = frozenset({
     "output_dir", "per_device_train_batch_size", "global_batch_size", "per_device_eval_batch_size", "precision",
     "gradient_checkpointing", "checkpoint_layers", "offload_activations", "torch_compile", "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy",
     "save_steps", "save_total_limit", "checkpoint_minutes", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery",
-    "max_eval_samples", "generation_samples", "generation_max_new_tokens", "merge_adapter",
+    "max_eval_samples", "generation_samples", "generation_max_new_tokens", "merge_adapter", "evaluate_before",
 })
+# Resolved only once the model is built (finetune/learning_rates.py): None before that means "not known yet", and is
+# not compared; the run compares again, and records the number, after the model loads.
+RESOLVED_WITH_THE_MODEL = ("learning_rate",)
 
 
 EVALUATION = ("max_eval_samples",)  # keys that change the reported results, not the model
@@ -57,7 +60,8 @@ class RunIdentity:
     def differences(self, before: dict) -> list[tuple[str, Any, Any]]:
         """(key, before, now) for each value that differs from a record (keys the record lacks are not compared)."""
         diffs = [(k, before["training"][k], v) for k, v in self.training.items()
-                 if k in before.get("training", {}) and before["training"][k] != v]
+                 if k in before.get("training", {}) and before["training"][k] != v
+                 and not (v is None and k in RESOLVED_WITH_THE_MODEL)]
         for key in ("precision", "effective_batch"):
             if before.get(key) is not None and before[key] != getattr(self, key):
                 diffs.append((key, before[key], getattr(self, key)))

@@ -310,7 +310,7 @@ NOT_THE_JOB = frozenset({
     "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "save_total_limit", "logging_steps",
     "resume", "report_to", "telemetry", "oom_recovery", "allow_cpu", "per_device_eval_batch_size", "max_eval_samples",
     "validation_file", "validation_split", "validation_fraction", "generation_samples", "generation_max_new_tokens",
-    "gradient_accumulation_steps", *APPLIED_KEYS,
+    "gradient_accumulation_steps", "evaluate_before", *APPLIED_KEYS,
 })
 FILE_KEYS = ("train_file", "dataset", "model", "pretrained_weights")  # local paths: their size and time join a job's identity
 

@@ -34,11 +34,15 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def log_series(history: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
-    """(steps, values) for the training loss, the evaluation loss, the learning rate and the gradient norm."""
+def log_series(history: list[dict], baseline: dict | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """(steps, values) for the training loss, the evaluation loss, the learning rate and the gradient norm; the
+    evaluation before training (``baseline``, baseline_results.json) is the evaluation loss at step 0."""
     series: dict[str, tuple[list[float], list[float]]] = {}
+    before = baseline.get("eval_loss") if baseline else None
     for key in ("loss", "eval_loss", "learning_rate", "grad_norm"):
         points = [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float)) and "step" in h]
+        if key == "eval_loss" and isinstance(before, (int, float)) and not any(step == 0 for step, _ in points):
+            points.insert(0, (0, before))
         if points:
             series[key] = ([float(s) for s, _ in points], [float(v) for _, v in points])
     return series
@@ -116,7 +120,7 @@ def story(out: Path) -> tuple[list[str], list[Path]]:
         results = {**results, "baseline": baseline}
     lines += metrics_section(results)
     state = _read_json(out / "trainer_state.json") or {}
-    series = log_series(state.get("log_history", []))
+    series = log_series(state.get("log_history", []), baseline)
     plots = charts(out, series)
     if plots:
         lines += ["## Training", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]

@@ -21,11 +21,16 @@ def help_text(*argv: str) -> str:
     return out.getvalue()
 
 
-def test_the_command_list_has_one_line_per_subcommand():
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_the_command_list_has_one_line_per_subcommand(monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", columns)  # a narrow terminal: the list is drawn 100 wide at the least
     lines = help_text("--help").splitlines()
     for name in SUBCOMMANDS:
-        line = next(line for line in lines if line.strip().startswith(name + " ") or line.strip() == name)
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(name + " ") or line.strip() == name)
+        line, following = lines[at], lines[at + 1]
         assert line.strip() != name and len(line.split(None, 1)) == 2, f"{name}: its help is not on its line: {line!r}"
+        continued = following.startswith(" " * 8) and not any(following.strip().startswith(n + " ") for n in SUBCOMMANDS)
+        assert not continued, f"{name}: its help runs onto a second line: {following!r}"
 
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)

@@ -90,3 +90,11 @@ def test_memory_levers_that_apply_validate():
     cfg = load_config(None, ["gradient_checkpointing=true", "checkpoint_layers=every-3", "offload_activations=true",
                              "optimizer_in_backward=true"])
     assert (cfg.checkpoint_layers, cfg.offload_activations, cfg.optimizer_in_backward) == ("every-3", True, True)
+
+
+def test_the_resolved_config_loads_back_as_the_same_config(tmp_path):
+    """finetune_config.yaml is a recipe: its nulls (pretrained_weights, max_train_samples, ...) load as None."""
+    cfg = load_config(None, ["learning_rate=1e-4", "max_train_samples=64"])
+    path = save_resolved(cfg, tmp_path)
+    assert "pretrained_weights: null" in path.read_text()
+    assert load_config(path, []) == cfg

@@ -38,8 +38,20 @@ def test_the_vision_family_is_read_from_the_normalisation_layers(name, batchnorm
     assert vision_learning_rate(model)[0] == (BATCHNORM_LEARNING_RATE if batchnorm else FINETUNE_LEARNING_RATE)
 
 
-def test_a_model_without_normalisation_gets_the_careful_rate():
-    assert not normalised_by_batchnorm(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+def test_a_model_without_normalisation_gets_the_careful_rate_and_says_why():
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert not normalised_by_batchnorm(plain)
+    assert vision_learning_rate(plain) == (FINETUNE_LEARNING_RATE, vision_learning_rate(plain)[1])
+    assert "no normalisation layer" in vision_learning_rate(plain)[1]
+    with_rms = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.RMSNorm(4))
+    assert not normalised_by_batchnorm(with_rms)  # an RMSNorm is a layer norm
+
+
+def test_a_composite_config_is_scaled_by_its_text_models_width():
+    composite = SimpleNamespace(text_config=SimpleNamespace(hidden_size=384), vision_config=SimpleNamespace(hidden_size=1152))
+    assert text_learning_rate(SimpleNamespace(config=composite))[0] == pytest.approx(1e-4)
+    encoder_decoder = SimpleNamespace(encoder=SimpleNamespace(d_model=1536))
+    assert text_learning_rate(SimpleNamespace(config=encoder_decoder))[0] == pytest.approx(2.5e-5)
 
 
 @pytest.mark.parametrize("config, rate", [

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hf_gpu_train.finetune.builtin import PYTHON_DOCS_SECTIONS
 from hf_gpu_train.finetune.run import main
@@ -68,8 +69,18 @@ def test_text_one_process(tmp_path, capsys):
     after, before = results(out), json.loads((out / "baseline_results.json").read_text())
     last = printed.strip().splitlines()[-1]
     assert last.startswith(f"hf_gpu_train: accuracy {after['eval_accuracy']:.4g}, macro F1 {after['eval_f1']:.4g}")
-    assert f"on 64 validation examples; before training (the pretrained model with its new, untrained head): " \
+    assert f"on 64 validation examples; before training (the model as loaded): " \
            f"accuracy {before['eval_accuracy']:.4g}" in last
+    # the learning rate the model chose is the run's: the same command with it written out is the same run, finished
+    saved = yaml.safe_load((out / "finetune_config.yaml").read_text())
+    assert saved["learning_rate"] == pytest.approx(1e-4)  # MiniLM's width 384
+    assert json.loads((out / "hf_gpu_train_run.json").read_text())["training"]["learning_rate"] == pytest.approx(1e-4)
+    assert main([*TEXT_SMALL, "learning_rate=1e-4", f"output_dir={out}"]) == 0
+    assert "already holds this run, finished" in capsys.readouterr().out
+    assert main(["--config", str(out / "finetune_config.yaml"), f"output_dir={out}"]) == 0
+    assert "already holds this run, finished" in capsys.readouterr().out
+    assert main([*TEXT_SMALL, "learning_rate=3e-4", f"output_dir={out}"]) == 2  # another rate: another run, refused
+    assert "learning_rate: 0.0001 -> 0.0003" in capsys.readouterr().err
 
 
 def test_evaluating_before_training_changes_nothing_the_run_trains(tmp_path):

@@ -68,3 +68,9 @@ def test_a_folder_without_a_run_is_a_usage_error(tmp_path, capsys):
 def test_the_series_skip_logs_without_the_value():
     series = log_series(HISTORY)
     assert series["loss"] == ([2.0, 4.0, 6.0, 8.0], [0.9, 0.7, 0.5, 0.4]) and series["eval_loss"][0] == [4.0, 8.0]
+
+
+def test_the_evaluation_before_training_is_the_evaluation_loss_at_step_0():
+    series = log_series(HISTORY, {"eval_loss": 1.6, "eval_accuracy": 0.25})
+    assert series["eval_loss"] == ([0.0, 4.0, 8.0], [1.6, *log_series(HISTORY)["eval_loss"][1]])
+    assert log_series(HISTORY, {"eval_accuracy": 0.25})["eval_loss"][0] == [4.0, 8.0]  # no loss measured before: none drawn

@@ -42,15 +42,25 @@ def assert_same_training(got: Path, expected: Path, weights: str) -> None:
     assert_same_params(load_file(got / weights), load_file(expected / weights))
 
 
-@pytest.mark.parametrize("method, weights, strategy", [("lora", "adapter_model.safetensors", "ddp"),
-                                                       ("full", "model.safetensors", "fsdp")])
-def test_two_processes_train_what_one_process_trains(tmp_path, case, method, weights, strategy):
+# The memory levers on 2 processes (selective checkpointing and activation offloading, each rank's own) against one
+# process without them: the levers are exact, and every rank applies the same ones.
+LEVERS = ("gradient_checkpointing=true", "checkpoint_layers=selective", "offload_activations=true")
+
+
+@pytest.mark.parametrize("method, weights, strategy, levers", [("lora", "adapter_model.safetensors", "ddp", ()),
+                                                               ("full", "model.safetensors", "fsdp", ()),
+                                                               ("lora", "adapter_model.safetensors", "ddp", LEVERS)],
+                         ids=["lora-ddp", "full-fsdp", "lora-ddp-levers"])
+def test_two_processes_train_what_one_process_trains(tmp_path, case, method, weights, strategy, levers):
     arguments = [*case, f"method={method}"]
     one = tmp_path / "one"
     assert main([*arguments, f"per_device_train_batch_size={ROWS_PER_STEP}", f"output_dir={one}"]) == 0
     config = cpu_config(tmp_path) if strategy == "ddp" else fsdp_config(tmp_path)
     two = tmp_path / "two"
-    run = launch(config, SCRIPT, *arguments, f"per_device_train_batch_size={ROWS_PER_STEP // 2}", f"output_dir={two}", timeout=600)
+    run = launch(config, SCRIPT, *arguments, *levers, f"per_device_train_batch_size={ROWS_PER_STEP // 2}", f"output_dir={two}",
+                 timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "CPU x2" in run.stdout and "packed" in run.stdout
+    if levers:
+        assert "selective" in run.stdout and "offload" in run.stdout  # the levers were applied, and said so
     assert_same_training(two, one, weights)

@@ -1,0 +1,115 @@
+"""The evaluation of the model as loaded, for the comparison a run ends with (``evaluate_before``).
+
+Why at train begin, not before ``trainer.train()``: an evaluation before training would be the first to prepare the
+model with accelerate, in evaluation mode, and then training prepares it again: measured on 2 gloo processes, the
+run then trained other weights than the same run without the evaluation (torch.compile would even leave the model
+outside DDP). At ``on_train_begin`` the model is already prepared as it trains, and the evaluation takes the path of
+any evaluation during training, which tests/scaling shows changes nothing; the watchdog and the CPU-by-accident guard
+(both on_train_begin too, attached before) are already on. The random generators are put back after it: building the
+evaluation DataLoader's iterator draws a seed from torch's generator, and the training sampler's order comes next.
+
+Every rank takes the same decision from the same config and validation set (and the ranks agree on both,
+``agreement.py``); rank 0 writes ``baseline_results.json``, which a resumed run reads back for its last line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+BASELINE = "baseline_results.json"
+EVALUATE_BEFORE_ROWS = 4000  # evaluate_before=auto: a validation set this small costs seconds to minutes, not more
+SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
+
+
+@contextlib.contextmanager
+def untouched_random_state():
+    """Python's, NumPy's and torch's generators (every CUDA device's too) as they were before the block."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def why_not(cfg, validation_rows: int, sharded: bool) -> str:
+    """'' when the run evaluates before training, else the reason it does not."""
+    if cfg.evaluate_before is True:
+        return ""
+    if cfg.evaluate_before is False:
+        return "evaluate_before=false"
+    if validation_rows > EVALUATE_BEFORE_ROWS:
+        return f"the validation set has {validation_rows} rows (auto: at most {EVALUATE_BEFORE_ROWS})"
+    if sharded:
+        return "the model is sharded (FSDP, DeepSpeed): a model that large evaluates for long"
+    return ""
+
+
+class EvaluateBeforeTraining(TrainerCallback):
+    """At the first ``on_train_begin``: ``trainer.evaluate()`` with the generators put back; ``baseline`` holds the
+    figures (with perplexity for a causal LM), and rank 0 writes them to ``output_dir/baseline_results.json``."""
+
+    def __init__(self, trainer, output_dir: str | Path, causal_lm: bool):
+        self.trainer = trainer
+        self.file = Path(output_dir) / BASELINE
+        self.causal_lm = causal_lm
+        self.baseline: dict | None = None
+        self.seconds = 0.0  # what it took: inside trainer.train(), not training
+        self.done = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.done:
+            return
+        self.done = True
+        started = time.perf_counter()
+        with untouched_random_state():
+            metrics = self.trainer.evaluate()
+        self.seconds = time.perf_counter() - started
+        if self.causal_lm:
+            from .causal_lm.outputs import with_perplexity
+
+            metrics = with_perplexity(metrics)
+        self.baseline = {k: v for k, v in metrics.items() if k in SHOWN_METRICS}
+        if self.trainer.is_world_process_zero():
+            self.file.write_text(json.dumps(self.baseline, indent=2))
+
+
+def attach_evaluate_before(cfg, trainer, validation_rows: int, resuming: bool) -> EvaluateBeforeTraining | None:
+    """The callback when this run evaluates first (attach it after the watchdog and the guards); None when it does not,
+    saying why under ``auto``, and removing an earlier start's baseline_results.json, which is not this run's."""
+    from .fsdp import fsdp_requested
+
+    if resuming:  # the run evaluated when it first started: its file stays
+        return None
+    reason = why_not(cfg, validation_rows, fsdp_requested() or bool(getattr(trainer, "is_deepspeed_enabled", False)))
+    if reason:
+        if trainer.is_world_process_zero():
+            (Path(cfg.output_dir) / BASELINE).unlink(missing_ok=True)
+            if cfg.evaluate_before == "auto":
+                print(f"hf_gpu_train: no evaluation before training: {reason} (evaluate_before=true to ask for it)", flush=True)
+        return None
+    callback = EvaluateBeforeTraining(trainer, cfg.output_dir, causal_lm=cfg.task == "causal-lm")
+    trainer.add_callback(callback)
+    return callback
+
+
+def read_baseline(output_dir: str | Path) -> dict | None:
+    """What the run's evaluation before training scored (a resumed run evaluated when it first started)."""
+    try:
+        return json.loads((Path(output_dir) / BASELINE).read_text())
+    except (OSError, ValueError):
+        return None
