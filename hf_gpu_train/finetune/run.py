@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
-from .evaluate_before import SHOWN_METRICS
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -178,6 +177,7 @@ def final_metrics(trainer, first_step: int) -> dict:
 
 def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneConfig) -> str:
     """The run's last line: the figures that mean something, and what the model scored before training."""
+    from .evaluate_before import SHOWN_METRICS  # not at the top: it imports transformers, and tune's CLI reads this module
     def figures(values: dict) -> str:
         return ", ".join(f"{name} {values[key]:.4g}" for key, name in SHOWN_METRICS.items() if key in values)
 

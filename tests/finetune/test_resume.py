@@ -81,7 +81,8 @@ def test_the_final_evaluation_runs_once(tmp_path, case):
     out = tmp_path / "out"
     assert main(args(case, out, "eval_strategy=epoch")) == 0
     evaluations = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in h]
-    assert len(evaluations) == 3  # one per epoch, none after
+    assert [h["step"] > 0 for h in evaluations] == [False, True, True, True]  # before training, then one per epoch, none after
+    assert json.loads((out / "baseline_results.json").read_text())["eval_loss"] == evaluations[0]["eval_loss"]
     assert json.loads((out / "eval_results.json").read_text())["eval_loss"] == evaluations[-1]["eval_loss"]
 
 
