@@ -18,10 +18,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..report.writer import JSONL, SUMMARY, load_run, render_report, render_terminal_summary
+    from ..report.writer import JSONL, load_run, render_report, render_terminal_summary, telemetry_recorded
 
     out = Path(args.output_dir)
-    recorded = (out / JSONL).is_file() and (out / SUMMARY).is_file()
+    recorded = telemetry_recorded(out)
     if not recorded and not any((out / name).is_file() for name in ("trainer_state.json", "eval_results.json")):
         raise UsageError(f"{out} holds no run: no trainer_state.json, eval_results.json or {JSONL}; give the output_dir "
                          "of a fine-tune (scripts/finetune.py writes them there)")

@@ -278,11 +278,12 @@ def _coerce(key: str, raw: Any) -> Any:
     kind = _HINTS[key]
     is_union = typing.get_origin(kind) in (typing.Union, types.UnionType)
     options = [a for a in typing.get_args(kind) if a is not type(None)] if is_union else [kind]
-    if raw is None and is_union and type(None) in typing.get_args(kind):  # YAML's null: finetune_config.yaml holds them
+    nullable = is_union and type(None) in typing.get_args(kind)
+    if raw is None and nullable:  # YAML's null: finetune_config.yaml holds them
         return None
     if isinstance(raw, str):
         text = raw.strip()
-        if text.lower() in ("none", "null", "~") and is_union and type(None) in typing.get_args(kind):
+        if text.lower() in ("none", "null", "~") and nullable:
             return None
         if str in options and not any(o in (int, float, bool) for o in options):
             return text

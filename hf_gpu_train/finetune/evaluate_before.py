@@ -21,9 +21,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .run import SHOWN_METRICS
+
 BASELINE = "baseline_results.json"
 EVALUATE_BEFORE_ROWS = 4000  # evaluate_before=auto: a validation set this small costs seconds to minutes, not more
-SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
 
 
 @contextlib.contextmanager

@@ -175,9 +175,12 @@ def final_metrics(trainer, first_step: int) -> dict:
     return trainer.evaluate()
 
 
+# the figures a run reports: its summary, its last line, and what it scored before training (evaluate_before.py)
+SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
+
+
 def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneConfig) -> str:
     """The run's last line: the figures that mean something, and what the model scored before training."""
-    from .evaluate_before import SHOWN_METRICS  # not at the top: it imports transformers, and tune's CLI reads this module
     def figures(values: dict) -> str:
         return ", ".join(f"{name} {values[key]:.4g}" for key, name in SHOWN_METRICS.items() if key in values)
 
@@ -190,7 +193,7 @@ def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneCo
 def _report_finished(cfg: FinetuneConfig, results: dict) -> dict:
     if os.environ.get("RANK", "0") == "0":
         print(f"hf_gpu_train: output_dir={cfg.output_dir!r} already holds this run, finished: "
-              f"{json.dumps({k: v for k, v in results.items() if k in ('eval_accuracy', 'eval_f1', 'eval_loss', 'eval_perplexity', 'epoch')})}. "
+              f"{json.dumps({k: v for k, v in results.items() if k in (*SHOWN_METRICS, 'epoch')})}. "
               "Nothing was trained (output_dir=NEW_DIR to train again).", flush=True)
     return results
 
@@ -303,7 +306,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     if trainer.is_world_process_zero():
         summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
                    "train_samples_per_second": result.metrics.get("train_samples_per_second"),
-                   **{k: metrics[k] for k in ("eval_accuracy", "eval_f1", "eval_loss", "eval_perplexity") if k in metrics}}
+                   **{k: metrics[k] for k in SHOWN_METRICS if k in metrics}}
         if launch_plan is not None:
             summary["plan"] = launch_plan.record(*measured_peak_memory(runtime))
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))

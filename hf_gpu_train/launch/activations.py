@@ -114,17 +114,23 @@ def generic_layer_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> floa
     return per_token
 
 
+def layer_projections(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(inner, output) width of each matmul of a layer: query, key, value and output projections; gate and up (or up),
+    then down."""
+    h, q, kv = spec.hidden_size, spec.query_width, spec.kv_width
+    inter = spec.intermediate_size or 4 * h
+    return [(h, q), (h, kv), (h, kv), (q, h)] + ([(h, inter), (h, inter)] if _gated(spec) else [(h, inter)]) + [(inter, h)]
+
+
 def selective_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
     """What a layer under selective checkpointing keeps besides its input, per token: the outputs of its matmuls
     (q, k, v and output projections; gate, up and down for a gated MLP, up and down otherwise; for LoRA each adapter's
     A and B products) and of attention (its output and log-sum-exp; eager attention its score matrix instead).
     Measured byte for byte on small Llamas (tests/launch/test_activation_memory.py)."""
-    h, q, a = spec.hidden_size, spec.query_width, spec.num_heads
-    kv = spec.kv_width
+    a = spec.num_heads
+    q = spec.query_width
     c = shape.compute_bytes
-    inter = spec.intermediate_size or 4 * h
-    mlp = (2 if _gated(spec) else 1) * inter + h  # gate and up (or up), then down
-    matmuls = c * (q + 2 * kv + h + mlp)
+    matmuls = c * sum(d_out for _, d_out in layer_projections(spec))
     # SDPA's output and log-sum-exp; eager attention's score matrix and output (it keeps no log-sum-exp)
     attention = c * q + (c * a * shape.seq_len if shape.attention == "eager" else LSE_BYTES_PER_HEAD * a)
     adapters = 0.0
@@ -139,11 +145,9 @@ def lean_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
     that narrow what they read (inner dimension above the output's: the key and value projections under grouped
     attention, the MLP's down projection, each adapter's A), and attention's output and log-sum-exp (eager attention:
     its score matrix)."""
-    h, q, a, kv = spec.hidden_size, spec.query_width, spec.num_heads, spec.kv_width
+    q, a = spec.query_width, spec.num_heads
     c = shape.compute_bytes
-    inter = spec.intermediate_size or 4 * h
-    projections = [(h, q), (h, kv), (h, kv), (q, h)] + ([(h, inter), (h, inter)] if _gated(spec) else [(h, inter)]) + [(inter, h)]
-    matmuls = c * sum(d_out for d_in, d_out in projections if d_in > d_out)
+    matmuls = c * sum(d_out for d_in, d_out in layer_projections(spec) if d_in > d_out)
     if shape.attention == "eager":  # its two batched matmuls by the same rule: scores (inner: head_dim), output (inner: s)
         head_dim = q // a
         attention = c * a * shape.seq_len * (head_dim > shape.seq_len) + c * q * (shape.seq_len > head_dim)
@@ -158,9 +162,7 @@ def lean_kept_bytes_per_token(spec: ModelSpec, shape: TrainingShape) -> float:
 
 def narrow_share(spec: ModelSpec) -> float:
     """The share of a layer's matmul FLOPs lean selective checkpointing keeps (does not recompute)."""
-    h, q, kv = spec.hidden_size, spec.query_width, spec.kv_width
-    inter = spec.intermediate_size or 4 * h
-    projections = [(h, q), (h, kv), (h, kv), (q, h)] + ([(h, inter), (h, inter)] if _gated(spec) else [(h, inter)]) + [(inter, h)]
+    projections = layer_projections(spec)
     total = sum(i * o for i, o in projections)
     return sum(i * o for i, o in projections if i > o) / total if total else 0.0
 

@@ -67,6 +67,12 @@ def renamed_loop_keys(metrics: dict) -> dict:
     return {("loop/" + k[len("train/"):] if k.startswith("train/") else k): v for k, v in metrics.items()}
 
 
+def telemetry_recorded(output_dir) -> bool:
+    """Whether telemetry recorded the run in ``output_dir`` (its samples and its summary are there)."""
+    out = Path(output_dir)
+    return (out / JSONL).is_file() and (out / SUMMARY).is_file()
+
+
 def render_report(output_dir) -> list[Path]:
     """(Re)draw report.md and its charts from the files already in output_dir: the run's story (final metrics, loss,
     learning rate and gradient norm against steps, the resolved config: story.py), the launch plan applied and not
@@ -77,7 +83,7 @@ def render_report(output_dir) -> list[Path]:
 
     out = Path(output_dir)
     told, story_plots = story(out)
-    recorded = (out / JSONL).is_file() and (out / SUMMARY).is_file()
+    recorded = telemetry_recorded(out)
     samples, windows, summary = load_run(out) if recorded else ([], [], {})
     plots = draw_all(out, samples, windows) if recorded else []
     lines = ["# Run report", "", *told]

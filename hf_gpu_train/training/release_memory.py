@@ -18,9 +18,9 @@ as much by its allocator as by the model:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+
+from ..c_library import c_function
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -30,11 +30,7 @@ CUDA_SETTING = "expandable_segments:True"
 
 def release_on_the_cpu() -> str:
     """glibc's mmap and trim thresholds fixed at 128 KiB; the line to print."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    except OSError:
-        mallopt = None
+    mallopt = c_function("mallopt")
     if mallopt is None:
         return "release_memory: this C library has no mallopt (not glibc): the allocator is left as it is"
     if mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES) != 1 or mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES) != 1:

@@ -10,23 +10,18 @@ tens of milliseconds and more (a step is its forward's activations held until th
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 
 import psutil
+
+from ..c_library import c_function
 
 SAMPLE_S = 0.005
 
 
 def give_back_free_memory() -> None:
     """Return the C allocator's free pages to the system (glibc; a no-op elsewhere)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        return
+    trim = c_function("malloc_trim")
     if trim is not None:
         trim(0)
 
