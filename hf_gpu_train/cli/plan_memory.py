@@ -90,6 +90,7 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     import math
 
     from ..hardware.peaks import peak_flops
+    from ..launch.lever_plan import host_room_per_process
     from ..launch.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
     from ..launch.method_choice import useful_micro_batch
     from ..textfmt import table
@@ -98,7 +99,10 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (lever_plan.py)
     peak = peak_flops(getattr(gpu, "name", None), args.precision) if gpu is not None else None
     pcie = pcie_bytes_per_second(getattr(gpu, "pcie_link_gen", None), getattr(gpu, "pcie_link_width", None))
-    levers = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, peak_flops=peak, pcie_bytes_per_s=pcie)
+    # offloading bounded by the host's RAM as `config` bounds it, so both commands recommend the same levers
+    room = host_room_per_process(spec, shape, strategy, count, _host_ram(args), count)
+    levers = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, peak_flops=peak, pcie_bytes_per_s=pcie,
+                         host_bytes_per_process=room)
     print(f"\nMemory levers ({shape.method}, {strategy if count > 1 else '1 GPU'}; hf_gpu_train/launch/lever_table.py):")
     print(table(format_rows(levers)))
     for note in levers.notes:
@@ -114,14 +118,19 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     return 0 if levers.recommended is not None else 1
 
 
+def _host_ram(args) -> int | None:
+    """The machine's RAM from its snapshot or detection (None with --gpu-memory-gib: no machine named)."""
+    if args.gpu_memory_gib:
+        return None
+    profile, _ = resolve_profile(args)
+    return profile.host.ram_total_bytes
+
+
 def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
     """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (lever_plan.py)."""
     from ..launch.lever_plan import last_resort_plan
 
-    ram = None
-    if not args.gpu_memory_gib:
-        profile, _ = resolve_profile(args)
-        ram = profile.host.ram_total_bytes
+    ram = _host_ram(args)
     plan = last_resort_plan(spec, memory, count, shape, args.global_batch, (strategy,), ram, count)
     if plan is None:
         print("Last resort, DeepSpeed ZeRO-3 with CPU offload: does not fit either" + (" (or the host's RAM cannot hold it)" if ram else ""))

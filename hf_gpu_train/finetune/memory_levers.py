@@ -12,7 +12,7 @@ This module imports no torch at the top: ``check_levers`` runs in config validat
 
 from __future__ import annotations
 
-from ..launch.training_shape import SELECTIVE_POLICIES
+from ..launch.training_shape import ATTENTION_KEPT, SELECTIVE_POLICIES
 from .config import ConfigError
 
 
@@ -35,6 +35,10 @@ def check_levers(cfg) -> None:
         if cfg.checkpoint_layers in SELECTIVE_POLICIES and cfg.method == "qlora":
             raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} with method=qlora: bitsandbytes' 4-bit matmul is not "
                               "covered by the selective policies; use checkpoint_layers=all or every-N")
+        if cfg.checkpoint_layers in SELECTIVE_POLICIES and cfg.attn_implementation not in (None, *ATTENTION_KEPT):
+            raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} with attn_implementation={cfg.attn_implementation}: "
+                              "the selective policies keep the outputs of SDPA's and eager attention only and would recompute "
+                              "this kernel; use attn_implementation=sdpa, or checkpoint_layers=all or every-N")
     if cfg.offload_activations and cfg.torch_compile:
         raise ConfigError("offload_activations=true with torch_compile=true: the saved-tensor hooks would sit inside the "
                           "compiled forward; choose one (drop torch_compile, or offload_activations)")
@@ -79,18 +83,38 @@ def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
     return kwargs
 
 
-def release_memory(cfg, runtime) -> list[str]:
+def release_memory_before_cuda(cfg, environ=None) -> str | None:
+    """``release_memory`` on CUDA: the allocator setting goes into the environment before anything asks torch about
+    CUDA (resolving the runtime does: torch reads the setting once, when CUDA starts). The line to print, or None."""
+    if not cfg.release_memory:
+        return None
+    from ..training.release_memory import release_on_cuda
+
+    return release_on_cuda(environ)
+
+
+def release_memory(cfg, runtime, cuda_line: str | None, environ=None) -> list[str]:
     """``release_memory``: the allocator gives freed memory back at once (training/release_memory.py); before the model
-    loads and CUDA allocates. The lines to print."""
+    loads. ``cuda_line``: what ``release_memory_before_cuda`` did; on the CPU its setting is taken back (nothing reads
+    it) and glibc's thresholds are fixed instead. The lines to print."""
+    import os
+
     if not cfg.release_memory:
         return []
-    from ..training.release_memory import release
+    from ..training.release_memory import CUDA_SETTING, release_on_the_cpu
 
-    return [release(runtime.on_cuda)]
+    if runtime.on_cuda:
+        return [cuda_line] if cuda_line else []
+    environ = os.environ if environ is None else environ
+    if environ.get("PYTORCH_CUDA_ALLOC_CONF") == CUDA_SETTING and cuda_line and "is yours" not in cuda_line:
+        del environ["PYTORCH_CUDA_ALLOC_CONF"]
+    return [release_on_the_cpu()]
 
 
 def apply_levers(trainer, cfg, runtime) -> list[str]:
     """The levers on a built Trainer; the lines to print (what each does here, or why it stepped aside)."""
+    import os
+
     from ..launch.training_shape import checkpoint_every
 
     lines = []
@@ -113,7 +137,9 @@ def apply_levers(trainer, cfg, runtime) -> list[str]:
             raise UsageError("offload_activations=true under FSDP or DeepSpeed: the hooks would copy the parameters they "
                              "gather too; use FSDP's own offloading (hf-gpu-train config --strategy fsdp-offload), or drop "
                              "offload_activations")
-        lines.append(activation_offload.attach(trainer.model, on_cuda=runtime.on_cuda))
+        test_min_bytes = os.environ.get(activation_offload.TEST_CPU_MIN_BYTES_ENV)  # tests: the copy path on the CPU
+        lines.append(activation_offload.attach(trainer.model, on_cuda=runtime.on_cuda, offload_cpu_tensors=bool(test_min_bytes),
+                                               **({"min_bytes": int(test_min_bytes)} if test_min_bytes else {})))
     if cfg.optimizer_in_backward:
         from ..training import optimizer_in_backward
 
@@ -138,6 +164,10 @@ def planned_levers_that_hold(values: dict, from_plan: set, cfg, world_size: int)
         drop("checkpoint_layers", "all", "gradient checkpointing is off in this run")
     elif "checkpoint_layers" in from_plan and values.get("checkpoint_layers") in SELECTIVE_POLICIES and cfg.method == "qlora":
         drop("checkpoint_layers", "all", "this run trains method=qlora (bitsandbytes' 4-bit matmul is not covered)")
+    elif ("checkpoint_layers" in from_plan and values.get("checkpoint_layers") in SELECTIVE_POLICIES
+          and cfg.attn_implementation not in (None, *ATTENTION_KEPT)):
+        drop("checkpoint_layers", "all", f"this run uses attn_implementation={cfg.attn_implementation} (the selective policies "
+                                         "keep SDPA's and eager attention's outputs only)")
     if "chunked_lm_loss" in from_plan and values.get("chunked_lm_loss") is True and values.get("precision") == "fp16":
         drop("chunked_lm_loss", "auto", "this run trains in fp16 (the loss scale would reach the gradients after they are made)")
     compiled = bool(values.get("torch_compile"))

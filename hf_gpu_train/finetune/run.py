@@ -149,6 +149,21 @@ def check_output_dir(cfg: FinetuneConfig) -> None:
         raise ConfigError(f"output_dir={cfg.output_dir!r} is a file: give a directory (it is created when missing)")
 
 
+# TrainingArguments the run derives from its own config keys (trainer_factory.training_arguments). Given in ``extra`` they
+# would override, after the fact, what the run printed, recorded in finetune_config.yaml and agreed across ranks.
+OWNED_BY_CONFIG = {
+    "output_dir": "output_dir", "num_train_epochs": "num_train_epochs", "max_steps": "max_steps",
+    "per_device_train_batch_size": "per_device_train_batch_size", "per_device_eval_batch_size": "per_device_eval_batch_size",
+    "gradient_accumulation_steps": "global_batch_size", "learning_rate": "learning_rate", "weight_decay": "weight_decay",
+    "warmup_steps": "warmup_ratio", "warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler_type",
+    "bf16": "precision", "fp16": "precision", "torch_compile": "torch_compile", "dataloader_num_workers": "dataloader_num_workers",
+    "eval_strategy": "eval_strategy", "eval_steps": "eval_steps", "save_strategy": "save_strategy", "save_steps": "save_steps",
+    "save_total_limit": "save_total_limit", "logging_steps": "logging_steps", "report_to": "report_to", "seed": "seed",
+    "use_cpu": "allow_cpu", "eval_on_start": "evaluate_before", "gradient_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing": "gradient_checkpointing",
+}
+
+
 def check_extra_arguments(cfg: FinetuneConfig) -> None:
     """``extra`` goes to TrainingArguments as it is: a typo must fail here, named, not as a TypeError traceback after
     the model has loaded."""
@@ -163,6 +178,9 @@ def check_extra_arguments(cfg: FinetuneConfig) -> None:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ConfigError(f"extra={{{key}: ...}}: {key!r} is not a TrainingArguments argument"
                               + (f"; did you mean {close[0]!r}?" if close else ""))
+        if key in OWNED_BY_CONFIG:
+            raise ConfigError(f"extra={{{key}: ...}}: the run sets {key} from its own key {OWNED_BY_CONFIG[key]} (and says so, "
+                              f"records it, agrees it across ranks); set {OWNED_BY_CONFIG[key]}= instead")
 
 
 def final_metrics(trainer, first_step: int) -> dict:
@@ -207,15 +225,19 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from .checkpoints import is_main_process, write_label_map
     from .evaluate_before import attach_evaluate_before, read_baseline
     from .fsdp import fsdp_requested, save_full_model
-    from .memory_levers import apply_levers, release_memory
+    from .memory_levers import apply_levers, release_memory, release_memory_before_cuda
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
 
     check_output_dir(cfg)
     check_extra_arguments(cfg)
+    from .deepspeed_env import deepspeed_optimizer_line
+
+    deepspeed_optimizer = deepspeed_optimizer_line(cfg)  # a usage error here, before anything loads
+    cuda_release = release_memory_before_cuda(cfg)  # before anything starts CUDA: resolving the runtime asks it
     runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
-    released = release_memory(cfg, runtime)  # before CUDA allocates and before the model loads
+    released = release_memory(cfg, runtime, cuda_release)  # before the model loads
     if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
         # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
@@ -233,6 +255,9 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
 
         preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
                   backend=cfg.extra.get("ddp_backend"))
+    from .deepspeed_env import hold_zero3_init
+
+    zero3_init = hold_zero3_init()  # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py)
     model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
     if identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
         identity = RunIdentity.of(cfg, runtime.precision, effective)
@@ -250,8 +275,9 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     trainer = build_trainer(cfg, runtime, model, train, validation, collator, processing_class,
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
+    del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
     guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
-    lever_lines = released + apply_levers(trainer, cfg, runtime)  # selective checkpointing, offloading, optimizer in backward
+    lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])  # selective checkpointing, offloading, optimizer in backward
     check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
                        "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,
@@ -307,6 +333,10 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
                    "train_samples_per_second": result.metrics.get("train_samples_per_second"),
                    **{k: metrics[k] for k in SHOWN_METRICS if k in metrics}}
+        if cfg.offload_activations:
+            from ..training.activation_offload import offloaded_bytes
+
+            summary["offloaded_activation_bytes"] = offloaded_bytes(trainer.model)  # the last training forward's
         if launch_plan is not None:
             summary["plan"] = launch_plan.record(*measured_peak_memory(runtime))
         (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))

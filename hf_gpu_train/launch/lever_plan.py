@@ -76,6 +76,15 @@ def plan_with_levers(spec: ModelSpec, gpu_memory_bytes: int, world: int, shape: 
     return _last_resort(spec, gpu_memory_bytes, world, base, global_batch, strategies, last_resort, host)
 
 
+def host_room_per_process(spec: ModelSpec, shape: TrainingShape, strategy: str, world: int, host_ram_bytes: int | None,
+                          processes_per_machine: int) -> float | None:
+    """What offloaded activations may take of the host per process beside the strategy's own: the bound `config`
+    plans the levers under, for ``plan-memory`` to print the same recommendation (None: the RAM is unknown)."""
+    base = replace(shape, chunked_loss=False, gradient_checkpointing=False, checkpoint_layers="all", offload_activations=False,
+                   optimizer_in_backward=False)
+    return _HostCheck(spec, base, world, host_ram_bytes, processes_per_machine).room_per_process(strategy)
+
+
 class _HostCheck:
     """Host memory against what an offloading plan puts there (unknown RAM: not checked, said in the reasons)."""
 

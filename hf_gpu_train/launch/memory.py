@@ -131,7 +131,21 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
                      gathered_params=2 * layer * w)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+    parts["gradients"] += unsharded_head_gradient(spec, shape, base, offload, w, N)
     return MemoryBreakdown(strategy=strategy, activations=acts, context=CUDA_CONTEXT_BYTES, **parts)
+
+
+def unsharded_head_gradient(spec: ModelSpec, shape: TrainingShape, base: str, offload: bool, w: float, N: int) -> float:
+    """The chunked LM head's weight gradient beyond what the strategy counts for it: the head computes it in its
+    forward into a whole fp32 buffer (vocabulary x hidden) on every process, held until the backward hands it to the
+    sharding (finetune/causal_lm/lm_head_loss.py). One GPU and DDP count every gradient whole already; FSDP and ZeRO-2
+    count 1/N of it (Llama-3-8B's head on 8 GPUs: 1.7 GiB more per GPU); ZeRO-3 never gets the chunked head."""
+    if not (shape.chunked_loss and spec.causal_lm and spec.vocab_size and spec.hidden_size and shape.method == "full"):
+        return 0.0
+    counted = {"fsdp-shard-grad-op": 4 / N, "fsdp": 0.0 if offload else 4 / N, "deepspeed-zero2": w / N}.get(base)
+    if counted is None:
+        return 0.0
+    return (4 - counted) * float(spec.vocab_size) * float(spec.hidden_size)
 
 
 def largest_parameter(spec: ModelSpec) -> float:

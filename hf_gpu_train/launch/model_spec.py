@@ -188,7 +188,8 @@ def _is_causal(config) -> bool:
 
 
 # config attributes that change what the LM head computes beyond hidden @ W.T (+ b)
-HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale", "lm_head_multiplier",
+               "output_multiplier")
 
 
 def lm_head_extras(config) -> tuple[str, ...]:

@@ -307,7 +307,8 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
         if offload:
             settings.append(Setting("deepspeed_config_file", "NAME.deepspeed.json", "ZeRO-Offload steps with DeepSpeed's CPU "
                                     "Adam, named in the file's optimizer section (with the Trainer's own optimizer DeepSpeed "
-                                    "refuses offloading: zero_force_ds_cpu_optimizer)"))
+                                    "refuses offloading: zero_force_ds_cpu_optimizer); one parameter group, so weight decay "
+                                    "reaches norms and biases too, and the run's optim is refused"))
     if memory:
         settings.append(Setting("per_device_train_batch_size", memory.micro_batch,
                                 f"largest micro-batch the planner fits is enough for the global batch {options.global_batch}"))

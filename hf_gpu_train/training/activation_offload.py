@@ -27,6 +27,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 MIN_BYTES = 1 << 20  # smaller tensors (norm statistics, masks) are not worth a copy and a stream sync
+# Tests only: a CPU run of scripts/finetune.py takes the copy path (``offload_cpu_tensors``) for saved tensors of at
+# least this many bytes, so a multi-process test proves offloading through the entry point, not a message. Not for
+# users: on the CPU there is nothing to gain.
+TEST_CPU_MIN_BYTES_ENV = "HF_GPU_TRAIN_TEST_OFFLOAD_CPU_MIN_BYTES"
 MAX_PENDING_COPIES = 64  # copies in flight before the forward waits for the oldest: bounds what stays on the GPU
 
 
@@ -124,6 +128,14 @@ def attach(model, on_cuda: bool, min_bytes: int = MIN_BYTES, offload_cpu_tensors
     target.forward = offloading_forward
     target._hf_gpu_train_offloads_activations = True
     return f"activation offloading: saved activations of {min_bytes >> 20} MiB and more go to pinned host memory on a side stream"
+
+
+def offloaded_bytes(model) -> int | None:
+    """What the last training forward of ``model`` sent to host memory (None: offloading is not attached)."""
+    target = _innermost(model)
+    if not getattr(target, "_hf_gpu_train_offloads_activations", False):
+        return None
+    return int(getattr(target, "_hf_gpu_train_offloaded_bytes", 0))
 
 
 def detach(model) -> bool:

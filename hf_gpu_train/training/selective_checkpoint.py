@@ -80,11 +80,20 @@ def checkpoint_kwargs(policy: str = "selective") -> dict:
 
 def enable(model, policy: str = "selective") -> None:
     """Selective checkpointing (``policy``: a key of ``POLICIES``) on every checkpointable layer of a transformers model
-    (or a peft model around one)."""
+    (or a peft model around one); a UsageError naming the fix for a model it cannot serve."""
+    from ..errors import UsageError
+    from ..launch.training_shape import ATTENTION_KEPT
+
     target = model
     if not hasattr(target, "activation_checkpointing_enable") and hasattr(target, "get_base_model"):
         target = target.get_base_model()
     if not getattr(target, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(target).__name__} does not support activation checkpointing")
+        raise UsageError(f"checkpoint_layers={policy}: {type(target).__name__} does not support activation checkpointing; "
+                         "drop gradient_checkpointing")
+    attention = getattr(getattr(target, "config", None), "_attn_implementation", None) or "eager"
+    if attention not in ATTENTION_KEPT:
+        raise UsageError(f"checkpoint_layers={policy} with attn_implementation={attention!r}: the policy keeps the outputs of "
+                         f"{' and '.join(ATTENTION_KEPT)} attention only, and would recompute this kernel; use "
+                         f"attn_implementation=sdpa, or checkpoint_layers=all")
     target.activation_checkpointing_enable(checkpoint_kwargs(policy))
     target._hf_gpu_train_checkpoint_layers = policy  # for the planner's estimate in an OOM message (remedies.py)

@@ -148,6 +148,7 @@ class CandidateSpace:
     policies: tuple[str, ...] = ("all",)  # the checkpointing policies tried where checkpointing is on, the run's first
     offload: tuple[bool, ...] = (False,)
     memory_budget_bytes: int | None = None  # --memory-budget-gib: a trial whose peak is above it does not fit
+    optimizer_in_backward: bool = False  # the run's own (not an axis): it rules out accumulation, compile and fp16
 
     @property
     def samples_per_process(self) -> int:
@@ -166,7 +167,7 @@ class CandidateSpace:
         """False when the planner has a verdict and it says this does not fit, or when the run would refuse the
         combination (``runnable``)."""
         found = self.verdict(candidate)
-        return runnable(candidate, self.base) is None and (found is None or found.fits)
+        return runnable(candidate, self.base, self.optimizer_in_backward) is None and (found is None or found.fits)
 
     def pruned(self) -> list[PlannerVerdict]:
         return [v for v in self.verdicts if not v.fits]
@@ -182,7 +183,8 @@ class CandidateSpace:
                                               "policies", "offload") if k in data}
         return cls(base=Candidate.from_dict(data["base"]), world_size=data["world_size"], metric=data["metric"],
                    on_cuda=data["on_cuda"], verdicts=tuple(PlannerVerdict(**v) for v in data["verdicts"]),
-                   memory_budget_bytes=data.get("memory_budget_bytes"), **tuples)
+                   memory_budget_bytes=data.get("memory_budget_bytes"),
+                   optimizer_in_backward=bool(data.get("optimizer_in_backward", False)), **tuples)
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,17 @@ class TuneInputs:
     memory_budget_bytes: int | None = None
 
 
-def runnable(candidate: Candidate, base: Candidate) -> str | None:
-    """Why the run would refuse this candidate's combination (finetune/memory_levers.check_levers), or None."""
+def runnable(candidate: Candidate, base: Candidate, optimizer_in_backward: bool = False) -> str | None:
+    """Why the run would refuse this candidate's combination (finetune/memory_levers.check_levers, and
+    training/optimizer_in_backward.attach for a run that steps in the backward), or None."""
     if candidate.torch_compile and candidate.offload_activations:
         return "torch.compile beside activation offloading (its hooks would sit inside the compiled forward)"
+    if optimizer_in_backward and candidate.accumulation > 1:
+        return "accumulation with optimizer_in_backward (each micro-batch's backward would step the parameters)"
+    if optimizer_in_backward and candidate.torch_compile:
+        return "torch.compile with optimizer_in_backward (a compiled backward makes every gradient at once)"
+    if optimizer_in_backward and candidate.precision == "fp16":
+        return "fp16 with optimizer_in_backward (the loss scaler must see every gradient before a step)"
     return None
 
 
@@ -296,7 +305,8 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     return CandidateSpace(base=base, world_size=inputs.world_size, micro_batches=rungs, checkpointing=checkpointing,
                           workers=workers, precisions=precisions, compile=compile_options, packing=packing, metric=metric,
                           on_cuda=inputs.on_cuda, verdicts=verdicts, notes=tuple(notes), policies=policies, offload=offload,
-                          memory_budget_bytes=inputs.memory_budget_bytes)
+                          memory_budget_bytes=inputs.memory_budget_bytes,
+                          optimizer_in_backward=bool(v.get("optimizer_in_backward")))
 
 
 def _policy_options(inputs: TuneInputs, notes: list) -> tuple[str, ...]:

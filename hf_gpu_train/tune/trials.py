@@ -25,6 +25,7 @@ import psutil
 import torch
 
 from ..callbacks.memory_probe import device_peak
+from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
 from ..training.activation_offload import detach as detach_offloading
 from .candidates import Candidate
@@ -143,7 +144,9 @@ class TrialSession:
             trainer = build_trainer(cfg, runtime, self.model, layout.train, self.validation, layout.collator, self.processing_class,
                                     trainer_class=Trainer)
             apply_levers(trainer, cfg, runtime)  # selective checkpointing, offloading: as scripts/finetune.py applies them
-            recovery = enable_oom_recovery(trainer)
+            # as scripts/finetune.py: no in-place recovery beside the optimizer in the backward (each micro-batch of a
+            # split step would step the parameters)
+            recovery = None if cfg.optimizer_in_backward else enable_oom_recovery(trainer)
             telemetry = attach_telemetry(trainer, compact_console=False, write_report=False)
             for printer in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(printer)
@@ -157,8 +160,8 @@ class TrialSession:
             if self.world_size > 1:
                 raise  # one rank may run out where another does not: end the launch rather than hang in a collective
             outcome = (OOM, f"out of memory outside a step: {str(error).splitlines()[0]}")
-        except ConfigError as error:  # e.g. checkpointing on a model without it, before the first step
-            outcome = (SKIPPED, str(error))
+        except UsageError as error:  # a refusal (checkpointing on a model without it, a lever this setting rules out),
+            outcome = (SKIPPED, str(error))  # before the first step: every rank refuses it alike
         except Exception as error:
             if self.world_size > 1:
                 raise  # another rank may be inside a collective: end the launch rather than hang it

@@ -110,3 +110,27 @@ def test_plan_memory_levers_recommend_a_config_line_for_lora(llama3_dir, capsys)
     assert "micro-batch" in line
     assert "+ optimizer step in the backward" not in out  # full fine-tuning only
     assert "scripts/finetune.py ... " in out and "chunked_lm_loss=true" in out
+
+
+def test_plan_memory_and_config_recommend_the_same_levers_on_a_box_short_of_ram(llama3_dir, tmp_path, capsys):
+    """Llama-3-8B full fine-tuning at 16k tokens on one H200: only offloading the activations (7.5 GiB of host memory)
+    makes it fit. `config` checks that against the machine's RAM; plan-memory must too, or it recommends a set the
+    other refuses. With the box's 256 GiB both take offloading; with 8 GiB both find nothing that fits."""
+    from dataclasses import replace
+
+    from hf_gpu_train.hardware.snapshot import save
+    from hf_gpu_train.launch.decisions import PlanError
+    from hf_gpu_train.launch.model_spec import from_config
+    from hf_gpu_train.launch.plan import PlanOptions, make_plan
+
+    args = ["--model", llama3_dir, "--seq-len", "16384", "--global-batch", "16"]
+    assert main(["plan-memory", "--machine", "1x-h200", *args]) == 0
+    assert "offload_activations=true" in capsys.readouterr().out
+    box = load_machine("1x-h200")
+    small = save(replace(box, host=replace(box.host, ram_total_bytes=8 * 2**30)), tmp_path / "small.json")
+    main(["plan-memory", "--machine", str(small), *args])
+    out = capsys.readouterr().out
+    assert "offload_activations=true" not in out and "Recommended levers: nothing fits" in out
+    with pytest.raises(PlanError):
+        make_plan(load_machine(str(small)), PlanOptions(model=from_config(dict(LLAMA3_8B), name="llama-3-8b"), seq_len=16384,
+                                                       global_batch=16))

@@ -80,6 +80,8 @@ def test_yaml_no_stays_a_word(tmp_path):
     (["task=causal-lm", "model=some/llm", "optimizer_in_backward=true"], "method=lora: it saves the gradients of full"),
     (["optimizer_in_backward=true", "extra={max_grad_norm: 1.0}"], "max_grad_norm=1.0: each parameter steps"),
     (["offload_activations=true", "torch_compile=true"], "choose one"),
+    (["task=causal-lm", "model=some/llm", "gradient_checkpointing=true", "checkpoint_layers=selective",
+      "attn_implementation=flash_attention_2"], "would recompute this kernel; use attn_implementation=sdpa"),
 ])
 def test_memory_levers_that_cannot_apply_name_the_fix(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -98,3 +100,21 @@ def test_the_resolved_config_loads_back_as_the_same_config(tmp_path):
     path = save_resolved(cfg, tmp_path)
     assert "pretrained_weights: null" in path.read_text()
     assert load_config(path, []) == cfg
+
+
+@pytest.mark.parametrize("extra, owner", [("{learning_rate: 3e-5}", "learning_rate"), ("{eval_on_start: true}", "evaluate_before"),
+                                          ("{gradient_accumulation_steps: 4}", "global_batch_size"), ("{bf16: true}", "precision")])
+def test_extra_cannot_override_what_the_config_sets(extra, owner):
+    """extra goes to TrainingArguments last: a key the run derives from its own config would silently win over what the
+    run printed and recorded (learning_rate=1e-4 said, 3e-5 trained; eval_on_start evaluating twice)."""
+    from hf_gpu_train.finetune.run import OWNED_BY_CONFIG, check_extra_arguments
+
+    cfg = load_config(None, [f"extra={extra}"])
+    with pytest.raises(ConfigError, match=f"set {owner}= instead"):
+        check_extra_arguments(cfg)
+    check_extra_arguments(load_config(None, ["extra={max_grad_norm: 0.5, optim: adafactor}"]))  # what the config has no key for
+    from dataclasses import fields
+
+    from hf_gpu_train.finetune.config import FinetuneConfig
+
+    assert set(OWNED_BY_CONFIG.values()) <= {f.name for f in fields(FinetuneConfig)}

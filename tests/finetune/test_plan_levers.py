@@ -72,6 +72,9 @@ def test_a_planned_lever_this_run_rules_out_is_dropped_with_its_reason(llama8b_p
     ({"optimizer_in_backward": True, "per_device_train_batch_size": 4, "global_batch_size": 4}, 1, {}, None),
     ({"gradient_checkpointing": True, "checkpoint_layers": "selective-lean"}, 1, {"method": "qlora"}, ("checkpoint_layers", "qlora")),
     ({"chunked_lm_loss": True, "precision": "fp16"}, 1, {}, ("chunked_lm_loss", "fp16")),
+    ({"gradient_checkpointing": True, "checkpoint_layers": "selective"}, 1, {"attn_implementation": "flex_attention"},
+     ("checkpoint_layers", "attn_implementation=flex_attention")),
+    ({"gradient_checkpointing": True, "checkpoint_layers": "selective"}, 1, {"attn_implementation": "eager"}, None),
 ])
 def test_which_planned_levers_hold(values, world, extra, dropped):
     from types import SimpleNamespace
@@ -79,7 +82,8 @@ def test_which_planned_levers_hold(values, world, extra, dropped):
     from hf_gpu_train.finetune.memory_levers import planned_levers_that_hold
 
     extra = dict(extra)
-    cfg = SimpleNamespace(method=extra.pop("method", "full"), extra=extra)
+    cfg = SimpleNamespace(method=extra.pop("method", "full"), attn_implementation=extra.pop("attn_implementation", None),
+                          extra=extra)
     before = dict(values)
     found = planned_levers_that_hold(values, set(values), cfg, world)
     if dropped is None:

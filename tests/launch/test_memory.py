@@ -48,6 +48,23 @@ def test_zero3_shards_everything_and_zero2_keeps_16bit_weights():
     assert z2.weights == 2 * P and z2.gradients == 2 * P / 8
 
 
+def test_the_chunked_heads_whole_gradient_buffer_is_counted_where_gradients_are_sharded():
+    """The chunked head makes its weight's gradient in the forward, whole and in fp32, on every process; FSDP and ZeRO-2
+    count 1/N of each gradient. Llama-3-8B's head (128,256 x 4,096) on 8 GPUs: 1.71 GiB more per GPU than the shards."""
+    from dataclasses import replace
+
+    llama3 = replace(LLAMA_7B, name="llama-3-8b", vocab_size=128_256, params=8_030_261_248)
+    head = 128_256 * 4096
+    for strategy, counted in (("fsdp", 4 / 8), ("fsdp-shard-grad-op", 4 / 8), ("deepspeed-zero2", 2 / 8), ("fsdp-offload", 0.0)):
+        shape = TrainingShape(micro_batch=1, seq_len=8192, precision="bf16", num_gpus=8, chunked_loss=True)
+        chunked, plain = estimate(llama3, shape, strategy), estimate(llama3, replace(shape, chunked_loss=False), strategy)
+        assert chunked.gradients - plain.gradients == pytest.approx((4 - counted) * head), strategy
+    assert (4 - 4 / 8) * head / GIB == pytest.approx(1.71, abs=0.01)
+    for strategy in ("ddp", "single"):  # every gradient whole already
+        shape = TrainingShape(micro_batch=1, seq_len=8192, precision="bf16", num_gpus=2 if strategy == "ddp" else 1, chunked_loss=True)
+        assert estimate(llama3, shape, strategy).gradients == estimate(llama3, replace(shape, chunked_loss=False), strategy).gradients
+
+
 def test_micro_batch_search_is_the_largest_that_fits():
     shape = TrainingShape(seq_len=512, precision="bf16", num_gpus=1)
     memory = 16 * GIB

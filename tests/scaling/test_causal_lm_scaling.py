@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
+from hf_gpu_train.training.activation_offload import TEST_CPU_MIN_BYTES_ENV
 
 from ..finetune.causal_lm.tiny import chat_case
 from ..launching import cpu_config, launch
@@ -42,8 +43,8 @@ def assert_same_training(got: Path, expected: Path, weights: str) -> None:
     assert_same_params(load_file(got / weights), load_file(expected / weights))
 
 
-# The memory levers on 2 processes (selective checkpointing and activation offloading, each rank's own) against one
-# process without them: the levers are exact, and every rank applies the same ones.
+# The memory levers on 2 processes (selective checkpointing, activation offloading and the chunked head, each rank's
+# own) against one process without them: the levers are exact, and every rank applies the same ones.
 LEVERS = ("gradient_checkpointing=true", "checkpoint_layers=selective", "offload_activations=true")
 
 
@@ -54,13 +55,21 @@ LEVERS = ("gradient_checkpointing=true", "checkpoint_layers=selective", "offload
 def test_two_processes_train_what_one_process_trains(tmp_path, case, method, weights, strategy, levers):
     arguments = [*case, f"method={method}"]
     one = tmp_path / "one"
-    assert main([*arguments, f"per_device_train_batch_size={ROWS_PER_STEP}", f"output_dir={one}"]) == 0
+    # against the levers, the one process also keeps the model's own head (full logits): the 2 processes' chunked head
+    # (on by default) is then proven across processes too, not only against itself
+    plain = ["chunked_lm_loss=false"] if levers else []
+    assert main([*arguments, *plain, f"per_device_train_batch_size={ROWS_PER_STEP}", f"output_dir={one}"]) == 0
     config = cpu_config(tmp_path) if strategy == "ddp" else fsdp_config(tmp_path)
     two = tmp_path / "two"
+    # with the levers, offloading takes its copy path on these CPU processes (saved tensors of 4 KiB and more: the tiny
+    # model's), so the equality below covers copies out and back, not a message that there was nothing to do
+    env = {TEST_CPU_MIN_BYTES_ENV: "4096"} if levers else None
     run = launch(config, SCRIPT, *arguments, *levers, f"per_device_train_batch_size={ROWS_PER_STEP // 2}", f"output_dir={two}",
-                 timeout=600)
+                 timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "CPU x2" in run.stdout and "packed" in run.stdout
     if levers:
-        assert "selective" in run.stdout and "offload" in run.stdout  # the levers were applied, and said so
+        assert "checkpointing: selective" in run.stdout and "go to pinned host memory" in run.stdout
+        assert "LM head and loss: chunked" in run.stdout
+        assert json.loads((two / "run_summary.json").read_text())["offloaded_activation_bytes"] > 0
     assert_same_training(two, one, weights)

@@ -311,3 +311,75 @@ def test_lean_selective_reads_each_matmuls_operands_where_that_op_keeps_them():
     batched_down = (torch.empty(2, 5, 16), torch.empty(2, 16, 4))
     assert narrows(aten.bmm.default, batched_down)
     assert narrows(aten.baddbmm.default, (torch.empty(2, 5, 4), *batched_down))
+
+
+def test_selective_checkpointing_refuses_attention_kernels_its_policies_would_recompute():
+    """flash-attn's and flex attention's kernels are not among the ops the policies keep: they would recompute
+    attention, the one thing they exist not to recompute (and the planner counts as kept). A usage error naming the fix,
+    as is a model without checkpointing support (exit 2, not a traceback)."""
+    from hf_gpu_train.errors import UsageError
+    from hf_gpu_train.training import selective_checkpoint
+
+    from ..finetune.causal_lm.tiny import tiny_llama
+
+    model = tiny_llama(64)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UsageError, match="attn_implementation='flash_attention_2'.*use attn_implementation=sdpa"):
+        selective_checkpoint.enable(model, "selective")
+    unsupported = torch.nn.Linear(2, 2)
+    with pytest.raises(UsageError, match="does not support activation checkpointing"):
+        selective_checkpoint.enable(unsupported, "selective-lean")
+    selective_checkpoint.enable(tiny_llama(64, attn_implementation="eager"), "selective")
+
+
+@pytest.mark.parametrize("levers", [("chunked",), ("chunked", "in-backward"), ("selective", "in-backward"),
+                                    ("chunked", "selective-lean"), ("chunked", "selective", "offload", "in-backward")],
+                         ids="+".join)
+def test_the_levers_together_train_the_same_weights(tmp_path, reference, levers):
+    """Each lever is exact alone; together they meet (the chunked head's gradients made in the forward stepped by the
+    optimizer in the backward; the selective policies around a head that is not a module call; offloading beside both).
+    Through a plain Trainer with its defaults (remove_unused_columns on: the chunked forward keeps its signature)."""
+    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+
+    trainer = trainer_for(tmp_path, "+".join(levers))
+    if "chunked" in levers:
+        assert install(trainer.model, chunk=7).supported
+    for policy in ("selective", "selective-lean"):
+        if policy in levers:
+            selective_checkpoint.enable(trainer.model, policy)
+    if "offload" in levers:
+        activation_offload.attach(trainer.model, on_cuda=False, min_bytes=0, offload_cpu_tensors=True)
+    if "in-backward" in levers:
+        optimizer_in_backward.attach(trainer, world_size=1, precision="fp32")
+    assert_same_training(trained(trainer), reference)
+    if "offload" in levers:
+        assert trainer.model._hf_gpu_train_offloaded_bytes > 0
+
+
+class RowsSomeUnlabelled(Rows):
+    """Every third row has no label at all (a prompt longer than max_length, truncated): micro-batches of such rows only
+    give the chunked loss no row to compute, and a step of them num_items_in_batch 0."""
+
+    def __getitem__(self, i):
+        row = super().__getitem__(i)
+        if i % 3 == 0 or i in (4, 5):
+            row["labels"] = torch.full_like(row["labels"], -100)
+        return row
+
+
+def test_the_chunked_head_with_accumulation_and_micro_batches_without_labels(tmp_path):
+    """Accumulation carries the item count of the whole step (num_items_in_batch): the chunked head's micro-batches
+    with no labelled row, and a micro-batch of only such rows, contribute what the model's own head does. SGD: Adam
+    turns the float noise after a step of zero gradients into 1e-5 differences, which would hide nothing here."""
+    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+
+    def run(chunked: bool):
+        trainer = trainer_for(tmp_path, f"accumulate-{chunked}", optim="sgd", per_device_train_batch_size=1,
+                              gradient_accumulation_steps=2, weight_decay=0.0)
+        trainer.train_dataset = RowsSomeUnlabelled(STEPS * 2)
+        if chunked:
+            assert install(trainer.model, chunk=5).supported
+        return trained(trainer)
+
+    reference, got = run(False), run(True)
+    assert_same_training(got, reference)

@@ -46,3 +46,53 @@ def test_on_cuda_it_sets_expandable_segments_unless_the_user_chose():
     assert CUDA_SETTING in release_on_cuda(environ) and environ["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_SETTING
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     assert "is yours" in release_on_cuda(mine) and mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_cuda_setting_is_in_the_environment_before_anything_asks_torch_about_cuda(monkeypatch, tmp_path):
+    """torch reads PYTORCH_CUDA_ALLOC_CONF once, when CUDA starts; resolving the runtime asks torch about the GPUs
+    (device properties), so the setting must be there before it, not after."""
+    import os
+
+    from hf_gpu_train.finetune import runtime
+    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.run import finetune
+
+    seen = {}
+
+    def resolve(cfg, here=None):
+        seen["at_resolve"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        raise _Stop
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # registered, so what finetune() sets is taken back after the test
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(runtime, "resolve_runtime", resolve)
+    cfg = load_config(None, ["release_memory=true", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(_Stop):
+        finetune(cfg)
+    assert seen["at_resolve"] == CUDA_SETTING
+
+
+def test_on_the_cpu_the_cuda_setting_is_taken_back_and_a_users_own_is_kept(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_gpu_train.finetune.memory_levers import release_memory, release_memory_before_cuda
+    from hf_gpu_train.training import release_memory as module
+
+    monkeypatch.setattr(module, "release_on_the_cpu", lambda: "glibc thresholds fixed")  # mallopt cannot be undone here
+    cfg = SimpleNamespace(release_memory=True)
+    environ = {}
+    line = release_memory_before_cuda(cfg, environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": CUDA_SETTING}
+    assert release_memory(cfg, SimpleNamespace(on_cuda=True), line, environ) == [line]
+    assert environ["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_SETTING
+    assert release_memory(cfg, SimpleNamespace(on_cuda=False), line, environ) == ["glibc thresholds fixed"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in environ  # nothing on the CPU reads it; child processes do not inherit ours
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": CUDA_SETTING}  # the user's own, the same text: not ours to take back
+    line = release_memory_before_cuda(cfg, mine)
+    assert release_memory(cfg, SimpleNamespace(on_cuda=False), line, mine) == ["glibc thresholds fixed"]
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": CUDA_SETTING}
+    assert release_memory(SimpleNamespace(release_memory=False), SimpleNamespace(on_cuda=False), None, {}) == []

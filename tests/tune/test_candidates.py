@@ -4,6 +4,7 @@ line fixes, and the planner's pruning, from a real plan."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from hf_gpu_train.cli import main
@@ -122,3 +123,16 @@ def test_tune_refuses_a_sharded_launch_config(tmp_path):
     assert made.returncode == 0, made.stderr
     with pytest.raises(TuneError, match=r"shards the model \(cpu-fsdp\).*--strategy ddp"):
         load_job(str(tmp_path / "fsdp.yaml"), "scripts/finetune.py", [], {})
+
+
+def test_a_run_that_steps_in_the_backward_gets_no_candidate_it_would_refuse():
+    """optimizer_in_backward=true (the run's own, not an axis) refuses accumulation, torch.compile and fp16: those
+    candidates are never tried (they ended as a failed trial), and the space keeps it through its JSON."""
+    sp = space(per_process=16, start=16, optimizer_in_backward=True, on_cuda=True, precision="bf16")
+    allowed = [c for micro in sp.micro_batches for c in (sp.base.with_micro_batch(micro),) if sp.planner_allows(c)]
+    assert [(c.micro_batch, c.accumulation) for c in allowed] == [(16, 1)]
+    assert not sp.planner_allows(replace(sp.base, torch_compile=True))
+    assert not sp.planner_allows(replace(sp.base, precision="fp16"))
+    assert CandidateSpace.from_dict(json.loads(json.dumps(sp.to_dict()))).optimizer_in_backward
+    plain = space(per_process=16, start=16)
+    assert all(plain.planner_allows(plain.base.with_micro_batch(m)) for m in plain.micro_batches)

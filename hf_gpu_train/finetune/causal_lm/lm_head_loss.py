@@ -45,12 +45,39 @@ class Support:
     reason: str
 
 
+VOCAB_SLICE_BYTES = 64 * 2**20  # the 16-bit weight-gradient product is made this much at a time (not vocabulary x hidden)
+
+
+def _autocast_dtype(device_type: str):
+    """The 16-bit dtype autocast runs matmuls in on ``device_type``, or None (fp32 training, or autocast off)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def accumulate_weight_grad(grad_weight, grad, h, dtype=None) -> None:
+    """``grad_weight += grad.T @ h`` (fp32 buffer). In fp32 training, in place (no vocabulary x hidden temporary). Under
+    autocast the product runs in its 16-bit dtype, as the model's own head's backward does: an in-place fp32 ``addmm_``
+    escapes autocast, and that GEMM (vocabulary x hidden x rows) would run in full fp32, an order of magnitude slower on
+    tensor cores; the 16-bit product is made a slice of the vocabulary at a time (``VOCAB_SLICE_BYTES``) and added
+    into the fp32 buffer."""
+    if dtype is None:
+        grad_weight.addmm_(grad.t(), h.float())
+        return
+    g, h16 = grad.to(dtype), h.to(dtype)
+    rows = max(1, VOCAB_SLICE_BYTES // (h.shape[1] * torch.finfo(dtype).bits // 8))
+    for start in range(0, grad_weight.shape[0], rows):
+        grad_weight[start:start + rows] += g[:, start:start + rows].t() @ h16
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i @ W.T + b, target_i) * scale, with the gradients computed chunk by chunk in forward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, chunk: int, grad_enabled: bool = True):
         ctx.weight_dtype = weight.dtype  # gradients accumulate in fp32 and leave in the parameter's dtype
+        autocast_dtype = _autocast_dtype(hidden.device.type)
         # needs_input_grad follows requires_grad only, not the grad mode: an evaluation under no_grad computes no grads
         needs_hidden, needs_weight, needs_bias = (n and grad_enabled for n in ctx.needs_input_grad[:3])
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
@@ -69,7 +96,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if needs_hidden:
                 grad_hidden[start:start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if needs_weight:
-                grad_weight.addmm_(grad.t(), h.float())  # in place: no vocabulary x hidden temporary
+                accumulate_weight_grad(grad_weight, grad, h, autocast_dtype)
             if needs_bias:
                 grad_bias += grad.sum(0)
         for buffer in (grad_hidden, grad_weight, grad_bias):  # gradients, not activations: activation offloading leaves them
@@ -150,9 +177,53 @@ def support(model, precision: str | None = None) -> Support:
         return Support(False, "fp16 training (the loss scale arrives after the gradients are made)")
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    if is_deepspeed_zero3_enabled():
+    from ..deepspeed_env import zero3_requested
+
+    if is_deepspeed_zero3_enabled() or zero3_requested():  # the launch's ZeRO-3, before TrainingArguments exist too
         return Support(False, "DeepSpeed ZeRO-3 partitions the head's weight outside its own forward")
     return Support(True, "the head's matmul and the loss in chunks of rows with a label")
+
+
+HEAD_PROBE_TOLERANCE = 1e-3  # of the logits' (or the loss's) scale: both paths run the same ops, a head extra moves far more
+
+
+def head_probe(model, chunk: int = DEFAULT_CHUNK) -> Support:
+    """Run the model on a few tokens both ways: its own forward (logits and loss), and the decoder's last hidden state
+    through the head's weight and ``chunked_loss``. A model whose head or loss does anything beyond ``hidden @ W.T + b``
+    and transformers' causal-LM cross-entropy (a logit multiplier no config list names, Falcon-H1's
+    ``lm_head_multiplier``; soft-capping; a loss of its own) gives other figures, and keeps its own head. Not run where
+    this process cannot run the model (``model_probe.why_not_runnable``): the config checks of ``support`` stand."""
+    from .model_probe import probe_tokens, why_not_runnable
+
+    base = causal_lm_of(model)
+    not_runnable = why_not_runnable(base)
+    if not_runnable:
+        return Support(True, f"the head's matmul and the loss in chunks of rows with a label ({not_runnable}: not probed)")
+    embeddings = base.get_input_embeddings()
+    ids = torch.tensor([probe_tokens(embeddings.num_embeddings, 6, 13)], device=embeddings.weight.device)
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            own = base(input_ids=ids, labels=ids, use_cache=False)
+            hidden = base.get_decoder()(input_ids=ids, use_cache=False)[0]
+            head = base.get_output_embeddings()
+            logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float()
+            loss = chunked_loss(base, hidden, ids, None, chunk)
+    except (TypeError, ValueError, RuntimeError) as error:  # a model that cannot run a plain forward here
+        return Support(False, f"its forward could not be probed ({type(error).__name__}: {str(error).splitlines()[0]})")
+    finally:
+        base.train(was_training)
+    if own.logits is None or own.loss is None:
+        return Support(False, "its forward gives no logits or no loss to compare with")
+    moved = float((own.logits.float() - logits).abs().max())
+    if moved > HEAD_PROBE_TOLERANCE * max(1.0, float(logits.abs().max())):
+        return Support(False, f"its logits are not its head's matmul of the decoder's output (they differ by {moved:.3g} on a "
+                              "probe: a logit scale or cap of its own)")
+    gap = abs(float(own.loss) - float(loss))
+    if gap > HEAD_PROBE_TOLERANCE * max(1.0, abs(float(own.loss))):
+        return Support(False, f"its loss is not transformers' causal-LM cross-entropy (it differs by {gap:.3g} on a probe)")
+    return Support(True, "the head's matmul and the loss in chunks of rows with a label (checked on this model)")
 
 
 def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int, kernel: str | None = None):
@@ -174,23 +245,33 @@ def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int, kernel: s
 def install(model, chunk: int | None = None, precision: str | None = None, kernel: str | None = None) -> Support:
     """Give ``model``'s causal LM the chunked head and loss (when ``support`` allows), or a fused kernel's (``kernel``:
     a key of ``KERNELS``; the caller checked it can run); returns the verdict."""
+    import functools
+
+    from .model_probe import agreed
+
     verdict = support(model, precision)
-    if not verdict.supported:
-        return verdict
-    if kernel == "cce" and causal_lm_of(model).get_output_embeddings().bias is not None:
-        return Support(False, "its output head has a bias, which Cut Cross-Entropy does not take")
-    if chunk is None:  # the planner's rows: launch/activations.py counts one chunk's logits
+    base = causal_lm_of(model)
+    if verdict.supported and kernel == "cce" and base.get_output_embeddings().bias is not None:
+        verdict = Support(False, "its output head has a bias, which Cut Cross-Entropy does not take")
+    if chunk is None and verdict.supported:  # the planner's rows: launch/activations.py counts one chunk's logits
         from ...launch.training_shape import chunk_rows
 
-        chunk = chunk_rows(causal_lm_of(model).get_output_embeddings().weight.shape[0])
-    base = causal_lm_of(model)
+        chunk = chunk_rows(base.get_output_embeddings().weight.shape[0])
+    if verdict.supported:
+        verdict = head_probe(model, chunk)
+    # every rank takes one decision (only some may be able to run the probe): ranks with the model's own head beside
+    # ranks with the chunked one would train other gradients
+    verdict = Support(*agreed(verdict.supported, verdict.reason, "every rank keeps the model's own head"))
+    if not verdict.supported:
+        return verdict
     original = base.forward
 
+    @functools.wraps(original)  # its signature: the Trainer keeps the columns the model's forward names
     def forward(*args, **kwargs):
         # the model's own forward, as called, unless it is given labels by keyword and asked for nothing but the loss
-        # (logits, hidden states, a labels shift of its own: context parallelism's shift_labels)
-        own = (args or kwargs.get("labels") is None or kwargs.get("output_hidden_states") or "shift_labels" in kwargs
-               or kwargs.get("return_dict") is False)
+        # (logits, hidden states or attentions, a labels shift of its own: context parallelism's shift_labels)
+        own = (args or kwargs.get("labels") is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+               or "shift_labels" in kwargs or kwargs.get("return_dict") is False)
         if own:
             return original(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast

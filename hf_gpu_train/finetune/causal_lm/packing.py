@@ -30,7 +30,6 @@ from .encode import IGNORE
 # flash-attention: transformers 5.24 finds packed sequences for its varlen kernel only in a batch of one row
 # (``_is_packed_sequence``); in [rows, T] batches without a mask it attends across examples.
 PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
-PROBE_PARAMS_ON_CPU = 2_000_000_000  # above this, a model still on the CPU is not run for the probe (minutes in bf16)
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -139,22 +138,19 @@ def packing_support(model, pad_token_id: int) -> PackingVerdict:
     import torch
 
     from .collate import PackedCollator
+    from .model_probe import probe_tokens, why_not_runnable
 
     base = _base(model)
     implementation = getattr(base.config, "_attn_implementation", None) or "eager"
     if implementation not in PACKING_ATTENTION:
         return PackingVerdict(False, f"attn_implementation={implementation!r} is not known to keep packed examples apart in a "
                                      "batch of several rows")
-    parameters = list(base.parameters())
-    if any(p.device.type == "meta" for p in parameters):
-        return PackingVerdict(True, f"{implementation} attention with restarting position_ids (weights not loaded on this "
-                                    "process, so not run)")
-    device = parameters[0].device
-    if device.type == "cpu" and sum(p.numel() for p in parameters) > PROBE_PARAMS_ON_CPU:
-        return PackingVerdict(True, f"{implementation} attention with restarting position_ids (too large to run on the CPU "
-                                    "for the check)")
+    not_runnable = why_not_runnable(base)
+    if not_runnable:
+        return PackingVerdict(True, f"{implementation} attention with restarting position_ids ({not_runnable}, so not run)")
+    device = base.get_input_embeddings().weight.device
     vocab = base.get_input_embeddings().num_embeddings
-    first, other, second = ([(7 * k + offset) % vocab for k in range(n)] for offset, n in ((11, 5), (23, 5), (37, 6)))
+    first, other, second = (probe_tokens(vocab, n, offset) for offset, n in ((11, 5), (23, 5), (37, 6)))
     collate = PackedCollator(pad_token_id)
     rows = [{"input_ids": a + second, "labels": a + second, "position_ids": list(range(5)) + list(range(6))} for a in (first, other)]
     was_training = base.training
@@ -180,15 +176,7 @@ def agreed_packing_support(model, pad_token_id: int) -> PackingVerdict:
     """``packing_support`` as every rank must take it: the same on all. Ranks see different things (under FSDP's
     rank-0-only loading only local rank 0 holds real weights and can run the check; the others see ``meta`` weights),
     and a rank that packs while another pads runs another number of steps: a hang. Any rank's refusal is everyone's."""
-    import torch.distributed as dist
+    from .model_probe import agreed
 
     verdict = packing_support(model, pad_token_id)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return verdict
-    seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (verdict.supported, verdict.reason))
-    refused = [(rank, reason) for rank, (supported, reason) in enumerate(seen) if not supported]
-    if not refused:
-        return verdict
-    rank, reason = refused[0]
-    return PackingVerdict(False, reason if rank == dist.get_rank() else f"{reason} (found on rank {rank}: every rank pads)")
+    return PackingVerdict(*agreed(verdict.supported, verdict.reason, "every rank pads"))

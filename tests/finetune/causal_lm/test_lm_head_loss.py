@@ -202,3 +202,120 @@ def test_a_fused_kernel_is_refused_where_it_cannot_run(monkeypatch):
     assert "CUDA only" in lm_head_loss.kernel_problem("liger", on_cuda=False)
     monkeypatch.setitem(__import__("sys").modules, "cut_cross_entropy", None)  # not installed
     assert "pip install cut-cross-entropy" in lm_head_loss.kernel_problem("cce", on_cuda=True)
+
+
+def test_a_head_extra_no_config_names_is_found_by_running_the_model():
+    """A logit multiplier that no config key in HEAD_EXTRAS names (a hook stands for a model's own ``logits * m``): the
+    probe compares the model's logits with its head's matmul of the decoder's output and keeps the model's own head."""
+    model = tiny_llama(128)
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output * 0.25)
+    assert support(model).supported  # nothing in the config says so
+    verdict = install(model)
+    assert not verdict.supported and "differ by" in verdict.reason
+    assert not hasattr(model, "_hf_gpu_train_chunked_loss")
+
+
+def test_a_loss_of_the_models_own_is_found_by_running_the_model():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = tiny_llama(128)
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: ForCausalLMLoss(logits, labels, vocab_size, **kwargs) * 1.5
+    verdict = install(model)
+    assert not verdict.supported and "cross-entropy" in verdict.reason
+
+
+def test_falcon_h1s_lm_head_multiplier_keeps_its_own_head():
+    """Falcon-H1 multiplies its logits by ``lm_head_multiplier``: the chunked loss would differ (4.848 against 4.845 on
+    a tiny one, more with real multipliers). Named in HEAD_EXTRAS, and found by the probe anyway."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconH1Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+                            mamba_n_groups=1, mamba_chunk_size=16, lm_head_multiplier=0.25)
+    model = FalconH1ForCausalLM(config).eval()
+    assert "lm_head_multiplier" in support(model).reason
+    assert not install(model).supported
+    from hf_gpu_train.launch.model_spec import lm_head_extras
+
+    assert lm_head_extras(config) == ("lm_head_multiplier",)  # the planner counts the full logits for it
+
+
+def test_a_plain_model_is_checked_by_running_it():
+    verdict = install(tiny_llama(128))
+    assert verdict.supported and "checked on this model" in verdict.reason
+
+
+def test_the_forward_keeps_its_signature_for_the_trainers_column_filter(tmp_path):
+    """The Trainer drops the dataset columns the model's forward does not name (remove_unused_columns=True, its
+    default): the installed forward must name the model's own arguments, or input_ids and labels are dropped."""
+    import inspect
+
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama(128).train()
+    install(model, chunk=5)
+    assert {"input_ids", "labels", "attention_mask"} <= set(inspect.signature(model.forward).parameters)
+    rows = Dataset.from_dict({"input_ids": [[5, 6, 7, 8]] * 4, "labels": [[5, 6, 7, 8]] * 4, "note": ["x"] * 4})
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    result = Trainer(model=model, args=args, train_dataset=rows).train()
+    assert result.training_loss > 0
+
+
+def test_attentions_asked_for_get_the_models_own_forward():
+    model = tiny_llama(128, attn_implementation="eager").train()
+    install(model, chunk=5)
+    out = model(**_batch(False), output_attentions=True)
+    assert out.attentions is not None and out.logits is not None
+
+
+def test_under_bf16_autocast_the_heads_weight_gradient_is_a_16_bit_product(monkeypatch):
+    """In fp32 the weight gradient accumulates in place (no vocabulary x hidden temporary); under autocast the model's
+    own head makes it with a 16-bit GEMM, and so does the chunked head (an in-place fp32 addmm_ escapes autocast: a full
+    fp32 GEMM, an order of magnitude slower on tensor cores). Same gradients within bf16's precision."""
+    seen = []
+    original = lm_head_loss.accumulate_weight_grad
+
+    def spy(grad_weight, grad, h, dtype=None):
+        seen.append(dtype)
+        return original(grad_weight, grad, h, dtype)
+
+    monkeypatch.setattr(lm_head_loss, "accumulate_weight_grad", spy)
+    monkeypatch.setattr(lm_head_loss, "VOCAB_SLICE_BYTES", 32 * 40)  # 20 vocabulary rows of 32 a product: several slices
+    reference = tiny_llama(128).train()
+    chunked = copy.deepcopy(reference)
+    install(chunked, chunk=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = _loss_and_grads(reference, _batch(False))
+        got, got_grads = _loss_and_grads(chunked, _batch(False))
+    assert seen and set(seen) == {torch.bfloat16}
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    w, g = want_grads["lm_head.weight"], got_grads["lm_head.weight"]
+    assert float((w - g).norm() / w.norm()) < 2e-2  # bf16 products: about 1e-3 apart
+    seen.clear()
+    _loss_and_grads(chunked, _batch(False))  # no autocast: the fp32 in-place path
+    assert seen == [None] * len(seen) and seen
+
+
+def test_a_zero3_launch_keeps_the_models_own_head_before_the_trainer_exists(monkeypatch, tmp_path):
+    """accelerate exports a ZeRO-3 launch config to the processes; transformers learns of it only with the
+    TrainingArguments, after the model loads. The chunked head reads the head's weight outside its forward, where
+    ZeRO-3 keeps it partitioned: refused from the launch's environment (a YAML's zero_stage, or the config file's)."""
+    import json
+
+    for key in ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    assert "ZeRO-3" in support(tiny_llama(64)).reason
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert support(tiny_llama(64)).supported
+    from hf_gpu_train.launch.deepspeed_config import deepspeed_file_for
+
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps(deepspeed_file_for(3, offload_params=True)))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(file))  # the file's stage wins over the YAML key
+    assert not support(tiny_llama(64)).supported
+    assert not install(tiny_llama(64)).supported
