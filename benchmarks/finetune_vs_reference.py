@@ -66,7 +66,7 @@ def main() -> int:
     print(f"MiniLM-L6 on Python reference-manual sentences (5 classes), {args.epochs} epochs, batch {args.batch}, "
           f"max_length {args.max_length}, CPU, {args.rounds} round(s), alternating")
     print(f"{'':<40} {'wall s':>8} {'accuracy':>9} {'macro F1':>9}  (medians)")
-    names = {"ours": "scripts/finetune.py, every default on", "plain": "plain Trainer (dynamic padding, grouped)",
+    names = {"ours": "scripts/finetune.py, defaults (2 pinned)", "plain": "plain Trainer (dynamic padding, grouped)",
              "static": "run_classification style (static pad)"}
     for arm, rows in runs.items():
         print(f"{names[arm]:<40} {statistics.median(r['wall_seconds'] for r in rows):>8.1f} "

@@ -29,23 +29,50 @@ FORBIDDEN = {
 }
 
 
-def test_the_layers_read_one_way():
+def imported_modules(path: Path, package: Path) -> list[tuple[int, str]]:
+    """(line, module path below the package) of every import in ``path``, at its top or inside a function: ``from .x
+    import y`` and ``from .. import x`` (each name, which may be a module), ``import hf_gpu_train.x``, and
+    ``importlib.import_module("hf_gpu_train.x")``."""
     import ast
-    from pathlib import Path
 
+    here = path.relative_to(package).parts[:-1]  # the module's package, below hf_gpu_train
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = [*here[:max(0, len(here) - (node.level - 1))], *(node.module.split(".") if node.module else [])]
+            elif (node.module or "").split(".")[0] == "hf_gpu_train":
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            found += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.removeprefix("hf_gpu_train.")) for alias in node.names
+                      if alias.name.startswith("hf_gpu_train.")]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and node.args[0].value.startswith("hf_gpu_train.")):
+            found.append((node.lineno, node.args[0].value.removeprefix("hf_gpu_train.")))
+    return found
+
+
+def test_the_layers_read_one_way():
     package = Path(__file__).resolve().parents[1] / "hf_gpu_train"
     found = []
     for layer, above in FORBIDDEN.items():
         for path in sorted((package / layer).rglob("*.py")):
-            depth = len(path.relative_to(package).parts) - 1  # how many dots reach the package
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.level:
-                    parts = path.relative_to(package).parts[:-1][:max(0, depth - (node.level - 1))]
-                    target = ".".join([*parts, *(node.module.split(".") if node.module else [])])
-                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_gpu_train."):
-                    target = node.module.removeprefix("hf_gpu_train.")
-                else:
-                    continue
+            for line, target in imported_modules(path, package):
                 if target.split(".")[0] in above:
-                    found.append(f"{path.relative_to(package)}:{node.lineno} imports {target}")
+                    found.append(f"{path.relative_to(package)}:{line} imports {target}")
     assert not found, "\n".join(found)
+
+
+def test_every_spelling_of_an_import_is_seen(tmp_path):
+    package = tmp_path / "hf_gpu_train"
+    (package / "report" / "sub").mkdir(parents=True)
+    module = package / "report" / "sub" / "m.py"
+    module.write_text("from ... import callbacks\nfrom ...finetune.run import main\nfrom . import sibling\n"
+                      "import hf_gpu_train.tune.search\nfrom hf_gpu_train.cli import main\n"
+                      "def f():\n    import importlib\n    return importlib.import_module('hf_gpu_train.training.oom')\n")
+    assert [t for _, t in imported_modules(module, package)] == ["callbacks", "finetune.run.main", "report.sub.sibling",
+                                                                  "tune.search", "cli.main", "training.oom"]

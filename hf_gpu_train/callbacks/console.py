@@ -9,7 +9,8 @@ print::
 
 from rank 0: the telemetry window (kept when it is logged) joined with the Trainer's loss log of the
 same step; evaluation and end-of-training logs get one short line each. ``[elapsed<remaining]`` is tqdm's: the time
-since training began, and the steps left at the average step time so far. Nothing is dropped from ``logs``: the
+since the first step began (not what runs at train begin, such as the evaluation before training), and the steps left at
+the average step time so far (the evaluations and saves between steps included: they recur). Nothing is dropped from ``logs``: the
 printers only read it. The Trainer's progress bar (``ProgressCallback``, on by default, and what TRL's trainers keep) is
 replaced too: one display, the lines, not a bar with lines written through it.
 """
@@ -120,7 +121,14 @@ class _CompactLines:
     def start(self, state) -> None:
         self._started = (time.monotonic(), state.global_step)
 
-    def _timing(self, state, step: int) -> str:
+    def reset(self) -> None:
+        self._started = None
+
+    @property
+    def started(self) -> bool:
+        return self._started is not None
+
+    def timing(self, state, step: int) -> str:
         if self._started is None:  # attached after train() began: timed from the first line
             self.start(state)
         began, first = self._started
@@ -136,7 +144,7 @@ class _CompactLines:
             pending = self._pending[1] if self._pending and self._pending[0] == state.global_step else []
             out = [] if pending or not self._pending else self.flush(state)
             self._pending = None
-            return out + [step_line(state.global_step, state.max_steps, logs, pending, self._timing(state, state.global_step))]
+            return out + [step_line(state.global_step, state.max_steps, logs, pending, self.timing(state, state.global_step))]
         return self.flush(state) + [brief_line(state.global_step, logs)]
 
     def flush(self, state) -> list[str]:
@@ -144,29 +152,73 @@ class _CompactLines:
             return []
         step, parts = self._pending
         self._pending = None
-        return [step_line(step, state.max_steps, None, parts, self._timing(state, step))]
+        return [step_line(step, state.max_steps, None, parts, self.timing(state, step))]
+
+
+HEARTBEAT_S = 30.0  # a line at least this often while training or evaluating, whatever logging_steps is
 
 
 class CompactPrinterCallback(TrainerCallback):
-    """Replaces ``PrinterCallback`` (``disable_tqdm=True``) and ``ProgressCallback`` (the default)."""
+    """Replaces ``PrinterCallback`` (``disable_tqdm=True``) and ``ProgressCallback`` (the default). The progress bar
+    it replaces moved on every step; the lines come at each logging step, and between them (transformers' default
+    ``logging_steps`` is 500, an evaluation of thousands of rows logs once at its end) a progress line at least every
+    ``heartbeat_s``: never minutes of silence."""
 
-    def __init__(self, telemetry):
+    def __init__(self, telemetry, heartbeat_s: float = HEARTBEAT_S):
         self.lines = _CompactLines(telemetry)
+        self.heartbeat_s = heartbeat_s
+        self._last_line = time.monotonic()
+        self._evaluation: tuple[float, int] | None = None  # (when the evaluation's first batch ran, batches so far)
+
+    def _say(self, lines: list[str]) -> None:
+        for line in lines:
+            print(line, flush=True)
+        if lines:
+            self._last_line = time.monotonic()
+
+    def _due(self) -> bool:
+        return time.monotonic() - self._last_line >= self.heartbeat_s
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.lines.start(state)
+        self.lines.reset()  # timed from the first step: what runs at train begin (an evaluation first) is not a step
+        self._last_line = time.monotonic()
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.lines.started:
+            self.lines.start(state)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self._due():
+            self._say([step_line(state.global_step, state.max_steps, None, [], self.lines.timing(state, state.global_step))])
+        return control
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        began, batches = self._evaluation or (time.monotonic(), 0)
+        self._evaluation = (began, batches + 1)
+        if state.is_world_process_zero and self._due():
+            total = len(eval_dataloader) if eval_dataloader is not None and hasattr(eval_dataloader, "__len__") else None
+            done = f"{batches + 1}/{total}" if total else f"{batches + 1}"
+            self._say([f"evaluating: batch {done} [{clock(time.monotonic() - began)}]"])
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._evaluation = None
+        return control
+
+    def on_predict(self, args, state, control, **kwargs):
+        self._evaluation = None
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs is not None:
-            for line in self.lines.lines_for(state, logs):
-                print(line, flush=True)
+            self._say(self.lines.lines_for(state, logs))
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            for line in self.lines.flush(state):
-                print(line, flush=True)
+            self._say(self.lines.flush(state))
         return control
 
 
@@ -186,8 +238,7 @@ def use_compact_console(trainer, telemetry, in_place: bool = False) -> None:
             for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
                 if bar is not None:
                     bar.close()
-            replacement.lines.start(trainer.state)
-            handler.callbacks[index] = replacement
+            handler.callbacks[index] = replacement  # its clock starts at the first step
         else:
             trainer.remove_callback(callback)
             trainer.add_callback(replacement)

@@ -146,7 +146,8 @@ class TelemetryCallback(TrainerCallback):
             from ..report.writer import write_run_report
 
             try:
-                write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names)
+                write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names,
+                                 log_history=list(state.log_history))  # the loss curves of a Trainer that never saves its state
             except Exception as error:  # the report must never cost the run its final evaluation and model
                 log.warning("telemetry: the run report was not written (%s: %s); the training is not affected",
                             type(error).__name__, error)

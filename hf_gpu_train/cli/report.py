@@ -18,16 +18,26 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
+    from ..report.story import LOG_HISTORY, read_history
     from ..report.writer import JSONL, load_run, render_report, render_terminal_summary, telemetry_recorded
 
     out = Path(args.output_dir)
+    if not out.is_dir():
+        raise UsageError(f"{out} is not a directory: give the output_dir of a fine-tune")
     recorded = telemetry_recorded(out)
-    if not recorded and not any((out / name).is_file() for name in ("trainer_state.json", "eval_results.json")):
-        raise UsageError(f"{out} holds no run: no trainer_state.json, eval_results.json or {JSONL}; give the output_dir "
-                         "of a fine-tune (scripts/finetune.py writes them there)")
-    plots = render_report(out)
-    if recorded:
-        _, _, summary = load_run(out)
-        print(render_terminal_summary(summary))
+    history, _ = read_history(out)
+    if not recorded and not history and not (out / "eval_results.json").is_file():
+        raise UsageError(f"{out} holds no run: no trainer_state.json (nor one in a checkpoint-N), {LOG_HISTORY}, "
+                         f"eval_results.json or {JSONL}; give the output_dir of a fine-tune (scripts/finetune.py and "
+                         "attach_telemetry write them there)")
+    try:
+        plots = render_report(out)
+        summary = load_run(out)[2] if recorded else None
+        printed = render_terminal_summary(summary) if summary else None
+    except (KeyError, TypeError, ValueError, AttributeError) as error:  # files edited or cut short by hand or a crash
+        raise UsageError(f"{out}: a file the run left is not in the shape the toolkit writes ({type(error).__name__}: "
+                         f"{error}); report.md was not redrawn. Remove or fix the file named, then run this again") from None
+    if printed:
+        print(printed)
     print(f"\nreport: {out / 'report.md'}; charts: {', '.join(p.name for p in plots) or 'none'}")
     return 0

@@ -24,7 +24,14 @@ from transformers import TrainerCallback
 from .run import SHOWN_METRICS
 
 BASELINE = "baseline_results.json"
-EVALUATE_BEFORE_ROWS = 4000  # evaluate_before=auto: a validation set this small costs seconds to minutes, not more
+# evaluate_before=auto: the evaluation first is worth it when it costs little beside the training. Rows are the
+# measure (each evaluated row is one forward, each trained row a forward and a backward, about three forwards, of rows
+# of the same shape: the same max_length, image size, packing); a validation set of at most a quarter of the rows the
+# training processes adds under about a tenth to the run, and one of at most SMALL_VALIDATION_ROWS is seconds anyway.
+# Above EVALUATE_BEFORE_ROWS it is left out however long the training.
+EVALUATE_BEFORE_ROWS = 4000
+SMALL_VALIDATION_ROWS = 256
+TRAINED_ROWS_SHARE = 0.25
 
 
 @contextlib.contextmanager
@@ -47,14 +54,19 @@ def untouched_random_state():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def why_not(cfg, validation_rows: int, sharded: bool) -> str:
-    """'' when the run evaluates before training, else the reason it does not."""
+def why_not(cfg, validation_rows: int, sharded: bool, trained_rows: float | None = None) -> str:
+    """'' when the run evaluates before training, else the reason it does not. ``trained_rows``: the rows the training
+    processes over the run (every epoch, every process), None when unknown."""
     if cfg.evaluate_before is True:
         return ""
     if cfg.evaluate_before is False:
         return "evaluate_before=false"
     if validation_rows > EVALUATE_BEFORE_ROWS:
         return f"the validation set has {validation_rows} rows (auto: at most {EVALUATE_BEFORE_ROWS})"
+    if (trained_rows is not None and validation_rows > SMALL_VALIDATION_ROWS
+            and validation_rows > TRAINED_ROWS_SHARE * trained_rows):
+        return (f"its {validation_rows} validation rows would cost more than about a tenth of the training's "
+                f"{trained_rows:.0f} rows (auto: at most {TRAINED_ROWS_SHARE:g} of them, or {SMALL_VALIDATION_ROWS} rows)")
     if sharded:
         return "the model is sharded (FSDP, DeepSpeed): a model that large evaluates for long"
     return ""
@@ -89,14 +101,16 @@ class EvaluateBeforeTraining(TrainerCallback):
             self.file.write_text(json.dumps(self.baseline, indent=2))
 
 
-def attach_evaluate_before(cfg, trainer, validation_rows: int, resuming: bool) -> EvaluateBeforeTraining | None:
+def attach_evaluate_before(cfg, trainer, validation_rows: int, resuming: bool,
+                           trained_rows: float | None = None) -> EvaluateBeforeTraining | None:
     """The callback when this run evaluates first (attach it after the watchdog and the guards); None when it does not,
     saying why under ``auto``, and removing an earlier start's baseline_results.json, which is not this run's."""
     from .fsdp import fsdp_requested
 
     if resuming:  # the run evaluated when it first started: its file stays
         return None
-    reason = why_not(cfg, validation_rows, fsdp_requested() or bool(getattr(trainer, "is_deepspeed_enabled", False)))
+    reason = why_not(cfg, validation_rows, fsdp_requested() or bool(getattr(trainer, "is_deepspeed_enabled", False)),
+                     trained_rows)
     if reason:
         if trainer.is_world_process_zero():
             (Path(cfg.output_dir) / BASELINE).unlink(missing_ok=True)
@@ -114,3 +128,11 @@ def read_baseline(output_dir: str | Path) -> dict | None:
         return json.loads((Path(output_dir) / BASELINE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def trained_rows(cfg, train_rows: int, effective_batch: int) -> float:
+    """The rows the training processes over the run: max_steps optimizer steps of the effective batch, else every
+    epoch of the training set."""
+    if cfg.max_steps and cfg.max_steps > 0:
+        return float(cfg.max_steps * effective_batch)
+    return float(train_rows * cfg.num_train_epochs)

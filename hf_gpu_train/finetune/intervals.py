@@ -6,7 +6,8 @@ cores; a run shorter than the interval pays for one evaluation at the end and it
 simply run again (same seed, same result). A long run loses at most ``checkpoint_minutes`` to a crash.
 
 The interval is turned into a number of optimizer steps once, after ``CALIBRATION_STEPS`` steps, from the slowest
-rank's step time (one all-reduce, once): every rank then saves at the same steps, as saving under FSDP needs.
+rank's step time (one all-reduce, once): every rank then saves at the same steps, as saving under FSDP needs. The clock
+starts at the first step: what runs at train begin (the evaluation before training, evaluate_before.py) is not a step.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ class EveryFewMinutes(TrainerCallback):
         self._start_step = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._start, self._start_step = time.perf_counter(), state.global_step
+        self._start = None  # timed from the first step: not the evaluation before training, nor a resume's loading
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._start is None:
+            self._start, self._start_step = time.perf_counter(), state.global_step
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -5,12 +5,17 @@ of twenty between families, and one default fits only one of them. Measured with
 learning_rates.py``): EfficientNet-Lite0 at 5e-5 (BERT's rate) barely moves its new head in three epochs, while at 1e-3
 it learns both image sets; MiniLM-L6 (width 384) at 5e-5 is still far from what 1e-4 reaches in the same steps.
 
-- **Images, convolutional nets normalised by BatchNorm** (ResNet, EfficientNet, MobileNet, RegNet, ...):
+- **Images, models normalised by BatchNorm only** (ResNet, EfficientNet, MobileNet, RegNet; LeViT and FastViT too):
   ``BATCHNORM_LEARNING_RATE`` = 1e-3, Adam's own step size, the order of fastai's ``fine_tune`` (base_lr 2e-3) and
   what timm's recipes give AdamW on small batches. BatchNorm makes each layer's output indifferent to its weights'
   scale, so these nets take large steps without diverging.
-- **Images, everything else** (ViT, DeiT, Swin, ConvNeXt, hybrids: any LayerNorm or GroupNorm): 5e-5, the rate of
-  transformers' image-classification guide for ViT; layer-normalised transformers are sensitive to large steps.
+- **Images, everything else** (ViT, DeiT, Swin, ConvNeXt, BiT, hybrids: any LayerNorm or GroupNorm; nets without
+  normalisation): 5e-5, the rate of transformers' image-classification guide for ViT; layer-normalised transformers are
+  sensitive to large steps, and a net with nothing to tell its family by gets the careful rate.
+
+Warm-up is the same for every family, 10% of the steps (``warmup_ratio``): the ratio of transformers' ViT guide, below
+fastai's one-cycle (25%) and above none at all (transformers' text-classification guide). benchmarks/learning_rates.py
+measured the rates with it; a warm-up per family was not measured, so none is claimed.
 - **Text encoders**: 5e-5 at BERT-base's width (768, Devlin et al. 2019), scaled as 1/width (Adam's update per weight
   is about the learning rate, so a layer's output moves with its fan-in: muP, Yang et al. 2022), within
   [1e-5, 3e-4], the range Google's BERT README searched for its small BERTs. MiniLM-L6 (384) gets 1e-4, BERT-large
@@ -47,12 +52,23 @@ def normalised_by_batchnorm(model) -> bool:
     return bool(norms) and all(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in norms)
 
 
+def _norm_kinds(model) -> str:
+    """The normalisation layers' class names, most frequent first (what the printed reason names)."""
+    from collections import Counter
+
+    counts = Counter(type(m).__name__ for m in _norm_layers(model))
+    return ", ".join(name for name, _ in counts.most_common(3))
+
+
 def vision_learning_rate(model) -> tuple[float, str]:
+    """By what normalises the model, the property the rate depends on (not by its name: LeViT and FastViT are attention
+    models normalised by BatchNorm only, BiT a convolutional net normalised by GroupNorm)."""
     if normalised_by_batchnorm(model):
-        return BATCHNORM_LEARNING_RATE, "the default for convolutional nets normalised by BatchNorm"
+        return BATCHNORM_LEARNING_RATE, f"the default for vision models normalised by BatchNorm only ({_norm_kinds(model)})"
     if not _norm_layers(model):
         return FINETUNE_LEARNING_RATE, "the careful default: the model has no normalisation layer to tell its family by"
-    return FINETUNE_LEARNING_RATE, "the default for layer-normalised vision models (ViT, ConvNeXt, hybrids)"
+    return FINETUNE_LEARNING_RATE, (f"the default for vision models with layer or group normalisation ({_norm_kinds(model)}: "
+                                    "ViT, ConvNeXt, BiT, hybrids)")
 
 
 def model_width(config) -> int | None:

@@ -223,7 +223,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from ..training.disk_full import MERGED, guard_saves, saving_to
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, write_label_map
-    from .evaluate_before import attach_evaluate_before, read_baseline
+    from .evaluate_before import attach_evaluate_before, read_baseline, trained_rows
     from .fsdp import fsdp_requested, save_full_model
     from .memory_levers import apply_levers, release_memory, release_memory_before_cuda
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
@@ -316,7 +316,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from ..callbacks import attach_telemetry
 
         attach_telemetry(trainer)
-    before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume))  # at train begin (why: its module)
+    before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume),  # at train begin (why: its module)
+                                    trained_rows=trained_rows(cfg, len(train), effective))
     start = time.perf_counter()
     first_step = int(json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]) if resume else 0
     result = trainer.train(resume_from_checkpoint=resume)
@@ -333,6 +334,8 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
                    "train_samples_per_second": result.metrics.get("train_samples_per_second"),
                    **{k: metrics[k] for k in SHOWN_METRICS if k in metrics}}
+        if before is not None:  # what the evaluation first took (inside train(), not in train_seconds)
+            summary["evaluate_before_seconds"] = round(before.seconds, 2)
         if cfg.offload_activations:
             from ..training.activation_offload import offloaded_bytes
 

@@ -4,12 +4,14 @@ and what it ran with (the resolved config's key values). The telemetry panels an
 ``writer.render_report``; this module reads only what the Trainer and ``scripts/finetune.py`` write:
 
 - ``trainer_state.json``: the Trainer's ``log_history`` (``loss``, ``learning_rate``, ``grad_norm`` at each logging
-  step, ``eval_*`` at each evaluation);
+  step, ``eval_*`` at each evaluation); without it (anyone's Trainer that never called ``save_state``), the
+  ``log_history.json`` telemetry writes at train end, else the newest checkpoint's ``trainer_state.json`` (a run killed
+  before its end);
 - ``eval_results.json``: the final metrics;
 - ``finetune_config.yaml``: the resolved config.
 
-Each piece is optional: a run of anyone's Trainer with telemetry attached has a ``trainer_state.json`` only once it
-saves its state; what is missing is left out, never guessed.
+Each piece is optional, and a file that is not what the Trainer or the toolkit writes (a truncated or hand-edited one)
+is read as missing: what is missing is left out, never guessed.
 """
 
 from __future__ import annotations
@@ -27,11 +29,33 @@ CONFIG_KEYS = ("task", "model", "method", "dataset", "train_file", "num_train_ep
 SKIPPED_DEFAULTS = {"max_steps": -1, "offload_activations": False, "optimizer_in_backward": False}
 
 
-def _read_json(path: Path) -> dict | None:
+LOG_HISTORY = "log_history.json"  # the Trainer's log_history, written by telemetry at train end (callbacks/telemetry.py)
+
+
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when the file is missing, unreadable or not an object."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
+
+
+def _checkpoint_step(path: Path) -> int:
+    tail = path.name.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1
+
+
+def read_history(out: Path) -> tuple[list[dict], str | None]:
+    """(the run's log history, the file it came from): ``trainer_state.json``, telemetry's ``log_history.json``, or the
+    newest ``checkpoint-N/trainer_state.json``; ([], None) when none holds one."""
+    candidates = [out / "trainer_state.json", out / LOG_HISTORY]
+    candidates += [c / "trainer_state.json" for c in sorted(out.glob("checkpoint-*"), key=_checkpoint_step, reverse=True)]
+    for path in candidates:
+        history = (read_json_object(path) or {}).get("log_history")
+        if isinstance(history, list):
+            return [h for h in history if isinstance(h, dict)], str(path.relative_to(out))
+    return [], None
 
 
 def log_series(history: list[dict], baseline: dict | None = None) -> dict[str, tuple[list[float], list[float]]]:
@@ -114,16 +138,18 @@ def config_section(config: dict) -> list[str]:
 def story(out: Path) -> tuple[list[str], list[Path]]:
     """(report.md lines, chart paths) for the run in ``out``."""
     lines: list[str] = []
-    results = _read_json(out / "eval_results.json") or {}
-    baseline = _read_json(out / "baseline_results.json")
+    results = read_json_object(out / "eval_results.json") or {}
+    baseline = read_json_object(out / "baseline_results.json")
     if baseline:
         results = {**results, "baseline": baseline}
     lines += metrics_section(results)
-    state = _read_json(out / "trainer_state.json") or {}
-    series = log_series(state.get("log_history", []), baseline)
+    history, source = read_history(out)
+    series = log_series(history, baseline)
     plots = charts(out, series)
     if plots:
-        lines += ["## Training", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+        lines += ["## Training", "", *([f"From `{source}` (the run's final state was not saved)."]
+                                       if source != "trainer_state.json" else []),
+                  *[f"![{p.stem}]({p.name})" for p in plots], ""]
     config_file = out / "finetune_config.yaml"
     if config_file.is_file():
         import yaml

@@ -34,10 +34,15 @@ def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu
             "verdict_counts": dict(verdict_counts), "final_verdict": verdict}
 
 
-def write_run_report(output_dir, samples, records, verdict, gpu_names: dict) -> Path:
-    """``verdict``: the run's last (anything with ``to_dict()``: callbacks/verdicts.Verdict), or None."""
+def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log_history: list | None = None) -> Path:
+    """``verdict``: the run's last (anything with ``to_dict()``: callbacks/verdicts.Verdict), or None. ``log_history``:
+    the Trainer's, written beside (``story.LOG_HISTORY``) for the loss curves of a Trainer that never saves its state."""
+    from .story import LOG_HISTORY
+
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if log_history is not None:
+        (out / LOG_HISTORY).write_text(json.dumps({"log_history": log_history}, default=str))
     sample_dicts = [s.to_dict() for s in samples]
     with open(out / JSONL, "w") as f:
         for s in sample_dicts:
@@ -51,14 +56,25 @@ def write_run_report(output_dir, samples, records, verdict, gpu_names: dict) -> 
 
 
 def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
+    """The telemetry's samples, windows and summary; a line that is not a JSON object (the last line of a killed
+    process's file is often cut short) is skipped."""
     out = Path(output_dir)
     samples, windows = [], []
     for line in (out / JSONL).read_text().splitlines():
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(item, dict):
+            continue
         if item.get("kind") != "sample" and isinstance(item.get("metrics"), dict):
             item["metrics"] = renamed_loop_keys(item["metrics"])
         (samples if item.get("kind") == "sample" else windows).append(item)
-    return samples, windows, json.loads((out / SUMMARY).read_text())
+    try:
+        summary = json.loads((out / SUMMARY).read_text())
+    except ValueError:
+        summary = {}
+    return samples, windows, summary if isinstance(summary, dict) else {}
 
 
 def renamed_loop_keys(metrics: dict) -> dict:
@@ -79,7 +95,7 @@ def render_report(output_dir) -> list[Path]:
     applied, the telemetry summary and panels when telemetry recorded the run, the generations of a causal LM."""
     from .generations import generations_section
     from .plots import draw_all
-    from .story import story
+    from .story import read_json_object, story
 
     out = Path(output_dir)
     told, story_plots = story(out)
@@ -87,10 +103,15 @@ def render_report(output_dir) -> list[Path]:
     samples, windows, summary = load_run(out) if recorded else ([], [], {})
     plots = draw_all(out, samples, windows) if recorded else []
     lines = ["# Run report", "", *told]
-    run_summary = out / "run_summary.json"
-    plan = (json.loads(run_summary.read_text()).get("plan") if run_summary.is_file() else None)
-    lines += render_plan_section(plan) if plan else ["## Launch plan", "", "none: the recipe's values and the defaults "
-                                                     "(`hf-gpu-train config` writes one: docs/config-and-launch.md)", ""]
+    run_summary = read_json_object(out / "run_summary.json")
+    plan = run_summary.get("plan") if run_summary is not None else None
+    if isinstance(plan, dict):
+        lines += render_plan_section(plan)
+    elif run_summary is not None:  # a run of scripts/finetune.py without a plan
+        lines += ["## Launch plan", "", "none: the recipe's values and the defaults (`hf-gpu-train config` writes one: "
+                  "docs/config-and-launch.md)", ""]
+    else:  # anyone's Trainer: the plan and its values are scripts/finetune.py's record
+        lines += ["## Launch plan", "", "not recorded (scripts/finetune.py records the launch plan it applied)", ""]
     lines += ["## Telemetry", ""]
     if recorded:
         lines += [render_terminal_summary(summary), "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
@@ -103,15 +124,19 @@ def render_report(output_dir) -> list[Path]:
 
 def render_plan_section(plan: dict) -> list[str]:
     """The launch plan the run ran with: each value planned and used, the overrides, the planner's memory
-    estimate against the measured peak."""
+    estimate against the measured peak (entries not of the recorded shape are left out)."""
     lines = ["## Launch plan", "", f"{plan.get('file')} ({plan.get('machine')}, {plan.get('strategy')}), found by {plan.get('found_by')}", "",
              "| value | plan | used | reason |", "|---|---|---|---|"]
-    for key, v in plan.get("values", {}).items():
-        lines.append(f"| {key} | {v.get('plan')} | {v.get('used')} | {v.get('reason')} |")
-    for o in plan.get("overridden", []):
-        lines.append(f"\noverridden by {o.get('source')}: {o.get('key')}={o.get('user_value')} over the plan's {o.get('plan_value')}")
+    values = plan.get("values")
+    for key, v in (values.items() if isinstance(values, dict) else ()):
+        if isinstance(v, dict):
+            lines.append(f"| {key} | {v.get('plan')} | {v.get('used')} | {v.get('reason')} |")
+    overridden = plan.get("overridden")
+    for o in overridden if isinstance(overridden, list) else ():
+        if isinstance(o, dict):
+            lines.append(f"\noverridden by {o.get('source')}: {o.get('key')}={o.get('user_value')} over the plan's {o.get('plan_value')}")
     memory = plan.get("memory")
-    if memory:
+    if isinstance(memory, dict) and {"estimate_bytes", "usable_bytes"} <= memory.keys():
         gib = 2**30
         measured = memory.get("measured_peak_bytes")
         lines.append(f"\nmemory: planner {memory['estimate_bytes'] / gib:.2f} GiB per process for the values used "

@@ -10,14 +10,18 @@ def test_steps_for_an_interval():
     assert steps_for(30, 2.0) == 900 and steps_for(1, 120.0) == 1 and steps_for(0.5, 3.0) == 10
 
 
-def run(callback, steps, seconds_per_step, monkeypatch):
+def run(callback, steps, seconds_per_step, monkeypatch, at_train_begin_s: float = 0.0):
+    """The Trainer's events in order; ``at_train_begin_s``: what another callback's on_train_begin takes after this
+    one's (the evaluation before training)."""
     clock = [100.0]
     monkeypatch.setattr(intervals.time, "perf_counter", lambda: clock[0])
     state = SimpleNamespace(global_step=0)
     args = SimpleNamespace(world_size=1, device="cpu")
     callback.on_train_begin(args, state, TrainerControl())
+    clock[0] += at_train_begin_s
     marked = []
     for step in range(1, steps + 1):
+        callback.on_step_begin(args, state, TrainerControl())
         clock[0] += seconds_per_step
         state.global_step = step
         control = callback.on_step_end(args, state, TrainerControl())
@@ -31,6 +35,13 @@ def test_checkpoints_and_evaluations_every_few_minutes_of_training(monkeypatch):
     marked = run(EveryFewMinutes(minutes=1.0, evaluate=True, save=True), 35, 6.0, monkeypatch)
     assert CALIBRATION_STEPS == 10 and marked == [(10, True, True), (20, True, True), (30, True, True)]
     assert run(EveryFewMinutes(minutes=1.0, evaluate=False, save=True), 20, 6.0, monkeypatch) == [(10, False, True), (20, False, True)]
+
+
+def test_an_evaluation_at_train_begin_does_not_shorten_the_interval(monkeypatch):
+    """The evaluation before training runs in on_train_begin, after this callback's: a 10-minute evaluation counted
+    as the first steps' time would make the 30-minute interval a few steps (a checkpoint every few minutes)."""
+    plain = run(EveryFewMinutes(minutes=1.0, evaluate=True, save=True), 35, 6.0, monkeypatch)
+    assert run(EveryFewMinutes(minutes=1.0, evaluate=True, save=True), 35, 6.0, monkeypatch, at_train_begin_s=600.0) == plain
 
 
 def test_a_run_shorter_than_the_interval_saves_nothing_on_the_way(monkeypatch):

@@ -38,6 +38,15 @@ def test_the_vision_family_is_read_from_the_normalisation_layers(name, batchnorm
     assert vision_learning_rate(model)[0] == (BATCHNORM_LEARNING_RATE if batchnorm else FINETUNE_LEARNING_RATE)
 
 
+@pytest.mark.parametrize("name, named", [("levit_128s", "BatchNorm only"), ("resnetv2_50x1_bit", "group normalisation"),
+                                         ("test_vit", "layer or group normalisation (LayerNorm")])
+def test_the_reason_names_what_normalises_the_model_not_a_family_it_is_not(name, named):
+    """LeViT is an attention model normalised by BatchNorm only, BiT a conv net normalised by GroupNorm: the line says
+    what was found, not "convolutional nets" or "layer-normalised models (ViT)"."""
+    reason = vision_learning_rate(timm_on_meta(name))[1]
+    assert named in reason and "convolutional nets" not in reason
+
+
 def test_a_model_without_normalisation_gets_the_careful_rate_and_says_why():
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert not normalised_by_batchnorm(plain)
@@ -86,5 +95,5 @@ def test_what_the_user_set_is_kept_and_said_nothing_about():
     scratch = load_config(None, [*VISION, "model=timm/test_resnet", "pretrained=false"])
     assert resolve_learning_rate(scratch, timm_on_meta("test_vit")) is None and scratch.learning_rate == 1e-3
     pretrained = load_config(None, [*VISION, "model=timm/test_vit"])
-    assert "layer-normalised" in resolve_learning_rate(pretrained, timm_on_meta("test_vit"))
+    assert "layer or group normalisation" in resolve_learning_rate(pretrained, timm_on_meta("test_vit"))
     assert pretrained.learning_rate == FINETUNE_LEARNING_RATE

@@ -137,9 +137,12 @@ def test_a_rank_killed_mid_run_then_the_same_command_again_ends_with_the_uninter
     assert killed.returncode != 0 and not (out / "model.safetensors").exists(), killed.stderr[-3000:]
     assert "hf-gpu-train launch: rank 1 died (SIGKILL, exit -9)" in killed.stderr, killed.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    baseline = json.loads((out / "baseline_results.json").read_text())  # evaluated when it first started
     again = launch(config, SCRIPT, *command)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-4'}" in again.stdout and "CPU x2" in again.stdout
+    # the resumed run does not evaluate first again, and its last line compares with what the first start measured
+    assert f"before training (the model as loaded): accuracy {baseline['eval_accuracy']:.4g}" in again.stdout.strip().splitlines()[-1]
     assert "hf_gpu_train: preflight: 2 processes joined, all-reduce and broadcast work" in again.stdout
     assert "collective timeout 1800 s" in again.stdout  # the Trainer's ddp_timeout, not the preflight's short one
     assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))

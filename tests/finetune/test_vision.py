@@ -170,6 +170,6 @@ def test_a_small_run_fine_tunes_the_shipped_efficientnet_lite0(tmp_path, capsys)
                  "telemetry=false", "save_strategy=no", f"output_dir={out}"]) == 0
     first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hf_gpu_train:")][:2]
     assert "fine-tuning tf_efficientnet_lite0 from its ImageNet weights" in first and "learning_rate=0.001" in first
-    assert "learning_rate=0.001: the default for convolutional nets normalised by BatchNorm" in second
+    assert "learning_rate=0.001: the default for vision models normalised by BatchNorm only" in second
     assert yaml.safe_load((out / "finetune_config.yaml").read_text())["learning_rate"] == 1e-3
     assert json.loads((out / "label_map.json").read_text()) == [str(i) for i in range(10)]

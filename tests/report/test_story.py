@@ -27,6 +27,7 @@ def finished_run(out, **config):
                                                               "dataset": "builtin:text", "learning_rate": 5e-5, "image_size": 224,
                                                               "gradient_checkpointing": False, "checkpoint_layers": "all",
                                                               "method": "full", "lora_r": 16, **config}))
+    (out / "run_summary.json").write_text(json.dumps({"global_step": 8}))  # scripts/finetune.py's, without a plan
     return out
 
 
@@ -74,3 +75,53 @@ def test_the_evaluation_before_training_is_the_evaluation_loss_at_step_0():
     series = log_series(HISTORY, {"eval_loss": 1.6, "eval_accuracy": 0.25})
     assert series["eval_loss"] == ([0.0, 4.0, 8.0], [1.6, *log_series(HISTORY)["eval_loss"][1]])
     assert log_series(HISTORY, {"eval_accuracy": 0.25})["eval_loss"][0] == [4.0, 8.0]  # no loss measured before: none drawn
+
+
+def test_a_plain_trainer_with_telemetry_gets_its_loss_curves(tmp_path):
+    """Anyone's Trainer with attach_telemetry: the Trainer writes trainer_state.json only in save_state(), which a
+    plain train() never calls; telemetry hands the report the log history at train end."""
+    from transformers import Trainer
+
+    from hf_gpu_train.callbacks import attach_telemetry
+
+    from ..callbacks.tiny import TokenDataset, tiny_args, tiny_bert
+
+    out = tmp_path / "plain"
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=8, logging_steps=2, eval_strategy="steps", eval_steps=4),
+                      train_dataset=TokenDataset(64), eval_dataset=TokenDataset(16))
+    attach_telemetry(trainer)
+    trainer.train()
+    assert not (out / "trainer_state.json").exists()
+    report = (out / "report.md").read_text()
+    assert "## Training" in report and "(run_loss.svg)" in report and "From `log_history.json`" in report
+    assert sorted(polyline_points((out / "run_loss.svg").read_text())) == [2, 4]  # evaluations at 4 and 8, 4 training logs
+    assert "not recorded (scripts/finetune.py records the launch plan it applied)" in report
+
+
+def test_a_killed_run_is_drawn_from_its_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "killed"
+    for step, history in ((4, HISTORY[:3]), (8, HISTORY[:5])):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "From `checkpoint-8/trainer_state.json`" in report
+    assert sorted(polyline_points((out / "run_loss.svg").read_text())) == [1, 4]  # the newest: 4 training logs, 1 evaluation
+
+
+def test_files_cut_short_or_of_another_shape_are_not_a_traceback(tmp_path, capsys):
+    out = finished_run(tmp_path / "odd")
+    (out / "eval_results.json").write_text("[1, 2]")
+    (out / "run_summary.json").write_text(json.dumps({"plan": {"values": {"a": 1, "b": {"plan": 2, "used": 2, "reason": "r"}},
+                                                               "overridden": "x", "memory": {"estimate_bytes": 1}}}))
+    (out / "telemetry.jsonl").write_text(json.dumps({"kind": "sample", "t": 0.0}) + "\n" + '{"kind": "wind')  # a killed writer
+    (out / "telemetry_summary.json").write_text("{}")
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "| b | 2 | 2 | r |" in report and "## Training" in report
+    (out / "trainer_state.json").write_text(json.dumps({"log_history": "not a list"}))
+    assert main(["report", str(out)]) == 0
+    (out / "telemetry_summary.json").write_text(json.dumps({"metrics": {"loop/samples_per_s": 3}}))  # not {mean, max}
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not in the shape the toolkit writes" in err and "Traceback" not in err
