@@ -383,3 +383,20 @@ def test_the_chunked_head_with_accumulation_and_micro_batches_without_labels(tmp
 
     reference, got = run(False), run(True)
     assert_same_training(got, reference)
+
+
+@pytest.mark.gpu
+def test_on_cuda_offloading_trains_the_same_weights(tmp_path):
+    """The CUDA copy path (pinned buffers, the side stream, record_stream, the copies back on the compute stream) against
+    the same fp32 run on the GPU without it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    plain = trained(trainer_for(tmp_path, "cuda-plain", use_cpu=False))
+    trainer = trainer_for(tmp_path, "cuda-offload", use_cpu=False)
+    assert "pinned host memory" in activation_offload.attach(trainer.model, on_cuda=True, min_bytes=0)
+    got = trained(trainer)
+    assert trainer.model._hf_gpu_train_offloaded_bytes > 0
+    (weights, losses), (ref_weights, ref_losses) = got, plain
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
