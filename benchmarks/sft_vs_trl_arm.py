@@ -326,6 +326,10 @@ def common_eval(spec: dict) -> dict:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.chdir(ROOT)
+    if spec.get("release_memory"):  # the allocator setting of ours' release_memory=true, for a like-for-like arm
+        from hf_gpu_train.training.release_memory import release
+
+        print(release(on_cuda=bool(__import__("torch").cuda.is_available())), flush=True)
     result = train_arm(spec) if spec["mode"] == "train" else common_eval(spec)
     Path(spec["result"]).write_text(json.dumps(result, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v)))
     return 0
