@@ -20,10 +20,14 @@ from .finetune_cases import COMMON, EPOCHS, GLOBAL_BATCH, text_case, text_loss_b
 
 pytestmark = pytest.mark.slow
 HALF = GLOBAL_BATCH // 2
-ONE_PROCESS = {"1 x 16": [f"per_device_train_batch_size={GLOBAL_BATCH}"],
+# The reference evaluates nothing before training, the 2-process runs do (evaluate_before=true): the evaluation at
+# train begin, on 2 processes, must change nothing they train (an earlier version prepared the model in evaluation mode
+# first, and 2 processes trained other weights)
+ONE_PROCESS = {"1 x 16": [f"per_device_train_batch_size={GLOBAL_BATCH}", "evaluate_before=false"],
                "1 x 8, accumulation 2": [f"per_device_train_batch_size={HALF}", f"global_batch_size={GLOBAL_BATCH}"]}
-TWO_PROCESSES = {"2 x 8": [f"per_device_train_batch_size={HALF}"],
-                 "2 x 4, accumulation 2": [f"per_device_train_batch_size={HALF // 2}", f"global_batch_size={GLOBAL_BATCH}"]}
+TWO_PROCESSES = {"2 x 8": [f"per_device_train_batch_size={HALF}", "evaluate_before=true"],
+                 "2 x 4, accumulation 2": [f"per_device_train_batch_size={HALF // 2}", f"global_batch_size={GLOBAL_BATCH}",
+                                           "evaluate_before=true"]}
 CASES = {"text": (text_case, text_loss_by_hand), "vision": (vision_case, vision_loss_by_hand)}
 
 
@@ -59,6 +63,8 @@ def test_same_losses_gradients_and_weights_as_one_process_of_16(trained, kind, n
     reference, got = run_dir(trained["root"], kind, "1 x 16"), run_dir(trained["root"], kind, name)
     steps = {"text": 2 * EPOCHS, "vision": EPOCHS}[kind]  # text: two global batches per epoch, in length-grouped order
     assert json.loads((got / "run_summary.json").read_text())["global_step"] == steps
+    assert not (reference / "baseline_results.json").exists()
+    assert (got / "baseline_results.json").is_file()  # evaluated first (auto on 1 process, true on 2)
     assert_same_series("logged loss", history(got, "loss"), history(reference, "loss"))
     assert_same_series("gradient norm", history(got, "grad_norm"), history(reference, "grad_norm"))
     assert_same_params(load_file(got / "model.safetensors"), load_file(reference / "model.safetensors"))
