@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-gpu-train",
         description="Detect GPUs, check the stack, and plan fine-tuning runs for Hugging Face Trainer/Accelerate.",
         formatter_class=_OneLineCommands,
-        epilog="Each command's --help ends with an example; the documentation: docs/README.md",
+        epilog="Each command's --help ends with an example; the documentation: docs/README.md of the source repository",
     )
     parser.add_argument("--version", action="version", version=f"hf-gpu-train {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
