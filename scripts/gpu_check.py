@@ -285,7 +285,17 @@ def check_peft_memory() -> bool:
     return ok
 
 
-def check_memory_levers(length: int = 2048, steps: int = 6) -> bool:
+def steady_tokens_per_s(out: Path, skip: int = 2) -> float | None:
+    """Tokens/s of the run's telemetry windows after the first ``skip`` (warm-up: allocator growth, kernel selection),
+    from telemetry.jsonl (one window per logged step)."""
+    from hf_gpu_train.report.writer import load_run
+
+    _, windows, _ = load_run(out)
+    rates = [w["metrics"]["loop/tokens_per_s"] for w in windows[skip:] if "loop/tokens_per_s" in w.get("metrics", {})]
+    return sum(rates) / len(rates) if rates else None
+
+
+def check_memory_levers(length: int = 2048, steps: int = 8) -> bool:
     """Issue 19 on the GPU: SmolLM2 full fine-tuning with each lever added in turn (benchmarks/memory_levers.py's arms,
     plus activation offloading, which has nothing to offload on the CPU): torch's peak allocated, tokens/s, the final
     loss (the levers are exact: the losses must agree) and the planner's estimate."""
@@ -334,7 +344,7 @@ def check_memory_levers(length: int = 2048, steps: int = 6) -> bool:
                                   offload_activations="offload_activations=true" in values)
             planned = estimate(spec, shape, "single").total / 2**30
             speed = summary["global_step"] * length / summary["train_seconds"]
-            speeds[name] = speed
+            speeds[name] = steady_tokens_per_s(out)
             print(f"{name}: peak allocated {peak if peak is None else round(peak, 2)} GiB, planner {planned:.2f} GiB, "
                   f"{speed:.0f} tokens/s, last loss {last[0]}")
     if losses and max(losses) - min(losses) > 0.02:
@@ -345,8 +355,8 @@ def check_memory_levers(length: int = 2048, steps: int = 6) -> bool:
     chunked, plain = speeds.get("+ chunked LM head and loss"), speeds.get("none")
     if chunked and plain:
         ratio = chunked / plain
-        print(f"{'MET   ' if ratio >= 0.97 else 'MISSED'} the chunked head's tokens/s against the model's own head: {ratio:.3f}x "
-              "(goal >= 0.97x)")
+        print(f"{'MET   ' if ratio >= 0.97 else 'MISSED'} the chunked head's tokens/s against the model's own head (steps after the "
+              f"first 2): {ratio:.3f}x (goal >= 0.97x)")
         ok = ok and ratio >= 0.97
     return ok
 

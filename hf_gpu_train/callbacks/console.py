@@ -190,7 +190,8 @@ class CompactPrinterCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self._due():
+        # not on a step that logs (the Trainer's flow callback, first in the list, has decided): its line comes in on_log
+        if state.is_world_process_zero and self._due() and not control.should_log:
             self._say([step_line(state.global_step, state.max_steps, None, [], self.lines.timing(state, state.global_step))])
         return control
 

@@ -76,10 +76,12 @@ def zero3_requested(environ=None) -> bool:
     return zero_stage_requested(environ) == 3
 
 
-def hold_zero3_init(environ=None):
+def hold_zero3_init(precision: str = "fp32", environ=None):
     """Under a ZeRO-3 launch: the DeepSpeed plugin whose config transformers now sees (keep it alive until the Trainer's
-    arguments exist; they set their own), so ``from_pretrained`` partitions the model as it loads. None otherwise, or
-    when the launch config turned ``zero3_init_flag`` off."""
+    arguments exist; they set their own), so ``from_pretrained`` partitions the model as it loads, in the run's
+    ``precision`` (bf16/fp16/fp32: accelerate fills the config's ``"auto"`` precision before its own weakref, and
+    ``zero.Init`` would otherwise partition fp32 weights that DeepSpeed never casts again). None otherwise, or when the
+    launch config turned ``zero3_init_flag`` off."""
     environ = os.environ if environ is None else environ
     if not zero3_requested(environ):
         return None
@@ -88,5 +90,6 @@ def hold_zero3_init(environ=None):
     plugin = DeepSpeedPlugin()
     if not plugin.zero3_init_flag:
         return None
+    plugin.set_mixed_precision({"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
     plugin.set_deepspeed_weakref()
     return plugin

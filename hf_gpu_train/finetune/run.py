@@ -151,11 +151,12 @@ def check_output_dir(cfg: FinetuneConfig) -> None:
 
 # TrainingArguments the run derives from its own config keys (trainer_factory.training_arguments). Given in ``extra`` they
 # would override, after the fact, what the run printed, recorded in finetune_config.yaml and agreed across ranks.
+# (warmup_steps stays open: a count of warm-up steps has no config key, warmup_ratio is a share.)
 OWNED_BY_CONFIG = {
     "output_dir": "output_dir", "num_train_epochs": "num_train_epochs", "max_steps": "max_steps",
     "per_device_train_batch_size": "per_device_train_batch_size", "per_device_eval_batch_size": "per_device_eval_batch_size",
     "gradient_accumulation_steps": "global_batch_size", "learning_rate": "learning_rate", "weight_decay": "weight_decay",
-    "warmup_steps": "warmup_ratio", "warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler_type",
+    "warmup_ratio": "warmup_ratio", "lr_scheduler_type": "lr_scheduler_type",
     "bf16": "precision", "fp16": "precision", "torch_compile": "torch_compile", "dataloader_num_workers": "dataloader_num_workers",
     "eval_strategy": "eval_strategy", "eval_steps": "eval_steps", "save_strategy": "save_strategy", "save_steps": "save_steps",
     "save_total_limit": "save_total_limit", "logging_steps": "logging_steps", "report_to": "report_to", "seed": "seed",
@@ -257,7 +258,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                   backend=cfg.extra.get("ddp_backend"))
     from .deepspeed_env import hold_zero3_init
 
-    zero3_init = hold_zero3_init()  # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py)
+    zero3_init = hold_zero3_init(runtime.precision)  # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py)
     model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
     if identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
         identity = RunIdentity.of(cfg, runtime.precision, effective)
@@ -277,7 +278,12 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                             trainer_class=trainer_class or Trainer)
     del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
     guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
-    lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])  # selective checkpointing, offloading, optimizer in backward
+    lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
+    if cfg.task == "causal-lm":  # the chunked head checked where the Trainer placed the model (every rank agrees)
+        from .causal_lm.prepare import confirm_chunked_head
+
+        head_line = confirm_chunked_head(trainer.model, cfg, runtime.precision)
+        lever_lines += [head_line] if head_line else []  # selective checkpointing, offloading, optimizer in backward
     check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
                        "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,

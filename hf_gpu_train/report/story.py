@@ -49,8 +49,11 @@ def _checkpoint_step(path: Path) -> int:
 def read_history(out: Path) -> tuple[list[dict], str | None]:
     """(the run's log history, the file it came from): ``trainer_state.json``, telemetry's ``log_history.json``, or the
     newest ``checkpoint-N/trainer_state.json``; ([], None) when none holds one."""
-    candidates = [out / "trainer_state.json", out / LOG_HISTORY]
-    candidates += [c / "trainer_state.json" for c in sorted(out.glob("checkpoint-*"), key=_checkpoint_step, reverse=True)]
+    # the run's own files, the newest first (a Trainer of someone's own writing log_history.json into an output_dir where
+    # an earlier run saved its state draws its own curves), then the checkpoints, the newest first
+    own = sorted((f for f in (out / "trainer_state.json", out / LOG_HISTORY) if f.is_file()), key=lambda f: f.stat().st_mtime_ns,
+                 reverse=True)
+    candidates = own + [c / "trainer_state.json" for c in sorted(out.glob("checkpoint-*"), key=_checkpoint_step, reverse=True)]
     for path in candidates:
         history = (read_json_object(path) or {}).get("log_history")
         if isinstance(history, list):

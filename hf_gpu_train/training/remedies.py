@@ -42,7 +42,7 @@ def planner_estimate(args, model, inputs) -> str | None:
         if config is not None and hasattr(config, "to_dict"):
             spec = from_config(config, name="this model")
         else:
-            spec = ModelSpec(name="this model", params=sum(p.numel() for p in model.parameters()))
+            spec = ModelSpec(name="this model", params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))
         seq = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 512
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         base = getattr(inner, "get_base_model", lambda: inner)()

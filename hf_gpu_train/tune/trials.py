@@ -98,7 +98,21 @@ class TrialSession:
         set_seed(cfg.seed)
         self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
         collator, self.notes = test_hooks.install(self.model, collator, environ)
+        if cfg.task == "causal-lm":
+            self._confirm_chunked_head()
         self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
+
+    def _confirm_chunked_head(self) -> None:
+        """The chunked head checked as scripts/finetune.py checks it, on the device the trials train on (tune refuses
+        sharded launches: each process holds the whole model, which its first Trainer would move there anyway)."""
+        from ..finetune.causal_lm.prepare import confirm_chunked_head
+
+        quantized = getattr(self.model, "hf_device_map", None) or getattr(self.model, "is_loaded_in_4bit", False)
+        if self.runtime.on_cuda and not quantized:
+            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        line = confirm_chunked_head(self.model, self.cfg, self.runtime.precision)
+        if line:
+            self.notes.append(line)
 
     def layout(self, packing) -> Layout:
         """The data of a candidate: as prepared, or (causal LM) the other packing layout, built once."""
@@ -143,7 +157,10 @@ class TrialSession:
         try:
             trainer = build_trainer(cfg, runtime, self.model, layout.train, self.validation, layout.collator, self.processing_class,
                                     trainer_class=Trainer)
-            apply_levers(trainer, cfg, runtime)  # selective checkpointing, offloading: as scripts/finetune.py applies them
+            try:  # selective checkpointing, offloading: as scripts/finetune.py applies them
+                apply_levers(trainer, cfg, runtime)
+            except UsageError as error:  # a lever this setting rules out: the same config on every rank, before any step
+                raise ConfigError(str(error)) from None
             # as scripts/finetune.py: no in-place recovery beside the optimizer in the backward (each micro-batch of a
             # split step would step the parameters)
             recovery = None if cfg.optimizer_in_backward else enable_oom_recovery(trainer)
@@ -160,8 +177,8 @@ class TrialSession:
             if self.world_size > 1:
                 raise  # one rank may run out where another does not: end the launch rather than hang in a collective
             outcome = (OOM, f"out of memory outside a step: {str(error).splitlines()[0]}")
-        except UsageError as error:  # a refusal (checkpointing on a model without it, a lever this setting rules out),
-            outcome = (SKIPPED, str(error))  # before the first step: every rank refuses it alike
+        except ConfigError as error:  # a refusal before the first step (checkpointing on a model without it, a lever this
+            outcome = (SKIPPED, str(error))  # setting rules out): every rank refuses it alike
         except Exception as error:
             if self.world_size > 1:
                 raise  # another rank may be inside a collective: end the launch rather than hang it

@@ -60,3 +60,14 @@ def test_a_line_comes_between_logging_steps_and_through_an_evaluation(tmp_path, 
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" [")[0] for line in out if line.startswith("step ")][:6] == [f"step {i}/6" for i in range(1, 7)]
     assert any(line.startswith("evaluating: batch 4/4") for line in out)
+
+
+def test_a_logging_step_gets_one_line_whatever_the_heartbeat(tmp_path, capsys):
+    """The heartbeat comes in on_step_end, before the Trainer's log: on a step that logs, only the log's line."""
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=False),
+                      train_dataset=TokenDataset(32))
+    attach_telemetry(trainer, write_report=False)
+    next(c for c in trainer.callback_handler.callbacks if isinstance(c, CompactPrinterCallback)).heartbeat_s = 0.0
+    trainer.train()
+    heads = [line.split(" [")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert heads == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]

@@ -112,7 +112,7 @@ def test_extra_cannot_override_what_the_config_sets(extra, owner):
     cfg = load_config(None, [f"extra={extra}"])
     with pytest.raises(ConfigError, match=f"set {owner}= instead"):
         check_extra_arguments(cfg)
-    check_extra_arguments(load_config(None, ["extra={max_grad_norm: 0.5, optim: adafactor}"]))  # what the config has no key for
+    check_extra_arguments(load_config(None, ["extra={max_grad_norm: 0.5, optim: adafactor, warmup_steps: 100}"]))  # no config key
     from dataclasses import fields
 
     from hf_gpu_train.finetune.config import FinetuneConfig

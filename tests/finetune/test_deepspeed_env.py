@@ -42,12 +42,15 @@ def test_under_a_zero3_launch_transformers_loads_partitioned(zero3_launch, monke
     from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
 
     assert not is_deepspeed_zero3_enabled()
-    held = hold_zero3_init()
+    held = hold_zero3_init("bf16")
     assert held is not None and is_deepspeed_zero3_enabled()
     config = deepspeed_config()
     assert config["train_micro_batch_size_per_gpu"] == 1 and config["zero_optimization"]["stage"] == 3
+    # the run's precision, not the file's "auto": zero.Init partitions the weights in it (and DeepSpeed never casts them)
+    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    assert hold_zero3_init("fp32") is not None and deepspeed_config()["bf16"]["enabled"] is False
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")  # the launch config turned zero3_init_flag off
-    assert hold_zero3_init() is None
+    assert hold_zero3_init("bf16") is None
 
 
 def test_without_deepspeed_nothing_is_held(monkeypatch):

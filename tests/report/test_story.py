@@ -125,3 +125,18 @@ def test_files_cut_short_or_of_another_shape_are_not_a_traceback(tmp_path, capsy
     assert main(["report", str(out)]) == 2
     err = capsys.readouterr().err
     assert "not in the shape the toolkit writes" in err and "Traceback" not in err
+
+
+def test_the_newest_of_the_runs_own_histories_is_drawn(tmp_path):
+    """Someone's own Trainer writing log_history.json into an output_dir where an earlier run saved trainer_state.json:
+    the report draws the newer one."""
+    import os
+
+    from hf_gpu_train.report.story import read_history
+
+    out = finished_run(tmp_path / "reused")
+    (out / "log_history.json").write_text(json.dumps({"log_history": HISTORY[:2]}))
+    old = (out / "trainer_state.json").stat().st_mtime_ns
+    os.utime(out / "log_history.json", ns=(old + 10**9, old + 10**9))
+    history, source = read_history(out)
+    assert source == "log_history.json" and history == HISTORY[:2]

@@ -70,6 +70,6 @@ def test_two_processes_train_what_one_process_trains(tmp_path, case, method, wei
     assert "CPU x2" in run.stdout and "packed" in run.stdout
     if levers:
         assert "checkpointing: selective" in run.stdout and "go to pinned host memory" in run.stdout
-        assert "LM head and loss: chunked" in run.stdout
+        assert "LM head and loss: chunked" in run.stdout and "(checked on this model, on cpu)" in run.stdout
         assert json.loads((two / "run_summary.json").read_text())["offloaded_activation_bytes"] > 0
     assert_same_training(two, one, weights)

@@ -77,7 +77,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, chunk: int, grad_enabled: bool = True):
         ctx.weight_dtype = weight.dtype  # gradients accumulate in fp32 and leave in the parameter's dtype
-        autocast_dtype = _autocast_dtype(hidden.device.type)
+        # the dtype the model's own head's backward would multiply in: autocast's, or a 16-bit weight's (pure bf16
+        # training, DeepSpeed's bf16 module cast)
+        autocast_dtype = _autocast_dtype(hidden.device.type) or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16)
+                                                                 else None)
         # needs_input_grad follows requires_grad only, not the grad mode: an evaluation under no_grad computes no grads
         needs_hidden, needs_weight, needs_bias = (n and grad_enabled for n in ctx.needs_input_grad[:3])
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
@@ -185,18 +188,35 @@ def support(model, precision: str | None = None) -> Support:
 
 
 HEAD_PROBE_TOLERANCE = 1e-3  # of the logits' (or the loss's) scale: both paths run the same ops, a head extra moves far more
+PROBED_ATTENTION = ("sdpa", "eager")  # the probe runs these: flash-attn needs 16-bit CUDA inputs, flex attention compiles
 
 
-def head_probe(model, chunk: int = DEFAULT_CHUNK) -> Support:
-    """Run the model on a few tokens both ways: its own forward (logits and loss), and the decoder's last hidden state
-    through the head's weight and ``chunked_loss``. A model whose head or loss does anything beyond ``hidden @ W.T + b``
-    and transformers' causal-LM cross-entropy (a logit multiplier no config list names, Falcon-H1's
-    ``lm_head_multiplier``; soft-capping; a loss of its own) gives other figures, and keeps its own head. Not run where
-    this process cannot run the model (``model_probe.why_not_runnable``): the config checks of ``support`` stand."""
+def _autocast_for(precision: str | None, device: torch.device):
+    """The run's autocast on ``device`` (bf16/fp16), for a probe that runs the model as training runs it."""
+    import contextlib
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "")
+    if dtype is None or device.type not in ("cuda", "cpu"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def head_probe(model, precision: str | None = None) -> Support:
+    """Run the model on a few tokens, as it trains (its device, the run's autocast), and compare its own logits with
+    the head's matmul of the decoder's output, and its own loss with the cross-entropy of those logits. A model whose
+    head or loss does anything beyond ``hidden @ W.T + b`` and transformers' causal-LM cross-entropy (a logit
+    multiplier no config list names, Falcon-H1's ``lm_head_multiplier``; soft-capping; a loss of its own) gives other
+    figures, and keeps its own head. The logits are compared row for row from the same GEMM shape, and the loss from the
+    model's own logits, so a kernel's rounding for another row count cannot refuse a plain model. Not run where this
+    process cannot run the model (``model_probe.why_not_runnable``) or its attention kernel is not SDPA's or eager: the
+    config checks of ``support`` stand."""
     from .model_probe import probe_tokens, why_not_runnable
 
     base = causal_lm_of(model)
-    not_runnable = why_not_runnable(base)
+    original = getattr(base, "_hf_gpu_train_original_forward", base.forward)  # the model's own, installed or not
+    attention = getattr(base.config, "_attn_implementation", None) or "eager"
+    not_runnable = why_not_runnable(base) or (
+        None if attention in PROBED_ATTENTION else f"attn_implementation={attention} is not run for the check")
     if not_runnable:
         return Support(True, f"the head's matmul and the loss in chunks of rows with a label ({not_runnable}: not probed)")
     embeddings = base.get_input_embeddings()
@@ -204,26 +224,28 @@ def head_probe(model, chunk: int = DEFAULT_CHUNK) -> Support:
     was_training = base.training
     base.eval()
     try:
-        with torch.no_grad():
-            own = base(input_ids=ids, labels=ids, use_cache=False)
+        with torch.no_grad(), _autocast_for(precision, ids.device):
+            own = original(input_ids=ids, labels=ids, use_cache=False)
             hidden = base.get_decoder()(input_ids=ids, use_cache=False)[0]
             head = base.get_output_embeddings()
             logits = torch.nn.functional.linear(hidden, head.weight, head.bias).float()
-            loss = chunked_loss(base, hidden, ids, None, chunk)
     except (TypeError, ValueError, RuntimeError) as error:  # a model that cannot run a plain forward here
         return Support(False, f"its forward could not be probed ({type(error).__name__}: {str(error).splitlines()[0]})")
     finally:
         base.train(was_training)
-    if own.logits is None or own.loss is None:
+    if getattr(own, "logits", None) is None or getattr(own, "loss", None) is None:
         return Support(False, "its forward gives no logits or no loss to compare with")
-    moved = float((own.logits.float() - logits).abs().max())
+    own_logits = own.logits.float()
+    moved = float((own_logits - logits).abs().max())
     if moved > HEAD_PROBE_TOLERANCE * max(1.0, float(logits.abs().max())):
         return Support(False, f"its logits are not its head's matmul of the decoder's output (they differ by {moved:.3g} on a "
                               "probe: a logit scale or cap of its own)")
-    gap = abs(float(own.loss) - float(loss))
-    if gap > HEAD_PROBE_TOLERANCE * max(1.0, abs(float(own.loss))):
-        return Support(False, f"its loss is not transformers' causal-LM cross-entropy (it differs by {gap:.3g} on a probe)")
-    return Support(True, "the head's matmul and the loss in chunks of rows with a label (checked on this model)")
+    cross_entropy = torch.nn.functional.cross_entropy(own_logits[0, :-1], ids[0, 1:])
+    gap = abs(float(own.loss) - float(cross_entropy))
+    if gap > HEAD_PROBE_TOLERANCE * max(1.0, abs(float(cross_entropy))):
+        return Support(False, f"its loss is not transformers' causal-LM cross-entropy of its logits (it differs by {gap:.3g} "
+                              "on a probe: a loss of its own)")
+    return Support(True, f"the head's matmul and the loss in chunks of rows with a label (checked on this model, on {ids.device})")
 
 
 def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int, kernel: str | None = None):
@@ -242,12 +264,13 @@ def chunked_loss(base, hidden, labels, num_items_in_batch, chunk: int, kernel: s
     return linear_cross_entropy(rows, head.weight, head.bias, targets, scale, chunk, kernel)
 
 
-def install(model, chunk: int | None = None, precision: str | None = None, kernel: str | None = None) -> Support:
+def install(model, chunk: int | None = None, precision: str | None = None, kernel: str | None = None,
+            probe: bool = True) -> Support:
     """Give ``model``'s causal LM the chunked head and loss (when ``support`` allows), or a fused kernel's (``kernel``:
-    a key of ``KERNELS``; the caller checked it can run); returns the verdict."""
+    a key of ``KERNELS``; the caller checked it can run); returns the verdict. ``probe``: run ``head_probe`` now, where
+    the model is; scripts/finetune.py installs without it and calls ``confirm`` once the Trainer has placed the model
+    where it trains."""
     import functools
-
-    from .model_probe import agreed
 
     verdict = support(model, precision)
     base = causal_lm_of(model)
@@ -257,11 +280,9 @@ def install(model, chunk: int | None = None, precision: str | None = None, kerne
         from ...launch.training_shape import chunk_rows
 
         chunk = chunk_rows(base.get_output_embeddings().weight.shape[0])
-    if verdict.supported:
-        verdict = head_probe(model, chunk)
-    # every rank takes one decision (only some may be able to run the probe): ranks with the model's own head beside
-    # ranks with the chunked one would train other gradients
-    verdict = Support(*agreed(verdict.supported, verdict.reason, "every rank keeps the model's own head"))
+    if verdict.supported and probe:
+        verdict = head_probe(model, precision)
+    verdict = _agreed(verdict)
     if not verdict.supported:
         return verdict
     original = base.forward
@@ -283,8 +304,45 @@ def install(model, chunk: int | None = None, precision: str | None = None, kerne
         loss = chunked_loss(base, outputs[0], labels, num_items_in_batch, chunk, kernel)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None))
 
+    base._hf_gpu_train_original_forward = original
     base.forward = forward
     base._hf_gpu_train_chunked_loss = chunk
     if kernel:
         return Support(True, f"the head's matmul and the loss fused by {KERNELS[kernel][1]}'s kernel, rows with a label only")
+    return verdict
+
+
+def _agreed(verdict: Support) -> Support:
+    """One decision on every rank (only some may be able to run the probe): ranks with the model's own head beside
+    ranks with the chunked one would train other gradients."""
+    from .model_probe import agreed
+
+    return Support(*agreed(verdict.supported, verdict.reason, "every rank keeps the model's own head"))
+
+
+def installed(model) -> bool:
+    return hasattr(causal_lm_of(model), "_hf_gpu_train_original_forward")
+
+
+def uninstall(model) -> None:
+    """The model's own forward again."""
+    base = causal_lm_of(model)
+    original = base.__dict__.pop("_hf_gpu_train_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__func__", None) is getattr(type(base), "forward", None) and getattr(original, "__self__", None) is base:
+        base.__dict__.pop("forward", None)  # the class's own forward
+    else:
+        base.forward = original
+    base.__dict__.pop("_hf_gpu_train_chunked_loss", None)
+
+
+def confirm(model, precision: str | None = None) -> Support | None:
+    """``head_probe`` on a model with the chunked head installed, where it trains now (call it once the Trainer has
+    placed the model), agreed across ranks; a refused head is taken off again. None when no head is installed."""
+    if not installed(model):
+        return None
+    verdict = _agreed(head_probe(model, precision))
+    if not verdict.supported:
+        uninstall(model)
     return verdict

@@ -68,8 +68,9 @@ def apply_method(model, cfg: FinetuneConfig):
 
 
 def trainable_summary(model) -> str:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    # ds_numel: under DeepSpeed ZeRO-3 each process holds a partition (numel() is 0), the parameter is this large
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return f"{_count(trainable)} of {_count(total)} parameters train ({trainable / max(1, total):.2%})"
 
 

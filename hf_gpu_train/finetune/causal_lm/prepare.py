@@ -65,12 +65,35 @@ def _chunk_the_head(model, cfg: FinetuneConfig, precision: str, on_cuda: bool) -
         problem = lm_head_loss.kernel_problem(kernel, on_cuda)
         if problem:
             raise ConfigError(f"chunked_lm_loss={kernel}, but {problem}")
-    verdict = lm_head_loss.install(model, precision=precision, kernel=kernel)
-    if not verdict.supported and cfg.chunked_lm_loss not in (False, "auto"):
-        raise ConfigError(f"chunked_lm_loss={str(cfg.chunked_lm_loss).lower()}, but {verdict.reason}: chunked_lm_loss=auto (or "
-                          "false) to use the model's own head and loss")
+    # probed once the Trainer has placed the model where it trains (confirm_chunked_head), not here: on the CPU a model
+    # that runs on the GPU only (16-bit Mamba kernels, flash attention) would fail the probe, and a large one is not run
+    verdict = lm_head_loss.install(model, precision=precision, kernel=kernel, probe=False)
+    if not verdict.supported:
+        refuse_asked_for(cfg, verdict.reason)
     return (f"LM head and loss: chunked ({verdict.reason}; no full logits)" if verdict.supported else
             f"LM head and loss: the model's own ({verdict.reason})")
+
+
+def refuse_asked_for(cfg: FinetuneConfig, reason: str) -> None:
+    """chunked_lm_loss=true (or a kernel) asked for what is not exact for this model: a usage error naming why."""
+    if cfg.chunked_lm_loss not in (False, "auto"):
+        raise ConfigError(f"chunked_lm_loss={str(cfg.chunked_lm_loss).lower()}, but {reason}: chunked_lm_loss=auto (or "
+                          "false) to use the model's own head and loss")
+
+
+def confirm_chunked_head(model, cfg: FinetuneConfig, precision: str) -> str | None:
+    """The chunked head, where installed, checked on the model as it trains (its device, the run's precision; every rank
+    agrees): the line to print, or None without a chunked head. A head the probe refuses is taken off again (auto) or
+    refused (chunked_lm_loss=true)."""
+    from . import lm_head_loss
+
+    verdict = lm_head_loss.confirm(model, precision)
+    if verdict is None:
+        return None
+    if not verdict.supported:
+        refuse_asked_for(cfg, verdict.reason)
+        return f"LM head and loss: the model's own after all ({verdict.reason})"
+    return f"LM head and loss: {verdict.reason}"
 
 
 def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:

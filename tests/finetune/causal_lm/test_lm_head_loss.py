@@ -236,6 +236,7 @@ def test_falcon_h1s_lm_head_multiplier_keeps_its_own_head():
     model = FalconH1ForCausalLM(config).eval()
     assert "lm_head_multiplier" in support(model).reason
     assert not install(model).supported
+    assert "differ by" in lm_head_loss.head_probe(model).reason  # the probe alone finds it too
     from hf_gpu_train.launch.model_spec import lm_head_extras
 
     assert lm_head_extras(config) == ("lm_head_multiplier",)  # the planner counts the full logits for it
@@ -319,3 +320,46 @@ def test_a_zero3_launch_keeps_the_models_own_head_before_the_trainer_exists(monk
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(file))  # the file's stage wins over the YAML key
     assert not support(tiny_llama(64)).supported
     assert not install(tiny_llama(64)).supported
+
+
+def test_the_run_probes_where_the_model_trains_and_takes_a_refused_head_off_again():
+    """scripts/finetune.py installs the head when the model loads (on the CPU, where a model that runs on the GPU only
+    could not be probed) and confirms it once the Trainer has placed the model: a head the probe refuses is taken off
+    again, and the model's own forward (logits and loss) is back; chunked_lm_loss=true makes the refusal a usage error."""
+    from types import SimpleNamespace
+
+    from hf_gpu_train.finetune.causal_lm.prepare import confirm_chunked_head
+    from hf_gpu_train.finetune.config import ConfigError
+
+    reference = tiny_llama(128).train()
+    scaled = copy.deepcopy(reference)
+    for model in (reference, scaled):
+        model.lm_head.register_forward_hook(lambda module, inputs, output: output * 0.25)
+    assert install(scaled, chunk=5, probe=False).supported and lm_head_loss.installed(scaled)
+    line = confirm_chunked_head(scaled, SimpleNamespace(chunked_lm_loss="auto"), "fp32")
+    assert line.startswith("LM head and loss: the model's own after all") and not lm_head_loss.installed(scaled)
+    assert "forward" not in vars(scaled)  # the class's own forward again
+    want, _ = _loss_and_grads(reference, _batch(False))
+    got, _ = _loss_and_grads(scaled, _batch(False))
+    torch.testing.assert_close(got, want)
+    asked = tiny_llama(128)
+    asked.lm_head.register_forward_hook(lambda module, inputs, output: output * 0.25)
+    install(asked, probe=False)
+    with pytest.raises(ConfigError, match="chunked_lm_loss=true, but its logits are not its head's matmul"):
+        confirm_chunked_head(asked, SimpleNamespace(chunked_lm_loss=True), "fp32")
+    plain = tiny_llama(128)
+    install(plain, probe=False)
+    assert "checked on this model, on cpu" in confirm_chunked_head(plain, SimpleNamespace(chunked_lm_loss="auto"), "bf16")
+    assert confirm_chunked_head(tiny_llama(128), SimpleNamespace(chunked_lm_loss="auto"), "fp32") is None  # none installed
+
+
+def test_a_16_bit_head_without_autocast_gets_a_16_bit_weight_gradient_product(monkeypatch):
+    """Pure bf16 training (or DeepSpeed's bf16 module cast) has no autocast: the weight's own dtype decides."""
+    seen = []
+    original = lm_head_loss.accumulate_weight_grad
+    monkeypatch.setattr(lm_head_loss, "accumulate_weight_grad", lambda gw, g, h, dtype=None: seen.append(dtype) or original(gw, g, h, dtype))
+    hidden = torch.randn(9, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, None, torch.randint(0, 40, (9,)), torch.tensor(1 / 9), chunk=4)
+    loss.backward()
+    assert seen and set(seen) == {torch.bfloat16} and weight.grad.dtype == torch.bfloat16
