@@ -51,7 +51,8 @@ LEVERS = {  # cumulative: each arm has the levers of the arms above it
                                     "checkpoint_layers=all"],
 }
 QUIET = ["eval_strategy=no", "save_strategy=no", "telemetry=false", "generation_samples=0", "per_device_train_batch_size=1",
-         "logging_steps=1", "resume=never", "max_eval_samples=4", "extra={max_grad_norm: 0}"]
+         "logging_steps=1", "resume=never", "max_eval_samples=4", "extra={max_grad_norm: 0}",
+         "watchdog=off"]  # a step of 16k tokens on 2 CPU cores takes longer than the watchdog's first-step floor (600 s)
 
 
 def levers_for(method: str) -> dict[str, list[str]]:
