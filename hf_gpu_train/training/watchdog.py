@@ -195,6 +195,8 @@ def summary(states: dict[int, dict | None], culprit_rank: int, limit_s: float, w
     elif not lagging:
         lines.append("  every rank that answered is at the same place: they wait for each other in the same collective "
                      "or on the same resource (see the stacks)")
+    lines.append("  a step, evaluation or save that is only slow (a long context on a CPU, a first compile): watchdog=SECONDS "
+                 "sets the limit for every phase, watchdog=off turns it off")
     return lines
 
 

@@ -46,6 +46,7 @@ def test_the_ranks_not_where_the_others_are_are_named():
     assert lines[0].startswith("hang: no progress for 9 s on rank 1 (limit 4 s")
     assert "  rank 1: step 3 finished, in data for 9 s, not in a collective (0 entered)   <- not where the others are" in lines
     assert "  rank 3: no answer (stuck holding the interpreter, or gone)" in lines
+    assert "watchdog=SECONDS sets the limit for every phase, watchdog=off turns it off" in lines[-1]  # the fix when merely slow
 
 
 def test_one_process_that_stalls_dumps_its_stacks_and_exits(tmp_path):
