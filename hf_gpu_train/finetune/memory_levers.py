@@ -12,6 +12,8 @@ This module imports no torch at the top: ``check_levers`` runs in config validat
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..launch.training_shape import ATTENTION_KEPT, SELECTIVE_POLICIES
 from .config import ConfigError
 
@@ -83,31 +85,40 @@ def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
     return kwargs
 
 
-def release_memory_before_cuda(cfg, environ=None) -> str | None:
+class CudaRelease(NamedTuple):
+    line: str  # what was done, to print on CUDA
+    ours: bool  # whether this run set PYTORCH_CUDA_ALLOC_CONF (not the user's own)
+
+
+def release_memory_before_cuda(cfg, environ=None) -> CudaRelease | None:
     """``release_memory`` on CUDA: the allocator setting goes into the environment before anything asks torch about
-    CUDA (resolving the runtime does: torch reads the setting once, when CUDA starts). The line to print, or None."""
+    CUDA (resolving the runtime does: torch reads the setting once, when CUDA starts). None without release_memory."""
+    import os
+
     if not cfg.release_memory:
         return None
     from ..training.release_memory import release_on_cuda
 
-    return release_on_cuda(environ)
+    environ = os.environ if environ is None else environ
+    ours = not environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    return CudaRelease(release_on_cuda(environ), ours)
 
 
-def release_memory(cfg, runtime, cuda_line: str | None, environ=None) -> list[str]:
+def release_memory(cfg, runtime, cuda: CudaRelease | None, environ=None) -> list[str]:
     """``release_memory``: the allocator gives freed memory back at once (training/release_memory.py); before the model
-    loads. ``cuda_line``: what ``release_memory_before_cuda`` did; on the CPU its setting is taken back (nothing reads
+    loads. ``cuda``: what ``release_memory_before_cuda`` did; on the CPU a setting it made is taken back (nothing reads
     it) and glibc's thresholds are fixed instead. The lines to print."""
     import os
 
     if not cfg.release_memory:
         return []
-    from ..training.release_memory import CUDA_SETTING, release_on_the_cpu
+    from ..training.release_memory import release_on_the_cpu
 
     if runtime.on_cuda:
-        return [cuda_line] if cuda_line else []
+        return [cuda.line] if cuda else []
     environ = os.environ if environ is None else environ
-    if environ.get("PYTORCH_CUDA_ALLOC_CONF") == CUDA_SETTING and cuda_line and "is yours" not in cuda_line:
-        del environ["PYTORCH_CUDA_ALLOC_CONF"]
+    if cuda is not None and cuda.ours:
+        environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     return [release_on_the_cpu()]
 
 

@@ -278,12 +278,13 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                             trainer_class=trainer_class or Trainer)
     del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
     guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
+    # selective checkpointing, offloading, optimizer in backward
     lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
     if cfg.task == "causal-lm":  # the chunked head checked where the Trainer placed the model (every rank agrees)
         from .causal_lm.prepare import confirm_chunked_head
 
         head_line = confirm_chunked_head(trainer.model, cfg, runtime.precision)
-        lever_lines += [head_line] if head_line else []  # selective checkpointing, offloading, optimizer in backward
+        lever_lines += [head_line] if head_line else []
     check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
                        "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
                        "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,

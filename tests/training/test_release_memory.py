@@ -85,14 +85,14 @@ def test_on_the_cpu_the_cuda_setting_is_taken_back_and_a_users_own_is_kept(monke
     monkeypatch.setattr(module, "release_on_the_cpu", lambda: "glibc thresholds fixed")  # mallopt cannot be undone here
     cfg = SimpleNamespace(release_memory=True)
     environ = {}
-    line = release_memory_before_cuda(cfg, environ)
+    released = release_memory_before_cuda(cfg, environ)
     assert environ == {"PYTORCH_CUDA_ALLOC_CONF": CUDA_SETTING}
-    assert release_memory(cfg, SimpleNamespace(on_cuda=True), line, environ) == [line]
+    assert release_memory(cfg, SimpleNamespace(on_cuda=True), released, environ) == [released.line]
     assert environ["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_SETTING
-    assert release_memory(cfg, SimpleNamespace(on_cuda=False), line, environ) == ["glibc thresholds fixed"]
+    assert release_memory(cfg, SimpleNamespace(on_cuda=False), released, environ) == ["glibc thresholds fixed"]
     assert "PYTORCH_CUDA_ALLOC_CONF" not in environ  # nothing on the CPU reads it; child processes do not inherit ours
     mine = {"PYTORCH_CUDA_ALLOC_CONF": CUDA_SETTING}  # the user's own, the same text: not ours to take back
-    line = release_memory_before_cuda(cfg, mine)
-    assert release_memory(cfg, SimpleNamespace(on_cuda=False), line, mine) == ["glibc thresholds fixed"]
+    released = release_memory_before_cuda(cfg, mine)
+    assert release_memory(cfg, SimpleNamespace(on_cuda=False), released, mine) == ["glibc thresholds fixed"]
     assert mine == {"PYTORCH_CUDA_ALLOC_CONF": CUDA_SETTING}
     assert release_memory(SimpleNamespace(release_memory=False), SimpleNamespace(on_cuda=False), None, {}) == []

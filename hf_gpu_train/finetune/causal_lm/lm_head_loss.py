@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...launch.model_spec import HEAD_EXTRAS  # config attributes beyond hidden @ W.T: the chunked path would not be exact
+from ...launch.model_spec import lm_head_extras  # what the config adds beyond hidden @ W.T: the chunked path would not be exact
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # rows at a time when the vocabulary is unknown; else launch.training_shape.chunk_rows(vocabulary)
@@ -162,16 +162,9 @@ def support(model, precision: str | None = None) -> Support:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder") or not type(base).__name__.endswith("ForCausalLM"):
         return Support(False, f"{type(base).__name__} is not a decoder with a linear output head (*ForCausalLM)")
-    config = base.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    extras = [name for name in HEAD_EXTRAS for c in {id(config): config, id(text): text}.values()
-              if getattr(c, name, None) not in (None, 1, 1.0)]
+    extras = lm_head_extras(base.config)  # the planner's reading of the same config (launch/model_spec.py)
     if extras:
-        return Support(False, f"its head also applies {', '.join(sorted(set(extras)))}")
-    if getattr(text, "output_router_logits", False) or getattr(config, "output_router_logits", False):
-        return Support(False, "it adds a router's auxiliary loss to the language-model loss (output_router_logits)")
-    if getattr(config, "loss_type", None) not in (None, "ForCausalLM", "ForCausalLMLoss"):
-        return Support(False, f"it computes its own loss (loss_type={config.loss_type!r})")
+        return Support(False, f"its head or loss does more than a matmul and transformers' cross-entropy: {', '.join(extras)}")
     if hasattr(head, "base_layer") or not isinstance(getattr(head, "weight", None), torch.Tensor):
         return Support(False, "its output head is adapted (LoRA on lm_head) or quantized")
     if precision == "fp16":
