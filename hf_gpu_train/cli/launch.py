@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -227,9 +228,11 @@ def run(args: argparse.Namespace) -> int:
 
 def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
     """Run the launcher with its stderr passed through as it comes. A training process that stops on a usage error
-    (``scripts/finetune.py`` exits 2 with one line) writes that line to ``USAGE_ERROR_FILE``; from then on what the
-    launcher adds is its own report of a failed worker (torchrun's ChildFailedError traceback, accelerate's
-    CalledProcessError): it is dropped, the one line is shown, and the exit code is 2, as for one process."""
+    (``scripts/finetune.py`` exits 2 with one line) writes that line to ``USAGE_ERROR_FILE``; from then on the stream
+    goes through ``AfterUsageError``: the same line from other ranks and the launcher's own report of the failed worker
+    (torchrun's ChildFailedError traceback and report box, accelerate's CalledProcessError) are dropped, everything else
+    (another rank's own traceback) still reaches stderr; the one line is shown, and the exit code is 2, as for one
+    process."""
     import tempfile
 
     from ..errors import USAGE_ERROR_FILE_ENV
@@ -249,11 +252,12 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker), PROGRESS_DIR_ENV: str(progress)},
                                 stderr=subprocess.PIPE)
         shown = b""
+        after: AfterUsageError | None = None
         while chunk := os.read(proc.stderr.fileno(), 65536):
-            if marker.exists():
-                continue  # the launcher's report of a worker that stopped on a usage error
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
+            if after is None and marker.exists():
+                after = AfterUsageError(marker)
+            passed = chunk if after is None else after.feed(chunk)
+            _write(passed)
             shown = (shown + chunk)[-65536:]
         code = proc.wait()
         if not marker.exists():
@@ -262,8 +266,79 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
             if line:
                 print(f"hf-gpu-train launch: {line}", file=sys.stderr)
             return HANG_EXIT_CODE if code and hang is not None else code
+        if after is not None:
+            _write(after.flush())
         message = marker.read_text().strip().splitlines()[0]
         if message.encode() not in shown:
             print(message, file=sys.stderr)
         print("hf-gpu-train launch: the training processes stopped on the usage error above (exit 2)", file=sys.stderr)
         return 2
+
+
+def _write(data: bytes) -> None:
+    if data:
+        sys.stderr.buffer.write(data)
+        sys.stderr.buffer.flush()
+
+
+# the exceptions a launcher raises to report a worker that failed (the worker's own lines said why)
+LAUNCHER_REPORTS = (b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError", b"subprocess.CalledProcessError")
+BOX_EDGE = re.compile(rb"^=+$")
+
+
+class AfterUsageError:
+    """The launcher's stderr once a worker stopped on a usage error, line by line: drops the usage lines (every rank
+    that stops on it prints it; one is shown), torchelastic's own log lines, and the launcher's report of the failed
+    worker (a traceback ending in one of ``LAUNCHER_REPORTS``, and torchrun's ``====`` box after it); passes the rest,
+    other ranks' tracebacks above all. A traceback is held until its exception line says whose it is."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+        self.partial = b""
+        self.held: list[bytes] = []  # a traceback not yet ended
+        self.in_box = False  # inside torchrun's report box (between its two ==== lines)
+        self.after_report = False  # the line after a dropped report: a box may start there
+
+    def _usage_lines(self) -> set[bytes]:
+        try:
+            return {line.strip().encode() for line in self.marker.read_text().splitlines() if line.strip()}
+        except OSError:
+            return set()
+
+    def feed(self, chunk: bytes) -> bytes:
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()
+        return b"".join(self._line(line + b"\n") for line in lines)
+
+    def flush(self) -> bytes:
+        out = self._line(self.partial) if self.partial else b""
+        self.partial = b""
+        out += b"".join(self.held)
+        self.held = []
+        return out
+
+    def _line(self, line: bytes) -> bytes:
+        text = line.rstrip(b"\r\n")
+        if self.in_box:
+            self.in_box = not BOX_EDGE.match(text)
+            return b""
+        if self.after_report:
+            self.after_report = False
+            if BOX_EDGE.match(text):
+                self.in_box = True
+                return b""
+        if self.held:
+            if text[:1] in (b" ", b"\t"):  # a frame of the traceback held
+                self.held.append(line)
+                return b""
+            block, self.held = [*self.held, line], []
+            if text.startswith(LAUNCHER_REPORTS):
+                self.after_report = True
+                return b""
+            return b"".join(block)
+        if text == b"Traceback (most recent call last):":
+            self.held = [line]
+            return b""
+        if text.strip() in self._usage_lines() or b"torch/distributed/elastic/" in text:
+            return b""
+        return line

@@ -130,6 +130,39 @@ def test_a_worker_usage_error_ends_the_launch_with_its_line_and_exit_2(capfd):
     assert "boom" in capfd.readouterr().err  # any other failure passes through as it is
 
 
+def test_after_a_usage_error_other_ranks_tracebacks_still_reach_stderr(capfd):
+    """Rank 0 stops on a usage error; rank 1 then fails for a reason of its own: its traceback is the user's to read.
+    Only the usage line's copies from other ranks and the launcher's own report of the failed worker are dropped."""
+    from hf_gpu_train.cli.launch import run_reporting_usage_errors
+
+    usage = "finetune: error: learning_rate=-1: must be positive"
+    worker = ("import os, sys, time\n"
+              f"print({usage!r}, file=sys.stderr, flush=True)\n"
+              f"open(os.environ['HF_GPU_TRAIN_USAGE_ERROR_FILE'], 'a').write({usage!r} + '\\n')\n"
+              "time.sleep(0.2)\n"
+              f"print({usage!r}, file=sys.stderr, flush=True)\n"  # rank 1 stopping on the same line
+              "print('[rank1]: Traceback (most recent call last):\\n[rank1]:   File \"train.py\", line 9, in <module>\\n"
+              "[rank1]: RuntimeError: rank 1 ran out of disk', file=sys.stderr, flush=True)\n"
+              "print('Traceback (most recent call last):\\n  File \"other.py\", line 3, in <module>\\n    step()\\n"
+              "ValueError: rank 1 saw a NaN', file=sys.stderr, flush=True)\n"
+              "print('W0101 12:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:900] Sending process 7 closing "
+              "signal SIGTERM', file=sys.stderr, flush=True)\n"
+              "print('Traceback (most recent call last):\\n  File \"/x/bin/torchrun\", line 8, in <module>\\n    sys.exit(main())\\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \\n' + '=' * 60 + '\\ntrain.py FAILED\\n' + "
+              "'-' * 60 + '\\nFailures:\\n  <NO_OTHER_FAILURES>\\n' + '-' * 60 + '\\nRoot Cause (first observed failure):\\n[0]:\\n"
+              "  rank      : 0 (local_rank: 0)\\n  exitcode  : 2 (pid: 5)\\n' + '=' * 60, file=sys.stderr, flush=True)\n"
+              "print('after the report', file=sys.stderr, flush=True)\n"
+              "sys.exit(1)\n")
+    assert run_reporting_usage_errors([sys.executable, "-c", worker], {}) == 2
+    err = capfd.readouterr().err
+    assert err.count(usage) == 1  # one line, however many ranks stopped on it
+    assert "[rank1]: RuntimeError: rank 1 ran out of disk" in err and '[rank1]:   File "train.py", line 9' in err
+    assert 'Traceback (most recent call last):\n  File "other.py", line 3, in <module>\n    step()\nValueError: rank 1 saw a NaN\n' in err
+    assert "after the report" in err
+    assert "ChildFailedError" not in err and "FAILED" not in err and "Root Cause" not in err and "closing signal" not in err
+    assert err.rstrip().endswith("exit 2)")
+
+
 def test_a_config_file_that_is_not_a_mapping_is_a_usage_error(tmp_path):
     import subprocess
     import sys
