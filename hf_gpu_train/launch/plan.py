@@ -304,6 +304,13 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
             **({"zero3_save_16bit_model": True} if stage == 3 else {}),
         }
         settings.append(Setting("distributed_type", "DEEPSPEED", f"ZeRO-{stage}" + (" with CPU offload (last resort)" if offload else "") + ": " + why))
+        if options.num_machines > 1:
+            # each node runs its own launch (its machine_rank, the sbatch's srun task): accelerate must start that node's
+            # processes with torchrun; its default multi-node launcher (pdsh) would start the whole job over ssh instead
+            acc["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+            settings.append(Setting("deepspeed_multinode_launcher", "standard", "one launch per node (machine_rank, the "
+                                    "sbatch's srun task) starting that node's processes with torchrun; accelerate's "
+                                    "default, pdsh, would start every node's processes over ssh from a hostfile"))
         if offload:
             settings.append(Setting("deepspeed_config_file", "NAME.deepspeed.json", "ZeRO-Offload steps with DeepSpeed's CPU "
                                     "Adam, named in the file's optimizer section (with the Trainer's own optimizer DeepSpeed "

@@ -70,22 +70,31 @@ def accelerate_command(config_path: str | Path, script: str = "scripts/finetune.
 
 
 def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", config_path: str | Path | None = None) -> str:
-    """torchrun reads no accelerate config: the environment, the precision and (given ``config_path``) where the
-    plan is (HF_GPU_TRAIN_PLAN) go on the command line."""
+    """torchrun reads no accelerate config: the environment, where the plan is (HF_GPU_TRAIN_PLAN, given
+    ``config_path``), and the variables `accelerate launch` would export for the YAML (its strategy: FSDP or DeepSpeed
+    and their settings, then the precision; accelerate_env.py) go on the command line."""
+    from .accelerate_env import launch_environment
+    from .deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, accelerate_keys, deepspeed_path_for
+
     acc = plan.accelerate
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_dict.items())
     if config_path is not None:
         env += f" {PLAN_ENV}={shlex.quote(str(plan_path_for(config_path)))}"
     if "gpu_ids" in acc:
         env = f"CUDA_VISIBLE_DEVICES={acc['gpu_ids']} " + env
+    deepspeed_path = None if plan.deepspeed_file is None else (
+        deepspeed_path_for(config_path) if config_path is not None else DEEPSPEED_FILE_PLACEHOLDER)
+    launched = launch_environment(accelerate_keys(acc, deepspeed_path), precision_on_command_line=plan.deepspeed_file is not None)
+    env += "".join(f" {k}={shlex.quote(v)}" for k, v in launched.items() if k not in plan.env_dict)
     parts = [f"torchrun --nnodes={acc['num_machines']} --nproc-per-node={plan.processes_per_machine}"]
     if acc["num_machines"] > 1:
         if acc.get("rdzv_backend") == "c10d":
             parts.append(f"--rdzv-backend=c10d --rdzv-endpoint={acc['main_process_ip']}:{acc['main_process_port']}")
         else:
             parts.append(f"--node-rank={acc['machine_rank']} --master-addr={acc['main_process_ip']} --master-port={acc['main_process_port']}")
-    mixed = acc.get("mixed_precision", "no")
-    return f"{env} ACCELERATE_MIXED_PRECISION={mixed} {_prefix(plan)}" + " ".join(parts) + f" {script}"
+    elif "main_process_port" in acc:  # the port the plan chose (torchrun's own default is 29500)
+        parts.append(f"--master-port={acc['main_process_port']}")
+    return f"{env} {_prefix(plan)}" + " ".join(parts) + f" {script}"
 
 
 def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = "scripts/finetune.py", job_name: str = "hf-gpu-train") -> str:
