@@ -43,7 +43,7 @@ class OOMFaultInjector:
             return False
         if self.times is not None and self.raised >= self.times:
             return False
-        if self._forwards <= self.start_after:  # counted before this check: the first start_after forwards pass
+        if self.start_after and self._forwards <= self.start_after:  # counted before this check: the first start_after pass
             return False
         return module.training or self.eval_too
 

@@ -122,3 +122,129 @@ def guard_loss_scaling(trainer) -> LossScalingGuard:
     ``attach_telemetry`` call it too. Installing it twice returns the first guard."""
     existing = getattr(trainer, "_hf_gpu_train_loss_guard", None)
     return existing if existing is not None else LossScalingGuard(trainer).install()
+
+
+# -- what a mean loss averages over ----------------------------------------------------------------------------------
+# A loss that is not normalised by ``num_items_in_batch`` is usually a mean, but a mean over what? Sequence
+# classification and vision average over rows; T5, BART and the other encoder-decoders, token classification and masked
+# LM over labelled tokens; a causal LM's own mean over the labelled tokens after the first of each row (its labels are
+# shifted); Wav2Vec2's CTC with ``ctc_loss_reduction="sum"`` does not average at all. A step split into micro-batches
+# gives the whole batch's gradient only when each micro-batch's loss is weighed by its share of *that*: weighed by
+# rows, a token mean was off by 2-50% of the update (T5 in Seq2SeqTrainer, BERT token classification). So the loss is
+# asked, as for the mean-or-sum question above: two samples of different label counts, alone and together.
+WEIGHTINGS = {"rows": "rows", "tokens": "labelled tokens", "next-tokens": "labelled next tokens", "sum": "a sum"}
+UNDECIDED = None
+PROBE_TRIES = 3  # optimizer steps whose batches may be probed before the weighting falls back, said
+
+
+class LossWeighting:
+    """How a step's micro-batches are weighed: ``kind`` is a key of ``WEIGHTINGS``, ``"normalised"`` (the loss is divided
+    by ``num_items_in_batch``, the whole batch's count: it adds up as it is), ``"unknown"`` (weighed by rows, said before
+    the first update) or ``"custom"`` (``count(inputs)``: the items a micro-batch's loss averages over)."""
+
+    def __init__(self, kind: str, count=None):
+        self.kind = kind
+        self.count = count
+
+    @classmethod
+    def told(cls, value) -> LossWeighting:
+        """What a user passed as ``loss_weighting=``: a name, or a function of a micro-batch's inputs."""
+        if callable(value):
+            return cls("custom", count=value)
+        if value not in WEIGHTINGS:
+            raise ValueError(f"loss_weighting={value!r} is not one of {', '.join(map(repr, WEIGHTINGS))}, nor a function "
+                             "of a micro-batch's inputs that returns how many items its loss averages over")
+        return cls(value)
+
+    def describe(self) -> str:
+        others = {"custom": "the items loss_weighting counts", "unknown": "unknown",
+                  "normalised": "normalised by num_items_in_batch"}
+        return others.get(self.kind) or WEIGHTINGS[self.kind]
+
+    def per_sample(self, inputs, layout) -> list[float]:
+        """What each sample of ``inputs`` adds to the count the loss averages over."""
+        if self.kind in ("tokens", "next-tokens"):
+            counts = label_counts(inputs, shifted=self.kind == "next-tokens")
+            if counts is not None:
+                return layout.per_sample(counts)
+        if self.kind == "custom":
+            return [float(self.count(layout.slice(inputs, i, i + 1))) for i in range(layout.size(inputs))]
+        return [1.0] * layout.size(inputs)
+
+    def share(self, per_sample: list[float], start: int, stop: int) -> float:
+        """The weight of samples ``start:stop`` in the loss of all of them: a mean's share, 1 for a sum."""
+        if self.kind == "sum":
+            return 1.0
+        total = sum(per_sample)
+        if total <= 0:
+            return (stop - start) / len(per_sample)
+        return sum(per_sample[start:stop]) / total
+
+
+def label_counts(inputs, shifted: bool = False) -> list[float] | None:
+    """Labelled tokens per row (-100 ignored; ``shifted``: the positions after the first), or None without token labels."""
+    labels = inputs.get("labels") if hasattr(inputs, "get") else None
+    if not (isinstance(labels, torch.Tensor) and labels.dim() > 1):
+        return None
+    return [float(n) for n in (labels[:, 1:] if shifted else labels).ne(-100).flatten(1).sum(1).tolist()]
+
+
+def probe_weighting(compute_loss, model, inputs, layout, tolerance: float) -> str | None:
+    """Ask the loss what it averages over: the loss of two samples with different label counts, alone and together.
+    A kind of ``WEIGHTINGS``, ``"unknown"`` when none predicts the pair's loss, or ``UNDECIDED`` when this batch
+    cannot tell (one sample, or two candidates predict the same within ``tolerance``: the two losses are too close)."""
+    size = layout.size(inputs)
+    if size < 2:
+        return UNDECIDED
+    counts = label_counts(inputs)
+    per_sample = layout.per_sample(counts) if counts is not None else [1.0] * size
+    first, second = _most_unequal(per_sample[:16])
+    was_training = model.training
+    model.eval()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            alone = [float(compute_loss(model, layout.take(inputs, [i]), num_items_in_batch=None)) for i in (first, second)]
+            together = float(compute_loss(model, layout.take(inputs, [first, second]), num_items_in_batch=None))
+    finally:
+        model.train(was_training)
+    predicted = {"rows": sum(alone) / 2, "sum": sum(alone)}
+    for kind, shifted in (("tokens", False), ("next-tokens", True)):
+        rows = label_counts(inputs, shifted=shifted)
+        if rows is not None:
+            n = layout.per_sample(rows)
+            if n[first] + n[second] > 0:
+                predicted[kind] = (n[first] * alone[0] + n[second] * alone[1]) / (n[first] + n[second])
+    limit = tolerance * max(abs(together), 1e-6)
+    matching = [kind for kind, value in predicted.items() if abs(value - together) <= limit]
+    if not matching:
+        return "unknown"
+    # several candidates predict the pair's loss: equal label counts, or two losses too close to tell the weights apart
+    return matching[0] if len(matching) == 1 else UNDECIDED
+
+
+def _most_unequal(per_sample: list[float]) -> tuple[int, int]:
+    """The two samples whose counts differ most (by ratio): their weights then differ most between the candidates."""
+    best, pair = -1.0, (0, 1)
+    for i in range(len(per_sample)):
+        for j in range(i + 1, len(per_sample)):
+            a, b = per_sample[i], per_sample[j]
+            score = abs(a - b) / (a + b) if a + b > 0 else 0.0
+            if score > best:
+                best, pair = score, (i, j)
+    return pair
+
+
+def agree_on_weighting(found: str | None, accelerator) -> str | None:
+    """Every rank weighs by the same rule (the loss is the same code on every rank): a rank whose rows could not tell
+    takes the others' answer; ranks that found different answers make it unknown everywhere."""
+    if accelerator.num_processes < 2 or not torch.distributed.is_initialized():
+        return found
+    kinds = [None, "unknown", *WEIGHTINGS]
+    mine = torch.zeros(len(kinds), dtype=torch.int64, device=accelerator.device)
+    mine[kinds.index(found)] = 1
+    torch.distributed.all_reduce(mine)
+    decided = [kinds[i] for i in range(1, len(kinds)) if mine[i] > 0]
+    if not decided:
+        return UNDECIDED
+    return decided[0] if len(decided) == 1 else "unknown"

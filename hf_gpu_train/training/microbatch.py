@@ -101,6 +101,14 @@ class Rows:
         size = self.size(inputs)
         return [self.slice(inputs, start, min(size, start + micro)) for start in range(0, size, micro)]
 
+    def take(self, inputs: Mapping[str, Any], samples: list[int]) -> dict[str, Any]:
+        """The batch of these samples, in this order."""
+        return _take_rows(inputs, batch_size(inputs), samples)
+
+    def per_sample(self, per_row: list[float]) -> list[float]:
+        """A figure per row (labelled tokens) as a figure per sample."""
+        return list(per_row)
+
 
 class Pairs(Rows):
     """A preference batch: the chosen completions' rows, then the rejected ones' in the same order (TRL's DPO collator;
@@ -126,6 +134,30 @@ class Pairs(Rows):
             else:
                 chunk[key] = value
         return chunk
+
+
+    def take(self, inputs: Mapping[str, Any], samples: list[int]) -> dict[str, Any]:
+        pairs = self.size(inputs)
+        rows = [*samples, *(pairs + i for i in samples)]
+        chunk = _take_rows(inputs, 2 * pairs, rows)
+        return {k: (v[samples] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == pairs else chunk[k])
+                for k, v in chunk.items()}
+
+    def per_sample(self, per_row: list[float]) -> list[float]:
+        pairs = len(per_row) // 2
+        return [per_row[i] + per_row[pairs + i] for i in range(pairs)]
+
+
+def _take_rows(inputs: Mapping[str, Any], rows: int, chosen: list[int]) -> dict[str, Any]:
+    chunk = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            chunk[key] = value[chosen]
+        elif isinstance(value, list) and len(value) == rows:
+            chunk[key] = [value[i] for i in chosen]
+        else:
+            chunk[key] = value
+    return chunk
 
 
 PAIRED_TRAINERS = ("DPOTrainer", "CPOTrainer", "ORPOTrainer")  # TRL's trainers that concatenate chosen and rejected

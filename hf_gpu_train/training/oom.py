@@ -48,7 +48,16 @@ from transformers.trainer_callback import ExportableState
 from . import plain_state
 from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
 from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
-from .loss_scaling import LossScalingGuard, guard_loss_scaling
+from .loss_scaling import (
+    PROBE_TRIES,
+    UNDECIDED,
+    LossScalingGuard,
+    LossWeighting,
+    agree_on_weighting,
+    guard_loss_scaling,
+    label_counts,
+    probe_weighting,
+)
 from .microbatch import CHUNKS, describe_oom, is_oom_error, layout_for, loss_items, replaying_micro_steps
 from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
@@ -115,8 +124,12 @@ class _RecoveryHooks(TrainerCallback):
 
 
 class InPlaceOOMRecovery:
-    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 weighting: LossWeighting | None = None):
         self.trainer = trainer
+        self.weighting = weighting  # what a mean loss averages over: told, or asked of the loss at the first steps
+        self._probes = 0  # optimizer steps whose batch was probed for the weighting
+        self._per_sample: tuple = (None, None)  # (inputs, what each sample adds to the count the loss averages over)
         self.bucket_bytes = bucket_bytes
         self.overlapped_buckets = 0  # gradient buckets reduced while backward still ran (DDP's overlap), over the runs
         self.guard = guard
@@ -249,6 +262,8 @@ class InPlaceOOMRecovery:
         CHUNKS.begin_micro_step()
         if fresh:
             self._earlier, self._fatal = [], None
+            if self.weighting is None and self._probes < PROBE_TRIES:
+                self._decide_weighting(model, inputs, num_items_in_batch)
             self._tallies = plain_state.take(self.trainer)  # what a restarted step must not count twice
         reducer = self._reducer_for(model)
         distributed = self._distributed(model)
@@ -274,10 +289,9 @@ class InPlaceOOMRecovery:
                                 self._accumulate(model, *replay[0], micro, distributed=distributed)
                                 replay.pop(0)
                         replaying, events = False, reducer.grad_events
-                        for start in range(done, size, micro):
-                            stop = min(size, start + micro)
-                            loss = self._chunk(model, self.layout.slice(inputs, start, stop), num_items_in_batch, (stop - start) / size,
-                                               arm=syncs and stop == size, distributed=distributed)
+                        for start, stop in self._ranges(inputs, done, micro):
+                            loss = self._chunk(model, self.layout.slice(inputs, start, stop), num_items_in_batch,
+                                               self._share(inputs, start, stop), arm=syncs and stop == size, distributed=distributed)
                             total = loss if total is None else total + loss
                             done, events = stop, reducer.grad_events
                 except RestartStep as stop_here:  # a ballot inside someone's collective: every rank starts again
@@ -388,11 +402,76 @@ class InPlaceOOMRecovery:
     def _accumulate(self, model, inputs, num_items_in_batch, micro: int, distributed: bool) -> None:
         """An earlier micro-step computed again, whole, in micro-batches (its loss was already reported; a micro-step
         without sync, so no bucket is armed)."""
-        size = self.layout.size(inputs)
-        for begin in range(0, size, micro):
-            stop = min(size, begin + micro)
-            self._chunk(model, self.layout.slice(inputs, begin, stop), num_items_in_batch, (stop - begin) / size,
+        for begin, stop in self._ranges(inputs, 0, micro):
+            self._chunk(model, self.layout.slice(inputs, begin, stop), num_items_in_batch, self._share(inputs, begin, stop),
                         arm=False, distributed=distributed)
+
+    # -- what a micro-batch's loss weighs ----------------------------------------------------------
+    def _decide_weighting(self, model, inputs, num_items_in_batch) -> None:
+        """At the first optimizer steps, on every rank at once (the probe runs the Trainer's compute_loss, whose
+        collectives must pair up): ask the loss what it averages over, before any weight changes. A loss normalised by
+        ``num_items_in_batch`` adds up over micro-batches as it is and needs no answer."""
+        t = self.trainer
+        prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
+        if self.guard.answer is None and num_items_in_batch is not None:
+            self.guard.decide(model, prepared, num_items_in_batch)
+        if self._loss_already_scaled(num_items_in_batch):
+            self.weighting = LossWeighting("normalised")
+            return
+        self._probes += 1
+        probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        loose = t.args.bf16 or t.args.fp16 or any(p.dtype != torch.float32 for p in probed.parameters() if p.requires_grad)
+        tallies = plain_state.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
+        try:
+            found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=2e-2 if loose else 1e-4)
+        finally:
+            plain_state.put_back(t, tallies)
+        found = agree_on_weighting(found, t.accelerator)
+        if found is UNDECIDED and self._probes < PROBE_TRIES:
+            return  # the next step's batch may tell
+        name = type(t).__name__
+        if found == "unknown":
+            log.warning("OOM recovery: cannot tell what %s.compute_loss averages over: on two samples of different label "
+                        "counts its loss matched neither a mean over rows, nor a mean over labelled tokens, nor a sum. After "
+                        "an OOM micro-batches would be weighed by their share of rows, exact only for a mean over rows. Tell "
+                        "it: enable_oom_recovery(trainer, loss_weighting='rows' | 'tokens' | 'next-tokens' | 'sum', or a "
+                        "function of a micro-batch's inputs returning how many items its loss averages over)", name)
+        elif found is UNDECIDED:
+            found = "tokens" if label_counts(prepared) is not None else "rows"
+            log.warning("OOM recovery: the first %d batches could not tell what %s.compute_loss averages over (their "
+                        "samples' losses were too close, or had the same label counts); micro-batches are weighed by %s. "
+                        "If that is wrong, say it: enable_oom_recovery(trainer, loss_weighting=...)", PROBE_TRIES, name,
+                        LossWeighting(found).describe())
+        self.weighting = LossWeighting(found)
+
+    def _counts(self, inputs) -> list[float]:
+        """What each sample of this micro-step adds to the count its loss averages over (kept for the micro-step)."""
+        if self._per_sample[0] is not inputs:
+            weighting = self.weighting or LossWeighting("rows")
+            self._per_sample = (inputs, weighting.per_sample(inputs, self.layout))
+        return self._per_sample[1]
+
+    def _share(self, inputs, start: int, stop: int) -> float:
+        """Samples ``start:stop``'s weight in the micro-step's loss: their share of what the loss averages over."""
+        if self.weighting is not None and self.weighting.kind in ("normalised", "sum"):
+            return 1.0
+        return (self.weighting or LossWeighting("rows")).share(self._counts(inputs), start, stop)
+
+    def _ranges(self, inputs, start: int, micro: int) -> list[tuple[int, int]]:
+        """Micro-batches of at most ``micro`` samples from ``start``; under a mean over labelled tokens a micro-batch
+        without a labelled token (its own mean is 0/0) is joined to its neighbour."""
+        size = self.layout.size(inputs)
+        ranges = [(begin, min(size, begin + micro)) for begin in range(start, size, micro)]
+        if self.weighting is None or self.weighting.kind in ("normalised", "sum", "rows", "unknown"):
+            return ranges
+        counts = self._counts(inputs)
+        joined: list[tuple[int, int]] = []
+        for begin, stop in ranges:
+            if joined and (sum(counts[begin:stop]) == 0 or sum(counts[joined[-1][0]:joined[-1][1]]) == 0):
+                joined[-1] = (joined[-1][0], stop)
+            else:
+                joined.append((begin, stop))
+        return joined
 
     def _adopt(self, agreed: int | None, size: int) -> None:
         """Every rank runs the smallest micro-batch any rank needed."""
@@ -528,6 +607,8 @@ class InPlaceOOMRecovery:
         args = self.trainer.args
         parts, items, counted = [], [], False
         shifted = _predicts_next_token(model)
+        # what the training loss was found to average over; before the first training step, the labels' shape tells
+        known = self.weighting if self.weighting is not None and self.weighting.kind not in ("normalised", "unknown") else None
         averaging = args.average_tokens_across_devices
         args.average_tokens_across_devices = False  # each micro-batch counts its own items, without a collective
         try:
@@ -535,10 +616,15 @@ class InPlaceOOMRecovery:
                 self.seen_items = None
                 parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
                 counted = counted or self.seen_items is not None
-                items.append(float(self.seen_items) if self.seen_items is not None else float(loss_items(chunk, shifted)))
+                if self.seen_items is not None:
+                    items.append(float(self.seen_items))
+                elif known is not None:
+                    items.append(float(sum(known.per_sample(chunk, self.layout))))
+                else:
+                    items.append(float(loss_items(chunk, shifted)))
         finally:
             args.average_tokens_across_devices = averaging
-        loss, logits, labels = _combine(parts, items)
+        loss, logits, labels = _combine(parts, items, summed=known is not None and known.kind == "sum" and not counted)
         # only a loss normalised by the item count it was given is rescaled (TRL's prediction steps give none: their
         # loss is this rank's own mean, and stays one)
         if gathers and counted:
@@ -567,26 +653,30 @@ def _predicts_next_token(model) -> bool:
     return type(inner).__name__.endswith("ForCausalLM")
 
 
-def _combine(parts, weights):
-    """Join micro-batch ``prediction_step`` results: losses averaged by what each one averages over (samples,
-    or labelled tokens), logits and labels concatenated."""
+def _combine(parts, weights, summed: bool = False):
+    """Join micro-batch ``prediction_step`` results as the Trainer's evaluation loop joins batches: losses averaged by
+    what each one averages over (samples, or labelled tokens; added up for a loss that is a sum), logits, labels and
+    generated tokens concatenated, each padded to the longest along its second dimension with -100
+    (``nested_concat``): with ``predict_with_generate`` every micro-batch generates up to its own longest row."""
+    from transformers.trainer_pt_utils import nested_concat
+
     losses = [p[0] for p in parts]
     loss = None
     if all(x is not None for x in losses):
-        total = sum(weights) or 1
-        loss = sum(x * (w / total) for x, w in zip(losses, weights))
+        total = 1 if summed else (sum(weights) or 1)
+        loss = sum(x * (1 if summed else w / total) for x, w in zip(losses, weights))
 
-    def cat(items):
+    def join(items):
         if all(i is None for i in items):
             return None
-        first = items[0]
-        if isinstance(first, torch.Tensor):
-            return torch.cat(items, dim=0)
-        if isinstance(first, (tuple, list)):
-            return type(first)(cat([i[k] for i in items]) for k in range(len(first)))
-        return first
+        if not isinstance(items[0], (torch.Tensor, tuple, list, dict)):
+            return items[0]
+        joined = items[0]
+        for item in items[1:]:
+            joined = nested_concat(joined, item, padding_index=-100)
+        return joined
 
-    return loss, cat([p[1] for p in parts]), cat([p[2] for p in parts])
+    return loss, join([p[1] for p in parts]), join([p[2] for p in parts])
 
 
 def step_aside_reason(trainer) -> str | None:
@@ -606,15 +696,21 @@ def step_aside_reason(trainer) -> str | None:
     return None
 
 
-def enable_oom_recovery(trainer, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> InPlaceOOMRecovery:
+def enable_oom_recovery(trainer, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES,
+                        loss_weighting=None) -> InPlaceOOMRecovery:
     """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
     loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum. ``bucket_bytes``:
     the size of the gradient buckets averaged under DDP (DDP's ``bucket_cap_mb``, 25 MiB).
 
     Where recovery cannot work for this Trainer (``step_aside_reason``) it says so now, once, and changes nothing:
-    the returned object's ``stepped_aside`` holds the reason."""
+    the returned object's ``stepped_aside`` holds the reason.
+
+    ``loss_weighting``: what the loss averages over, when the loss itself cannot tell (``loss_scaling.py`` asks it at the
+    first steps and says so when it cannot): ``"rows"``, ``"tokens"`` (labelled tokens), ``"next-tokens"`` (a causal LM's
+    shifted labels), ``"sum"``, or a function of a micro-batch's inputs returning how many items its loss averages over."""
+    told = LossWeighting.told(loss_weighting) if loss_weighting is not None else None
     guard = guard_loss_scaling(trainer)
-    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes)
+    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes, weighting=told)
     reason = step_aside_reason(trainer)
     if reason is not None:
         recovery.stepped_aside = reason
