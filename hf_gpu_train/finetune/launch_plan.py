@@ -23,6 +23,7 @@ class AppliedPlan:
     memory: object | None  # launch.plan_resolution.MemoryCheck
     lines: tuple[str, ...]  # what the run says about it first
     here: object | None = None  # hardware.profile.HardwareProfile: this machine, detected once for the plan and the run
+    launched_strategy: str | None = None  # what the launch runs (launch/launched_strategy.py), read before the values applied
 
     def record(self, measured_peak_bytes: int | None, measured_what: str | None) -> dict:
         from ..launch.run_plan import plan_record
@@ -36,6 +37,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line).
     ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values.
     ``overrides``: the command line's key=value (with ``recipe``, the job tuned values are scoped to)."""
+    from ..launch.launched_strategy import launched_strategy
     from ..launch.machine_match import detect_this_machine, scope_to_this_machine, unset_planned_variables
     from ..launch.run_plan import (
         APPLIED_KEYS,
@@ -47,7 +49,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     )
     from ..launch.run_plan_file import data_stamps, tuned_keys_for
     from .memory_levers import planned_levers_that_hold, shape_levers
-    from .plan_scope import scope_to_this_run
+    from .plan_scope import scope_to_this_run, strategy_difference
 
     environ = os.environ if environ is None else environ
     plan = load_run_plan(environ)
@@ -66,8 +68,12 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
              *other_recipe]
     # what tune measured for this job and the plan still holds (a plan made for another machine holds none of it)
     tuned_here = frozenset(k for k in tuned_keys_for(plan, recipe, overrides, data) if plan.value(k) is not None)
-    # memory values made for another model, or a longer sequence: not applied (values tuned for this recipe stay)
-    plan, scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here), "made for another model or shape")
+    # memory values made for another model, a longer sequence, or another strategy than this launch runs: not applied
+    # (values tuned for this recipe stay, unless the strategy differs)
+    launched = launched_strategy(environ, on_cpu=not here.gpus)
+    why = "made for another strategy" if strategy_difference(plan, launched) else "made for another model or shape"
+    plan, scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here, launched), why)
+    tuned_here = frozenset(k for k in tuned_here if plan.value(k) is not None)  # measured under another strategy: gone
     lines += scoped
     if "precision" in tuned_here:
         plan, scoped = _tuned_precision_over_the_yamls(plan)
@@ -100,7 +106,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
                           method=cfg.method, lora_rank=cfg.lora_r, levers=shape_levers(cfg))
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
-    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here)
+    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here, launched)
 
 
 def _noting(not_applied: dict, before, after, lines: list, why: str) -> tuple[object, list]:
@@ -145,3 +151,42 @@ def _tuned_precision_over_the_yamls(plan) -> tuple[object, list[str]]:
     return dataclasses.replace(plan, launched=LaunchedAs(plan.launched.num_processes, None, plan.launched.gpu_ids)), [
         f"precision={plan.value('precision')} measured by hf-gpu-train tune for this recipe, over "
         f"{plan.config_file.name if plan.config_file else 'the YAML'}'s mixed_precision ({launched})"]
+
+
+def strategy_of_state(state) -> str | None:
+    """What accelerate's state runs, in the planner's words (launch/launched_strategy.py); None: something else."""
+    kind = str(getattr(state.distributed_type, "value", state.distributed_type))
+    if kind == "FSDP":
+        plugin = state.fsdp_plugin
+        if getattr(plugin, "fsdp_version", 1) == 2:
+            reshard = plugin.reshard_after_forward is not False
+            offload = type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
+        else:
+            reshard = "SHARD_GRAD_OP" not in str(plugin.sharding_strategy)
+            offload = bool(getattr(plugin.cpu_offload, "offload_params", False))
+        return ("fsdp" if reshard else "fsdp-shard-grad-op") + ("-offload" if offload else "")
+    if kind == "DEEPSPEED":
+        plugin = state.deepspeed_plugin
+        zero = (plugin.deepspeed_config or {}).get("zero_optimization") or {}
+        device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+        return f"deepspeed-zero{plugin.zero_stage}" + ("-offload" if device not in ("none", "") else "")
+    if kind == "NO":
+        return "single"
+    return "ddp" if kind.startswith("MULTI_") else None
+
+
+def confirm_launched_strategy(applied: AppliedPlan | None, state) -> str | None:
+    """The strategy the plan was scoped for was read from the launch's environment, before the Trainer existed; once
+    its accelerator does, what it runs is compared with it. A line when they differ (the plan's memory values were kept
+    or dropped for the wrong strategy), else None."""
+    from ..launch.launched_strategy import same_strategy
+
+    if applied is None or applied.launched_strategy is None:
+        return None
+    runs = strategy_of_state(state)
+    if runs is None or same_strategy(applied.launched_strategy, runs):
+        return None
+    return (f"accelerate runs {runs}, not the {applied.launched_strategy} its launch environment named when the plan was "
+            f"applied: the plan's memory values were kept or dropped for {applied.launched_strategy}; set this run's "
+            "per_device_train_batch_size and gradient_checkpointing yourself, or launch with `hf-gpu-train launch "
+            "--config-file NAME.yaml SCRIPT`")

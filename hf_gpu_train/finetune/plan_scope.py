@@ -92,42 +92,80 @@ def differences(plan, cfg: FinetuneConfig, spec) -> list[str]:
     return found
 
 
-def scope_to_this_run(plan, cfg: FinetuneConfig, tuned: frozenset = frozenset()):
+def strategy_difference(plan, launched: str | None) -> tuple[str, str] | None:
+    """(planned, launched) when this run was launched with another strategy than its plan's memory values were sized
+    for (launch/launched_strategy.py); None when they hold."""
+    from ..launch.launched_strategy import planned_strategy, same_strategy
+
+    planned = plan.memory.strategy if plan.memory is not None else plan.strategy.value
+    if launched is None or planned is None or same_strategy(planned, launched):
+        return None
+    return planned_strategy(planned), launched
+
+
+def scope_to_this_run(plan, cfg: FinetuneConfig, tuned: frozenset = frozenset(), launched: str | None = None):
     """(plan, lines): the plan as this run may apply it. When its memory plan was made for another model, or for a
     shorter sequence, a smaller image or a lighter method than this run's, its memory-derived values are dropped (the
     recipe's own apply) and its memory plan is re-pointed at this run's model and shape, so the memory check
     estimates what really trains. Values `hf-gpu-train tune` measured for this very recipe (``tuned``) were measured on
-    what it trains, and stay; the memory check still speaks of this run's model."""
+    what it trains, and stay; the memory check still speaks of this run's model. A run ``launched`` with another
+    strategy than the plan's (``launch.launched_strategy``) applies none of them, tuned ones included (tune measured
+    under the plan's strategy), and the memory check estimates the strategy that runs."""
+    strategy = strategy_difference(plan, launched)
+    if strategy is not None:
+        tuned = frozenset()
     if plan.memory is None:
-        return plan, []
+        return (plan, []) if strategy is None else _without_memory_values(plan, None, [], strategy=strategy)
     if plan.document is not None and not (plan.document.get("memory") or {}).get("planned_for", {}).get("fingerprint"):
         return _without_memory_values(plan, None, [f"{plan.path.name} records no fingerprint of the model they were made for "
-                                                   f"(an older hf-gpu-train): regenerate it with `{plan.command}`"], tuned)
+                                                   f"(an older hf-gpu-train): regenerate it with `{plan.command}`"], tuned,
+                                      strategy)
     same_name = canonical_name(plan.memory.model.name) == canonical_name(cfg.model)
     spec, why_not = (None, None) if same_name else run_model_spec(cfg)
     found = differences(plan, cfg, spec)
     if not same_name and spec is None:
         found.insert(0, f"model {plan.memory.model.name} -> {cfg.model} (its config cannot be read here: {why_not})")
-    if not found:
+    if not found and strategy is None:
         return plan, []
-    vision = cfg.task == "image-classification"
-    image_size = (cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size
-    if vision and spec is None and same_name and image_size != plan.memory.image_size:
-        spec, _ = run_model_spec(cfg)  # timm's activations were measured at the plan's image size: measure this one's
-    memory = None
-    if spec is not None or (same_name and image_size == plan.memory.image_size):
-        memory = dataclasses.replace(
-            plan.memory, model=spec or plan.memory.model, method=_method(cfg), global_batch_target=None,
-            seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len), image_size=image_size)
-    return _without_memory_values(plan, memory, found, tuned)
+    memory = plan.memory
+    if found:
+        vision = cfg.task == "image-classification"
+        image_size = (cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size
+        if vision and spec is None and same_name and image_size != plan.memory.image_size:
+            spec, _ = run_model_spec(cfg)  # timm's activations were measured at the plan's image size: measure this one's
+        memory = None
+        if spec is not None or (same_name and image_size == plan.memory.image_size):
+            memory = dataclasses.replace(
+                plan.memory, model=spec or plan.memory.model, method=_method(cfg), global_batch_target=None,
+                seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len), image_size=image_size)
+    if strategy is not None and memory is not None:
+        from ..launch.memory import STRATEGIES
+
+        launched_strategy = strategy[1]
+        memory = dataclasses.replace(memory, strategy=launched_strategy) if launched_strategy in (*STRATEGIES, "single") else None
+    return _without_memory_values(plan, memory, found, tuned, strategy)
 
 
-def _without_memory_values(plan, memory, why: list[str], keep: frozenset = frozenset()):
+def _without_memory_values(plan, memory, why: list[str], keep: frozenset = frozenset(),
+                           strategy: tuple[str, str] | None = None):
     """The plan without its memory-derived values (but ``keep``: measured for this run), ``memory`` as its memory
-    plan, and the line that says so."""
+    plan, and the line that says so (``strategy``: (planned, launched) when the run was launched with another)."""
     dropped = [k for k in MEMORY_KEYS if plan.value(k) is not None and k not in keep]
     checked = "" if memory is not None else "; memory not checked"
-    if not dropped and keep:
+    if strategy is not None:
+        from ..launch.launched_strategy import why_launched
+
+        planned, launched = strategy
+        if plan.value("gradient_accumulation_steps") is not None:
+            dropped.append("gradient_accumulation_steps")
+        shown = ", ".join(f"{k}={plan.value(k)}" for k in dropped) or "none decided"
+        yaml = plan.config_file or "NAME.yaml"
+        line = (f"plan made for {planned} but this run is {launched} ({why_launched(launched, planned)}): its memory values "
+                f"are not applied ({shown}){'; it was also made for another run: ' + '; '.join(why) if why else ''}; the "
+                f"recipe's values apply{checked}. To run the plan's strategy, launch with `hf-gpu-train launch --config-file "
+                f"{yaml} SCRIPT`, `accelerate launch --config_file {yaml} SCRIPT`, or the torchrun line `hf-gpu-train config` "
+                "prints (it carries accelerate's strategy variables)")
+    elif not dropped and keep:
         line = (f"the plan's memory plan was made for another run ({'; '.join(why)}): the values hf-gpu-train tune measured "
                 f"for this recipe apply{checked or ', and the memory check estimates what this run trains'}")
     else:

@@ -277,9 +277,13 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
                             callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
                             trainer_class=trainer_class or Trainer)
     del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
+    from .launch_plan import confirm_launched_strategy
+
+    strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # the plan was scoped for what runs
     guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
     # selective checkpointing, offloading, optimizer in backward
     lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
+    lever_lines += [strategy_line] if strategy_line else []
     if cfg.task == "causal-lm":  # the chunked head checked where the Trainer placed the model (every rank agrees)
         from .causal_lm.prepare import confirm_chunked_head
 

@@ -1,0 +1,93 @@
+"""The strategy a training process was launched with, in the planner's words, read before torch as accelerate reads it.
+
+A plan's micro-batch and accumulation are sized for its strategy: a micro-batch that fits beside sharded weights does
+not fit beside a whole replica. What a process really runs is decided by its launcher's environment: accelerate builds
+its state from ``ACCELERATE_USE_DEEPSPEED`` (DeepSpeed, unless the run is on the CPU: accelerate's state skips it there)
+and ``ACCELERATE_USE_FSDP`` (FSDP for several processes; on CPU processes finetune/fsdp.py shards as the launch asks),
+and the FSDP or DeepSpeed settings from the variables beside them. Without them, several processes are DDP and one is
+a single process. The run reads that before it applies the plan, and the Trainer's accelerator confirms it once it
+exists (finetune/launch_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+REPLICATED = ("single", "ddp")  # the whole model on every process: one process of a DDP plan is not another strategy
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    return str(environ.get(name, "false")).lower() in ("true", "1", "yes")
+
+
+def _deepspeed_file(environ: Mapping[str, str]) -> dict:
+    path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if not path or path == "none":
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}  # accelerate names an unreadable file itself when it builds the plugin
+    return data if isinstance(data, dict) else {}
+
+
+def deepspeed_launch(environ: Mapping[str, str]) -> tuple[int, bool] | None:
+    """(ZeRO stage, optimizer offloaded) the launch asked DeepSpeed for: its config file's, else the variables
+    (accelerate's default stage 2); None without DeepSpeed."""
+    if not _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
+        return None
+    zero = _deepspeed_file(environ).get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage")
+    if not isinstance(stage, int):
+        word = str(environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        stage = int(word) if word.isdigit() else 2
+    offload = zero.get("offload_optimizer") if "offload_optimizer" in zero else None
+    device = (offload or {}).get("device") if isinstance(offload, dict) else environ.get(
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+    return stage, str(device).lower() not in ("none", "")
+
+
+def launched_strategy(environ: Mapping[str, str], on_cpu: bool = False) -> str:
+    """single | ddp | fsdp | fsdp-shard-grad-op | fsdp-offload | deepspeed-zeroN[-offload]: what this process's launch
+    runs (``on_cpu``: no GPU here, or ACCELERATE_USE_CPU)."""
+    world = str(environ.get("WORLD_SIZE", "1"))
+    several = world.isdigit() and int(world) > 1
+    on_cpu = on_cpu or _flag(environ, "ACCELERATE_USE_CPU")
+    deepspeed = deepspeed_launch(environ)
+    if deepspeed is not None and not on_cpu:
+        stage, offload = deepspeed
+        return f"deepspeed-zero{stage}" + ("-offload" if offload else "")
+    if _flag(environ, "ACCELERATE_USE_FSDP") and (several or on_cpu):
+        reshard = str(environ.get("FSDP_RESHARD_AFTER_FORWARD", "true")).lower()
+        if reshard in ("no_shard", "3"):  # FSDP1's NO_SHARD replicates, as DDP does
+            return "ddp" if several else "single"
+        base = "fsdp-shard-grad-op" if reshard in ("false", "shard_grad_op", "2", "hybrid_shard_zero2", "5") else "fsdp"
+        return base + ("-offload" if _flag(environ, "FSDP_OFFLOAD_PARAMS") else "")
+    return "ddp" if several else "single"
+
+
+def planned_strategy(strategy: str | None) -> str | None:
+    """A plan's strategy in the words of ``launched_strategy`` (the CPU plans' cpu, cpu-ddp, cpu-fsdp)."""
+    return {"cpu": "single", "cpu-ddp": "ddp", "cpu-fsdp": "fsdp"}.get(strategy or "", strategy)
+
+
+def same_strategy(planned: str | None, launched: str | None) -> bool:
+    """Whether values sized for ``planned`` hold for ``launched`` (unknown: they do; single and ddp alike)."""
+    planned = planned_strategy(planned)
+    if planned is None or launched is None:
+        return True
+    return planned == launched or (planned in REPLICATED and launched in REPLICATED)
+
+
+def why_launched(launched: str, planned: str) -> str:
+    """What in the launch made it ``launched`` instead of ``planned``, for the run's one line."""
+    planned = planned_strategy(planned) or "?"
+    if planned.startswith("fsdp") and not launched.startswith("fsdp"):
+        return "accelerate was launched without ACCELERATE_USE_FSDP"
+    if planned.startswith("deepspeed") and not launched.startswith("deepspeed"):
+        return ("accelerate was launched without ACCELERATE_USE_DEEPSPEED" if launched in REPLICATED
+                else "accelerate was launched for FSDP")
+    return "the launch's FSDP or DeepSpeed settings are not the plan's"
