@@ -6,8 +6,9 @@
 1. only the error's text is kept; memory is freed *outside* the ``except`` block (the traceback holds
    tensors: pytorch #18853);
 2. the micro-batch is halved and the step goes on with the *same* inputs, cut into micro-batches whose losses
-   are scaled by their share of the batch (or left alone when the loss is normalised by
-   ``num_items_in_batch``), so the gradient equals the whole batch's. An OOM in forward keeps what earlier
+   are weighed by their share of what the loss averages over (rows, labelled tokens, a causal LM's next tokens; 1 for
+   a sum, or a loss normalised by ``num_items_in_batch``: ``loss_scaling.py`` asks the loss at the first step), so
+   the gradient equals the whole batch's. An OOM in forward keeps what earlier
    micro-batches accumulated; an OOM part-way through backward has already added part of a gradient, so that
    micro-step is recomputed from its first sample (with gradient accumulation, the earlier micro-steps of that
    optimizer step are computed again from their inputs, their tokens not counted twice). ``global_step``, the LR schedule, the data order and the
@@ -64,11 +65,13 @@ from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 log = logging.getLogger("hf_gpu_train.oom")
 SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")
 THRASH_STEPS = 3
+GROW_AFTER_STEPS = 50  # clean optimizer steps at a smaller micro-batch before trying twice as many samples again
 
 
 class OOMRecoveryState(TrainerCallback, ExportableState):
-    """The micro-batch sizes, saved in ``trainer_state.json`` with every checkpoint and restored on resume.
-    Data only: with ``restore_callback_states_from_checkpoint=True`` the Trainer replaces this object by a
+    """The micro-batch sizes, saved in ``trainer_state.json`` with every checkpoint: what the run needed, for the record.
+    A resumed run reads them, says them, and starts at the configured batch (it may run on another machine, with more
+    memory; an OOM there recovers again, in place). Data only: with ``restore_callback_states_from_checkpoint=True`` the Trainer replaces this object by a
     new one built from the checkpoint, and the recovery finds the new one (``_RecoveryHooks``)."""
 
     def __init__(self):
@@ -124,7 +127,7 @@ class _RecoveryHooks(TrainerCallback):
 
 
 class InPlaceOOMRecovery:
-    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES,
+    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
                  weighting: LossWeighting | None = None):
         self.trainer = trainer
         self.weighting = weighting  # what a mean loss averages over: told, or asked of the loss at the first steps
@@ -133,7 +136,9 @@ class InPlaceOOMRecovery:
         self.bucket_bytes = bucket_bytes
         self.overlapped_buckets = 0  # gradient buckets reduced while backward still ran (DDP's overlap), over the runs
         self.guard = guard
-        self.grow_after_steps = grow_after_steps
+        self.grow_after_steps = grow_after_steps or None
+        self._grow_wait = self.grow_after_steps  # doubles each time a grown micro-batch runs out of memory again
+        self._grown = False  # the micro-batch grew and has not yet run a whole wait since
         self.layout = layout_for(trainer)  # rows, or chosen/rejected pairs (TRL's DPO)
         self._training_step = trainer.training_step
         self._prediction_step = trainer.prediction_step
@@ -180,8 +185,14 @@ class InPlaceOOMRecovery:
             saved = saved[0] if isinstance(saved, list) and saved else saved
             for key, value in ((saved or {}).get("attributes") or {}).items():
                 setattr(self.state, key, value)
-        if self.state.micro_batch:
-            log.info("OOM recovery: resuming with micro-batch %s recorded in the checkpoint", self.state.micro_batch)
+        recorded = {"training": self.state.micro_batch, "evaluation": self.state.eval_micro_batch}
+        recorded = {phase: size for phase, size in recorded.items() if size}
+        if recorded:
+            log.warning("OOM recovery: the checkpoint recorded micro-batch %s after an out-of-memory error; this run "
+                        "starts at the configured batch (a new OOM recovers again, in place)",
+                        " and ".join(f"{size} in {phase}" for phase, size in recorded.items()))
+            self.state.micro_batch = self.state.eval_micro_batch = None
+        self.clean_steps, self._grow_wait, self._grown = 0, self.grow_after_steps, False
         self.fresh = True
         CHUNKS.reset()
 
@@ -479,7 +490,7 @@ class InPlaceOOMRecovery:
             return
         current = self.state.micro_batch or size
         self.state.micro_batch = agreed
-        self.clean_steps = 0
+        self._lowered()
         self.events.append({"step": self.trainer.state.global_step, "phase": "train", "batch": size, "from": current,
                             "to": agreed, "cause": "out of memory on another rank"})
         log.warning("OOM recovery (step %d): another rank ran out of memory; every rank now runs micro-batches of %d",
@@ -506,23 +517,37 @@ class InPlaceOOMRecovery:
         setattr(self.state, key, new)
         self.state.recoveries += 1
         if phase == "train":  # an evaluation OOM must not move when this rank grows the training micro-batch back
-            self.clean_steps = 0
+            self._lowered()
         event = {"step": self.trainer.state.global_step, "phase": phase, "batch": size, "from": micro, "to": new,
                  "cause": failure or "out of memory on another rank"}
         self.events.append(event)
         log.warning("OOM recovery (%s, step %d): %s; retrying the same %d samples as micro-batches of %d",
                     phase, event["step"], event["cause"], size, new)
 
+    def _lowered(self) -> None:
+        """The training micro-batch went down: count clean steps from here; a grown micro-batch that failed before a
+        whole wait passed makes the next wait twice as long (growing costs at most a recomputed step, and less and
+        less often)."""
+        self.clean_steps = 0
+        if self._grown and self._grow_wait:
+            self._grow_wait *= 2
+        self._grown = False
+
     def optimizer_step_done(self) -> None:
+        """After each optimizer step: grow the micro-batch back after ``_grow_wait`` clean steps. Every rank counts the
+        same steps (each shrinks or adopts the smallest micro-batch at the same ballot), so they grow at the same step."""
         self.fresh = True
         if self.state.micro_batch is None:
             return
         self.clean_steps += 1
-        if self.grow_after_steps and self.clean_steps >= self.grow_after_steps:
-            grown = self.state.micro_batch * 2  # try growing back; a new OOM halves it again
+        if self._grow_wait and self.clean_steps >= self._grow_wait:
+            if self._grown:  # the grown micro-batch ran a whole wait: the next growth waits the configured time again
+                self._grow_wait = self.grow_after_steps
+            grown = self.state.micro_batch * 2  # a new OOM halves it again, in place
             self.state.micro_batch = None if grown >= self._last_batch else grown  # None: the whole batch at once
-            self.clean_steps = 0
-            log.info("OOM recovery: %d clean steps, trying micro-batch %s", self.grow_after_steps, self.state.micro_batch or "full")
+            self.clean_steps, self._grown = 0, True
+            log.warning("OOM recovery: %d clean steps, trying micro-batch %s", self._grow_wait,
+                        self.state.micro_batch or f"{self._last_batch} (the whole batch)")
 
     # -- evaluation ------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -696,7 +721,7 @@ def step_aside_reason(trainer) -> str | None:
     return None
 
 
-def enable_oom_recovery(trainer, grow_after_steps: int | None = None, bucket_bytes: int = BUCKET_BYTES,
+def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
                         loss_weighting=None) -> InPlaceOOMRecovery:
     """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
     loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum. ``bucket_bytes``:
@@ -704,6 +729,9 @@ def enable_oom_recovery(trainer, grow_after_steps: int | None = None, bucket_byt
 
     Where recovery cannot work for this Trainer (``step_aside_reason``) it says so now, once, and changes nothing:
     the returned object's ``stepped_aside`` holds the reason.
+
+    ``grow_after_steps``: clean optimizer steps at a smaller micro-batch before it doubles again (the wait doubles
+    each time a grown micro-batch runs out of memory again); None: never grow back.
 
     ``loss_weighting``: what the loss averages over, when the loss itself cannot tell (``loss_scaling.py`` asks it at the
     first steps and says so when it cannot): ``"rows"``, ``"tokens"`` (labelled tokens), ``"next-tokens"`` (a causal LM's

@@ -124,7 +124,9 @@ def train_with_checkpoints(out, max_batch: int = 4):
     return trainer
 
 
-def test_resume_starts_with_the_recorded_micro_batch(tmp_path):
+def test_resume_starts_at_the_configured_micro_batch_and_says_so(tmp_path, caplog):
+    """The checkpoint records the micro-batch an OOM forced, but a resumed run (perhaps on another machine, with more
+    memory) starts at the configured batch: the next OOM recovers again, in place."""
     out = tmp_path / "resume"
     train_with_checkpoints(out)
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
@@ -133,8 +135,12 @@ def test_resume_starts_with_the_recorded_micro_batch(tmp_path):
     counting = OOMFaultInjector(max_batch=4).install(fresh_model)
     resumed = Trainer(model=fresh_model, args=oom_args(out, save_strategy="steps", save_steps=3), train_dataset=TokenDataset(n=96))
     recovery = enable_oom_recovery(resumed)
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
-    assert recovery.micro_batch == 4 and counting.raised == 0  # started small: no OOM again
+    with caplog.at_level("WARNING", logger="hf_gpu_train.oom"):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    said = [r for r in caplog.records if "recorded micro-batch 4" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING" and "configured" in said[0].getMessage()
+    assert counting.raised == 1 and recovery.events[0]["from"] == 8  # started whole, recovered once more
+    assert recovery.micro_batch == 4
 
 
 def test_helpers():
@@ -160,16 +166,31 @@ def test_two_gloo_processes_oom_on_rank_1_only(tmp_path, phase):
         assert torch.equal(r0["params"][key], r1["params"][key]), key
 
 
-def test_growing_back_after_clean_steps_is_opt_in(tmp_path):
-    injector = OOMFaultInjector(max_batch=4, times=1)  # one OOM, then the memory is there again
-    _, _, recovery = train(tmp_path, "grow", injector=injector, max_steps=6)
-    assert recovery.micro_batch == 4  # off by default: stays small
+def test_the_micro_batch_grows_back_by_default_and_backs_off_when_it_fails_again(tmp_path, caplog):
+    from hf_gpu_train.training.oom import GROW_AFTER_STEPS
+
+    _, clean, _ = train(tmp_path, "clean", max_steps=12)
+    assert enable_oom_recovery(Trainer(model=exact_bert(), args=oom_args(tmp_path / "d"))).grow_after_steps == GROW_AFTER_STEPS
+    # the memory came back after one OOM: one growth later, the whole batch again
     model = exact_bert()
     OOMFaultInjector(max_batch=4, times=1).install(model)
-    trainer = Trainer(model=model, args=oom_args(tmp_path / "grow2"), train_dataset=TokenDataset(n=96))
+    trainer = Trainer(model=model, args=oom_args(tmp_path / "grow"), train_dataset=TokenDataset(n=96))
     growing = enable_oom_recovery(trainer, grow_after_steps=2)
+    with caplog.at_level("WARNING", logger="hf_gpu_train.oom"):
+        trainer.train()
+    assert growing.micro_batch is None and len(growing.events) == 1
+    assert any("trying micro-batch" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    # the memory never came back: each failed growth doubles the wait (2, then 4, then 8 clean steps), and the run stays
+    # the clean run
+    model = exact_bert()
+    OOMFaultInjector(max_batch=4).install(model)
+    trainer = Trainer(model=model, args=oom_args(tmp_path / "tight", max_steps=12), train_dataset=TokenDataset(n=96))
+    tight = enable_oom_recovery(trainer, grow_after_steps=2)
     trainer.train()
-    assert growing.micro_batch is None and len(growing.events) == 1  # back to the whole batch
+    assert [e["step"] for e in tight.events] == [0, 2, 6] and tight.micro_batch == 4
+    assert_same_weights(model, clean)
+    off = enable_oom_recovery(Trainer(model=exact_bert(), args=oom_args(tmp_path / "off")), grow_after_steps=None)
+    assert off.grow_after_steps is None
 
 
 def test_allocator_retries_climbing_warn_before_the_crash(monkeypatch, caplog):
@@ -207,7 +228,7 @@ def test_one_rank_that_cannot_fit_one_sample_stops_every_rank_together(tmp_path)
 
 def test_restoring_callback_states_keeps_the_recovery_wired(tmp_path):
     """restore_callback_states_from_checkpoint=True makes the Trainer rebuild OOMRecoveryState from the checkpoint: the
-    recovery must use the new object (the recorded micro-batch), and go on shrinking it."""
+    recovery must use the new object (starting at the configured batch, not the recorded micro-batch), and shrink it."""
     out = tmp_path / "restore"
     train_with_checkpoints(out)
     fresh = exact_bert()
@@ -218,5 +239,5 @@ def test_restoring_callback_states_keeps_the_recovery_wired(tmp_path):
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
     states = [c for c in resumed.callback_handler.callbacks if type(c).__name__ == "OOMRecoveryState"]
     assert len(states) == 1 and states[0] is recovery.state  # the rebuilt object, not the one enable_oom_recovery made
-    assert recovery.micro_batch == 2 and tighter.raised == 1  # started at the recorded 4, shrank once more to 2
-    assert [e["from"] for e in recovery.events] == [4]
+    assert recovery.micro_batch == 2 and tighter.raised == 2  # started at the configured 8, shrank to 4 and to 2
+    assert [e["from"] for e in recovery.events] == [8, 4]
