@@ -136,10 +136,10 @@ def prepare(cfg: FinetuneConfig, runtime):
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
     from ..launch.decisions import accelerate_uses_cpu
-    from .checkpoints import CompleteCheckpointMarker
     from .intervals import interval_callbacks
 
-    return [CompleteCheckpointMarker(label_names), CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ)),
+    # the completion marker (with the label map) comes with guard_saves in finetune()
+    return [CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ)),
             *interval_callbacks(cfg.eval_strategy, cfg.save_strategy, cfg.checkpoint_minutes)]
 
 
@@ -221,9 +221,9 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
-    from ..training.disk_full import MERGED, guard_saves, saving_to
+    from ..training.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
     from .agreement import check_ranks_agree
-    from .checkpoints import is_main_process, write_label_map
+    from .checkpoints import is_main_process, label_map_writer, write_label_map
     from .evaluate_before import attach_evaluate_before, read_baseline, trained_rows
     from .fsdp import fsdp_requested, save_full_model
     from .memory_levers import apply_levers, release_memory, release_memory_before_cuda
@@ -280,7 +280,9 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     from .launch_plan import confirm_launched_strategy
 
     strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # the plan was scoped for what runs
-    guard_saves(trainer)  # a full disk while saving: a message naming it, the half-written checkpoint set aside
+    # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
+    # rank wrote it; a resume never takes a half-written one
+    guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(data.label_names))
     # selective checkpointing, offloading, optimizer in backward
     lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
     lever_lines += [strategy_line] if strategy_line else []
@@ -369,7 +371,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         from .causal_lm.outputs import merge_and_save
 
         samples.generate_after(trainer)  # generations.json, and a section of report.md
-        with saving_to(trainer, Path(cfg.output_dir), MERGED):
+        with saving_to(trainer, Path(cfg.output_dir), MERGED, FINETUNE_WORDS):
             merge_and_save(cfg, trainer, processing_class, data.model_path, compute_dtype(runtime))
     write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
     return metrics

@@ -6,8 +6,9 @@ them alone waits forever for the others. Two ways a run gets there, and what thi
 
 1. **A decision one rank takes alone**: a callback sets ``control.should_save`` (or ``should_evaluate``,
    ``should_log``, ``should_training_stop``) from something only its rank sees (its own clock, a file it reads).
-   Before the Trainer acts on its flags after a step, the ranks all-reduce them (one small all-reduce per step): any
-   rank's save or evaluation is every rank's. ``agree_on_control``.
+   Before the Trainer acts on its flags after a step, the ranks all-reduce them (one small all-reduce per step, a
+   second after a log, evaluation or save): any rank's save or evaluation is every rank's. ``agree_on_control``;
+   ``attach_watchdog``, ``attach_telemetry`` and ``guard_saves`` each install it.
 2. **A call made on one rank only**: ``if trainer.is_world_process_zero(): trainer.evaluate()`` (or
    ``save_model()`` under FSDP or DeepSpeed, where it gathers the shards). Each rank that enters such a call posts
    its entry to the rendezvous store and waits for every rank's; a rank that is seen going on to its next step
@@ -73,21 +74,49 @@ def _cpu_group(dist, timeout=None):
     return _CPU_GROUP[0]
 
 
-def agree_on_control(trainer) -> None:
+AFTER_AGREEMENT = "_hf_gpu_train_after_agreement"  # the hooks run once the flags are agreed (an attribute of ours)
+ACTING_FLAGS = ("should_log", "should_evaluate", "should_save")
+
+
+def agree_on_control(trainer, after_agreement=None) -> bool:
     """Agree the control flags before the Trainer logs, evaluates, saves or stops after a step (whatever callback set
-    them, in whatever order callbacks were added), and the stop flags again after (a callback's ``on_log``,
-    ``on_evaluate`` or ``on_save`` may set them from what its rank alone sees)."""
-    original = getattr(trainer, "_maybe_log_save_evaluate", None)
-    if original is None:  # a Trainer without this step: nothing to agree on here
-        return
+    them, in whatever order callbacks were added), and the stop flags again after a log, evaluation or save (a
+    callback's ``on_log``, ``on_evaluate`` or ``on_save`` may set them from what its rank alone sees; on the other
+    steps none of those runs, so the second all-reduce is left out). Installed once per Trainer, by whichever of
+    ``attach_watchdog``, ``attach_telemetry`` and ``guard_saves`` comes first. ``after_agreement()`` runs once the
+    flags are agreed, before the Trainer acts on them: the place for anything of ours that may enter a collective on a
+    flag (telemetry's gather at a log step). Returns False for a Trainer without this step (nothing agreed)."""
+    hooks = getattr(trainer, AFTER_AGREEMENT, None)
+    if hooks is None:
+        original = getattr(trainer, "_maybe_log_save_evaluate", None)
+        if original is None:  # a Trainer without this step: nothing to agree on here
+            return False
+        hooks = []
 
-    def agreed(*args, **kwargs):
-        agree_flags(trainer.control)
-        result = original(*args, **kwargs)  # an exception leaves at once: no collective while it is in flight
-        agree_flags(trainer.control, STOP_FLAGS)
-        return result
+        def agreed(*args, **kwargs):
+            agree_flags(trainer.control)
+            acting = any(getattr(trainer.control, name) for name in ACTING_FLAGS)  # agreed: alike on every rank
+            for hook in list(hooks):
+                hook()
+            result = original(*args, **kwargs)  # an exception leaves at once: no collective while it is in flight
+            if acting:
+                agree_flags(trainer.control, STOP_FLAGS)
+            return result
 
-    trainer._maybe_log_save_evaluate = agreed
+        trainer._maybe_log_save_evaluate = agreed
+        setattr(trainer, AFTER_AGREEMENT, hooks)
+    if after_agreement is not None and after_agreement not in hooks:
+        hooks.append(after_agreement)
+    return True
+
+
+def wait_for_every_rank() -> None:
+    """A barrier on the CPU (a gloo all-reduce of one integer), for a step every rank takes on an agreed decision."""
+    import torch
+
+    dist = _distributed()
+    if dist is not None:
+        dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=_cpu_group(dist))
 
 
 def publish_position(store, namespace: int, rank: int, position: dict) -> None:

@@ -3,10 +3,13 @@
 Without this the run ends in a traceback from deep inside ``torch.save`` or safetensors ("PytorchStreamWriter failed
 writing file", "IoError ... StorageFull"), with a half-written ``checkpoint-N`` next to the good ones. Here the save
 that failed on a full disk (``ENOSPC`` / ``EDQUOT``, however the writer wrapped it) becomes ``DiskFullError``, a usage
-error (exit 2), naming the directory, the space free and what the save needs. The half-written checkpoint has no
-completion marker, so the next run sets it aside (``incomplete-checkpoints/``) and resumes from the last complete
-one; it is not moved at once, as the other ranks may still be writing their RNG states into it. The earlier
-checkpoints and the config are never touched: the Trainer rotates old checkpoints only after a save succeeded.
+error (exit 2), naming the directory, the space free, what the save needs and the complete checkpoints kept.
+
+``guard_saves`` also marks every checkpoint complete once every rank has written it, and makes
+``train(resume_from_checkpoint=True)`` (or a path to a half-written checkpoint) set the half-written one aside
+(``incomplete-checkpoints/``) and resume from the newest complete one (``checkpoint_marker.py``). The half-written
+checkpoint is not moved at once, as the other ranks may still be writing their RNG states into it. The earlier
+checkpoints are never touched: the Trainer rotates old checkpoints only after a save succeeded.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, write_marker
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NO_SPACE_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "QuotaExceeded")
@@ -83,33 +89,44 @@ def state_bytes(trainer) -> int:
 
 def needed_bytes(trainer, output_dir: Path, failed: Path) -> tuple[int, str]:
     """(bytes, how they were counted) a save needs: the last complete checkpoint's size, else the state's tensors."""
-    from ..finetune.checkpoints import checkpoints, is_complete
-
-    complete = next((c for c in checkpoints(output_dir) if c != failed and is_complete(c)), None)
+    complete = next((c for c in complete_checkpoints(output_dir) if c != failed), None)
     if complete is not None:
         return folder_bytes(complete), f"the size of {complete.name}"
     return state_bytes(trainer), "the model's and the optimizer's tensors"
 
 
-def disk_full_message(trainer, folder: Path, what: str, needed: tuple[int, str]) -> str:
-    from ..finetune.checkpoints import checkpoints, is_complete
+@dataclass(frozen=True)
+class SaveWords:
+    """How the message names what else survives and how to go on: anyone's Trainer (the default) or the fine-tuning
+    entry point (``FINETUNE_WORDS``)."""
 
+    kept_too: str = ""  # ", and the config"
+    next_run: str = "a resume (train(resume_from_checkpoint=True))"  # who sets the half-written checkpoint aside
+    again: str = "train again"
+    resumes: str = "trainer.train(resume_from_checkpoint=True) resumes from {checkpoint}"
+
+
+FINETUNE_WORDS = SaveWords(kept_too=", and the config", next_run="the next run", again="run the same command again",
+                           resumes="it resumes from {checkpoint}")
+
+
+def disk_full_message(trainer, folder: Path, what: str, needed: tuple[int, str], words: SaveWords = SaveWords()) -> str:
     output_dir = Path(trainer.args.output_dir)
     usage = shutil.disk_usage(_existing(folder))
-    kept = [c.name for c in checkpoints(output_dir) if is_complete(c)]
+    kept = [c.name for c in complete_checkpoints(output_dir) if c != folder]
     lines = [f"the disk holding {output_dir} is full: writing {what} to {folder} failed with {human(usage.free)} free of "
              f"{human(usage.total)}; it needs about {human(needed[0])} ({needed[1]})."]
     if folder.name.startswith("checkpoint-"):
-        lines.append(f"The half-written {folder.name} has no completion marker: the next run sets it aside (delete it to "
-                     "free its space now).")
-    lines.append(f"Kept: {', '.join(kept) if kept else 'no complete checkpoint yet'}, and the config.")
-    lines.append("Free space (or save_total_limit=1, or an output_dir on a larger disk) and run the same command again"
-                 + (f": it resumes from {kept[0]}." if kept else "."))
+        lines.append(f"The half-written {folder.name} has no completion marker: {words.next_run} sets it aside (delete "
+                     "it to free its space now).")
+    lines.append(f"Kept: {', '.join(kept) if kept else 'no complete checkpoint yet'}{words.kept_too}.")
+    lines.append(f"Free space (or save_total_limit=1, or an output_dir on a larger disk) and {words.again}"
+                 + (f": {words.resumes.format(checkpoint=kept[0])}." if kept else "."))
     return " ".join(lines)
 
 
 @contextlib.contextmanager
-def saving_to(trainer, folder: Path, what: str):
+def saving_to(trainer, folder: Path, what: str, words: SaveWords = SaveWords()):
     """A save into ``folder``: a full disk inside becomes ``DiskFullError`` (the half-written files stay where they are:
     the other ranks may still write theirs into it; a resume sets an incomplete checkpoint aside)."""
     try:
@@ -122,21 +139,53 @@ def saving_to(trainer, folder: Path, what: str):
         if not (is_disk_full(error) or _writer_failed_for_space(error, folder, needed[0])):
             raise
         checkpoint = folder.name.startswith("checkpoint-")  # save_model writes a checkpoint's weights too
-        raise DiskFullError(disk_full_message(trainer, folder, "a checkpoint" if checkpoint else what, needed)) from error
+        raise DiskFullError(disk_full_message(trainer, folder, "a checkpoint" if checkpoint else what, needed, words)) from error
 
 
-def guard_saves(trainer) -> None:
-    """Turn a full disk during ``_save_checkpoint`` or ``save_model`` into ``DiskFullError``."""
-    def guarded(name: str, folder_of, what: str):
+def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None) -> None:
+    """For anyone's Trainer, before ``trainer.train()``: a full disk during ``_save_checkpoint`` or ``save_model``
+    becomes ``DiskFullError``; every checkpoint is marked complete once every rank has written it (``before_marker``
+    writes the caller's own files into it first, on the main process); ``train(resume_from_checkpoint=True)`` or a path
+    to a half-written checkpoint resumes from the newest complete one (``checkpoint_marker.resume_point``).
+
+    Waiting for every rank before the marker is a collective, so the control flags that decide a save are agreed
+    across the ranks first (``collective_gate.agree_on_control``): a save one rank's callback asked for alone is every
+    rank's. A Trainer without that step is not waited for: its marker is written when the main process finished."""
+    from .collective_gate import agree_on_control, wait_for_every_rank
+
+    agreed = agree_on_control(trainer)
+
+    def checkpoint_folder() -> Path:
+        return Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+
+    def guarded(name: str, folder_of, what: str, mark: bool = False):
         original = getattr(trainer, name)
 
         def saving(*args, **kwargs):
-            with saving_to(trainer, folder_of(args, kwargs), what):
-                return original(*args, **kwargs)
+            folder = folder_of(args, kwargs)
+            main = trainer.is_world_process_zero()
+            with saving_to(trainer, folder, what, words):
+                if mark and main:
+                    begin_save(folder, trainer.state.global_step)
+                result = original(*args, **kwargs)
+                if mark and agreed:
+                    wait_for_every_rank()  # every rank's RNG state (and shards) written before the marker
+                if mark and main and folder.is_dir():
+                    write_marker(folder, trainer.state.global_step, before_marker)
+            return result
 
         setattr(trainer, name, saving)
 
-    guarded("_save_checkpoint", lambda a, kw: Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}",
-            "a checkpoint")
+    guarded("_save_checkpoint", lambda a, kw: checkpoint_folder(), "a checkpoint", mark=True)
     guarded("save_model", lambda a, kw: Path(kw.get("output_dir") or (a[0] if a and a[0] else trainer.args.output_dir)),
             "the model")
+    train = trainer.train
+
+    def train_from_a_complete_checkpoint(*args, **kwargs):
+        if args:
+            args = (resume_point(args[0], trainer.args.output_dir), *args[1:])
+        elif "resume_from_checkpoint" in kwargs:
+            kwargs["resume_from_checkpoint"] = resume_point(kwargs["resume_from_checkpoint"], trainer.args.output_dir)
+        return train(*args, **kwargs)
+
+    trainer.train = train_from_a_complete_checkpoint

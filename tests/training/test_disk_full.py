@@ -9,6 +9,7 @@ import subprocess
 import uuid
 
 import pytest
+import torch
 
 from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR
 from hf_gpu_train.finetune.run import main
@@ -82,3 +83,66 @@ def test_a_real_disk_that_fills_up_on_a_small_tmpfs(small_tmpfs, case, capsys): 
     out = small_tmpfs / "out"
     assert main(args(case, out, "save_strategy=steps", "save_steps=2", "save_total_limit=3")) == 2
     _assert_stopped_cleanly(out, capsys.readouterr().err, 4)
+
+
+def _plain_trainer(out, max_steps=4):
+    from transformers import Trainer
+
+    from ..callbacks.tiny import TokenDataset, tiny_args, tiny_bert
+
+    return Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=max_steps, per_device_train_batch_size=8, logging_steps=1,
+                                                     save_strategy="steps", save_steps=1),
+                   train_dataset=TokenDataset(n=64))
+
+
+def _weights(trainer) -> dict:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("resume", ["newest", "the half-written path"])
+def test_guard_saves_in_a_plain_trainer_keeps_checkpoint_1_and_resumes_from_it(tmp_path, monkeypatch, caplog, resume):
+    """Issue 28, item 5: in anyone's Trainer, guard_saves marks each complete checkpoint, so a disk that fills up at the
+    second checkpoint names checkpoint-1 as kept, and train(resume_from_checkpoint=True) (or the half-written
+    checkpoint's own path) sets checkpoint-2 aside and resumes from checkpoint-1, to the weights of an uninterrupted
+    run."""
+    from transformers import Trainer
+
+    from hf_gpu_train.training.disk_full import DiskFullError, guard_saves
+
+    reference = _plain_trainer(tmp_path / "reference")
+    reference.train()
+    out = tmp_path / "out"
+    original = Trainer._save_optimizer_and_scheduler
+
+    def fills_up(self, output_dir):
+        if self.state.global_step == 2:
+            raise RuntimeError("SafetensorError: IoError(Os { code: 28, kind: StorageFull, message: ... })") \
+                from OSError(errno.ENOSPC, "No space left on device")
+        return original(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", fills_up)
+    first = _plain_trainer(out)
+    guard_saves(first)
+    with pytest.raises(DiskFullError) as raised:
+        first.train()
+    message = str(raised.value)
+    assert f"writing a checkpoint to {out / 'checkpoint-2'} failed with" in message
+    assert "Kept: checkpoint-1." in message and "no complete checkpoint" not in message and "config" not in message
+    assert "train(resume_from_checkpoint=True) resumes from checkpoint-1" in message
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", original)
+
+    second = _plain_trainer(out)
+    guard_saves(second)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_gpu_train"):
+        second.train(resume_from_checkpoint=True if resume == "newest" else str(out / "checkpoint-2"))
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("hf_gpu_train")]
+    assert len(said) == 1 and f"resuming from {out / 'checkpoint-1'}" in said[0] and "checkpoint-2" in said[0], said
+    aside = list((out / SET_ASIDE_DIR).iterdir())
+    assert [p.name.split(".")[0] for p in aside] == ["checkpoint-2"]  # set aside, not deleted
+    assert second.state.global_step == 4
+    got, expected = _weights(second), _weights(reference)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # every checkpoint the resumed run wrote is complete, the one it wrote again at step 2 included
+    assert all((p / COMPLETE_MARKER).is_file() for p in out.glob("checkpoint-*"))
