@@ -11,9 +11,15 @@ The hooks are thin: they take timestamps and call the pure functions in ``window
 out through the public ``Trainer.log``, so TensorBoard and every ``report_to`` sink get them).
 
 What it costs per step: two timestamps, and forward hooks that add the batch's token count into a
-device tensor and time the forward (CUDA events on a GPU). No host sync and no collective happen
-between log steps; at a log step one device sync reads the counters and one collective gathers the
-ranks' summaries (tokens included).
+device tensor and time the forward (CUDA events on a GPU). No host sync happens between log steps; at a log step one
+device sync reads the counters and one collective gathers the ranks' summaries (tokens included).
+
+That gather is entered on a decision every rank shares, never on a flag one rank set alone: a callback may set
+``control.should_log`` from what only its rank sees. So the control flags are agreed across the ranks after each step
+(``training/collective_gate.agree_on_control``: one all-reduce of 5 integers on the CPU per step, the same one the
+watchdog uses, installed once), and telemetry emits right after that agreement, where the Trainer then logs its loss:
+every rank gathers, or none. A Trainer without that step (not transformers') gathers only at the logging schedule's
+steps, which every rank computes alike, and logs any other step's figures from its own rank.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class TelemetryCallback(TrainerCallback):
         self._last_retries = 0.0
         self._last_kind: str | None = None
         self._closed = False
+        self._agreed_on: Any = None  # the Trainer whose agreed flags call _after_agreement
+        self._emitted_step = -1  # the last step emitted (a Trainer logs a step once)
+        self._gathered_step = -1  # the last step whose window every rank gathered
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _open_backend(self) -> NvmlBackend | None:
@@ -93,10 +102,19 @@ class TelemetryCallback(TrainerCallback):
             log.info("telemetry: NVML unavailable (%s): host and loop metrics only", failure)
             return None
 
+    def agree_flags_of(self, trainer) -> None:
+        """Emit once ``trainer``'s control flags are agreed across the ranks (installing the agreement if nothing did)."""
+        from ..training.collective_gate import agree_on_control
+
+        if self._agreed_on is not trainer and agree_on_control(trainer, self._after_agreement):
+            self._agreed_on = trainer
+
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if self.trainer is None:  # Trainer(callbacks=[TelemetryCallback()]): the route most callbacks take
             self._attach_late(find_calling_trainer())
+        self.agree_flags_of(self.trainer)
         self._closed = False
+        self._emitted_step = self._gathered_step = state.global_step  # a resume's first window starts here
         self.device = model_device(model)
         backend = self._open_backend()
         handles: dict[int, Any] = {}
@@ -116,7 +134,7 @@ class TelemetryCallback(TrainerCallback):
             self.forward_timer = ForwardTimer(self.device).install(model)
         self._estimate_flops(args, model, train_dataloader)
         self._install_batch_timer(train_dataloader)
-        steps_strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy)) == "steps"
+        steps_strategy = logging_strategy(args) == "steps"
         self._interval_steps = int(state.logging_steps or 1) if steps_strategy else 1
         return control
 
@@ -134,8 +152,11 @@ class TelemetryCallback(TrainerCallback):
         self._closed = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.sampler is not None and not self._closed and self.timer.step_times:  # steps since the last log
-            self._emit(args, state, final=True)
+        if self.sampler is not None and not self._closed:
+            # steps since the last gather: alike on every rank (each gather was every rank's), so all gather or none
+            gather = state.global_step > self._gathered_step
+            if gather or self.timer.step_times:  # steps since the last log
+                self._emit(args, state, final=True, gather=gather)
         self.close()
         deciding = deciding_window(self.records, self._interval_steps)
         if deciding is not None:
@@ -168,19 +189,28 @@ class TelemetryCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.timer.step_end(time.perf_counter())
         self.tokens.micro_step_done()
-        if control.should_log and not self.emitting:
-            self._emit(args, state)
-            # Trainer.log -> CallbackHandler.on_log clears should_log; the Trainer still has its own loss to log
-            control.should_log = True
-            self.timer.pause_end(time.perf_counter())
+        if self._agreed_on is None and control.should_log and not self.emitting:  # flags not agreed: see the docstring
+            self._emit_at_log(args, state, control, gather=on_logging_schedule(args, state))
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if control.should_log and not self.emitting and str(getattr(args.logging_strategy, "value", args.logging_strategy)) == "epoch":
-            self._emit(args, state)
-            control.should_log = True
-            self.timer.pause_end(time.perf_counter())
+        if self._agreed_on is None and control.should_log and not self.emitting and logging_strategy(args) == "epoch":
+            self._emit_at_log(args, state, control, gather=True)  # every rank's epoch ends at the same step
         return control
+
+    def _after_agreement(self) -> None:
+        """The flags are every rank's here (``collective_gate.agree_on_control``), and the Trainer logs next."""
+        trainer = self.trainer
+        control, state = trainer.control, trainer.state
+        if (control.should_log and not self.emitting and self.sampler is not None and not self._closed
+                and state.global_step > self._emitted_step):
+            self._emit_at_log(trainer.args, state, control, gather=True)
+
+    def _emit_at_log(self, args, state, control, gather: bool) -> None:
+        self._emit(args, state, gather=gather)
+        # Trainer.log -> CallbackHandler.on_log clears should_log; the Trainer still has its own loss to log
+        control.should_log = True
+        self.timer.pause_end(time.perf_counter())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.timer.pause_end(time.perf_counter())
@@ -254,7 +284,9 @@ class TelemetryCallback(TrainerCallback):
             example = collate([dataset[0]])
         self.flops = ModelFlops(per_sample=counted_flops_per_sample(model, example))
 
-    def _emit(self, args, state, final: bool = False) -> None:
+    def _emit(self, args, state, final: bool = False, gather: bool = True) -> None:
+        """``gather``: every rank emits here too (a decision they share), so the ranks' summaries are gathered; else
+        this rank's figures alone, its tokens left for the next gathered window (the run's token count stays exact)."""
         samples = self.sampler.drain() if self.sampler else []
         metrics, reasons = summarize_samples(samples)
         loop = self.timer.take()
@@ -268,7 +300,12 @@ class TelemetryCallback(TrainerCallback):
         micro = self._oom_micro_batch()
         if micro is not None:
             metrics["loop/micro_batch"] = float(micro)
-        ranks, tokens = gather_ranks(metrics, sorted(self.gpu_names), self.tokens.take(), state.is_world_process_zero)
+        if gather:
+            ranks, tokens = gather_ranks(metrics, sorted(self.gpu_names), self.tokens.take(), state.is_world_process_zero)
+            self._gathered_step = state.global_step
+        else:
+            ranks, tokens = [], 0
+        self._emitted_step = state.global_step
         world = max(1, args.world_size)
         per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         metrics.update(window_throughput(loop.get("loop/train_time_s"), steps, per_step, tokens, self.flops, self.peak, world))
@@ -348,6 +385,16 @@ class TelemetryNotAttached(RuntimeError):
     pass
 
 
+def logging_strategy(args) -> str:
+    return str(getattr(args.logging_strategy, "value", args.logging_strategy))
+
+
+def on_logging_schedule(args, state) -> bool:
+    """Whether the Trainer's own schedule logs this step (``DefaultFlowCallback``): every rank computes it alike."""
+    return ((logging_strategy(args) == "steps" and bool(state.logging_steps) and state.global_step % state.logging_steps == 0)
+            or (state.global_step == 1 and bool(args.logging_first_step)))
+
+
 def find_calling_trainer(max_depth: int = 12):
     """The ``transformers.Trainer`` whose method is on the call stack (``_inner_training_loop`` calls
     ``callback_handler.on_train_begin``), or None."""
@@ -374,6 +421,7 @@ def attach_telemetry(trainer, compact_console: bool = True, **kwargs) -> Telemet
     guard_loss_scaling(trainer)
     callback = TelemetryCallback(trainer=trainer, **kwargs)
     trainer.add_callback(callback)
+    callback.agree_flags_of(trainer)  # its gather at a log step is every rank's (module docstring)
     if compact_console:
         use_compact_console(trainer, callback)
     train = trainer.train
