@@ -423,20 +423,26 @@ class InPlaceOOMRecovery:
         collectives must pair up): ask the loss what it averages over, before any weight changes. A loss normalised by
         ``num_items_in_batch`` adds up over micro-batches as it is and needs no answer."""
         t = self.trainer
-        prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
-        if self.guard.answer is None and num_items_in_batch is not None:
-            self.guard.decide(model, prepared, num_items_in_batch)
-        if self._loss_already_scaled(num_items_in_batch):
+        if self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch):
             self.weighting = LossWeighting("normalised")
             return
+        # before the loss guard has decided (it does at the step's first compute_loss, inside the recovery's reach) the
+        # probe runs anyway: a loss normalised by num_items_in_batch is then scaled by 1 at every call whatever it found
+        prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
         self._probes += 1
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         loose = t.args.bf16 or t.args.fp16 or any(p.dtype != torch.float32 for p in probed.parameters() if p.requires_grad)
         tallies = plain_state.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
         try:
             found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=2e-2 if loose else 1e-4)
+        except Exception as error:  # two samples without gradients did not fit: the next step asks again
+            if not is_oom_error(error):
+                raise
+            found = UNDECIDED
         finally:
             plain_state.put_back(t, tallies)
+        if found is UNDECIDED:
+            self._free_memory()
         found = agree_on_weighting(found, t.accelerator)
         if found is UNDECIDED and self._probes < PROBE_TRIES:
             return  # the next step's batch may tell

@@ -34,8 +34,10 @@ class _Lines(logging.Handler):
 
 
 def train(out: Path, kind: str, per_device: int, ours: bool = True, oom: dict | None = None,
-          evaluate: bool = False, accumulation: int = 1) -> tuple:
+          evaluate: bool = False, accumulation: int = 1, mean_loss: bool = False) -> tuple:
     trainer = build(kind, str(out), per_device, accumulation)
+    if mean_loss:  # what a user who knows does for a mean loss (transformers 5 multiplies it by the processes otherwise)
+        trainer.model_accepts_loss_kwargs = False
     lines = _Lines()
     logging.getLogger("hf_gpu_train").addHandler(lines)
     injector = OOMFaultInjector(**oom).install(trainer.model) if oom else None

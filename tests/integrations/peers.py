@@ -152,6 +152,30 @@ def build(kind: str, out: str, per_device: int, accumulation: int = 1):
         prompts = [{"prompt": r["prompt"]} for r in prompt_completion()]
         trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward_length, train_dataset=Dataset.from_list(prompts),
                               processing_class=tok, peft_config=lora())
+    elif kind in FAMILIES:
+        trainer = family_trainer(kind, out, per_device, accumulation)
     else:
         raise ValueError(kind)
     return trainer
+
+
+# the families whose losses average over other things than a causal LM's (tests/training/families.py): an
+# encoder-decoder in Seq2SeqTrainer evaluated with generation, token classification and masked LM (means over labelled
+# tokens), and a vision model in a plain Trainer (ViT: its loss is normalised by num_items_in_batch)
+FAMILIES = {"T5Seq2Seq": "t5", "TokenClassification": "token", "MaskedLM": "mlm", "ViT": "vit"}
+
+
+def family_trainer(kind: str, out: str, per_device: int, accumulation: int = 1):
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
+
+    from tests.training.families import Rows, model
+
+    family = FAMILIES[kind]
+    rows = Rows(family, n=48)
+    common = common_args(out, per_device, accumulation)
+    if family == "t5":
+        args = Seq2SeqTrainingArguments(**common, predict_with_generate=True, generation_max_length=30)
+        cls = Seq2SeqTrainer
+    else:
+        args, cls = TrainingArguments(**common), Trainer
+    return cls(model=model(family), args=args, train_dataset=rows, eval_dataset=torch.utils.data.Subset(rows, range(16)))

@@ -27,9 +27,17 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
-SPLITTABLE = ("Trainer", "subclass", "Seq2SeqTrainer", "SFTTrainer", "DPOTrainer")
+FAMILIES = ("T5Seq2Seq", "TokenClassification", "MaskedLM", "ViT")  # peers.FAMILIES: other losses than a causal LM's
+SPLITTABLE = ("Trainer", "subclass", "Seq2SeqTrainer", "SFTTrainer", "DPOTrainer", *FAMILIES)
 ALL = (*SPLITTABLE, "GRPOTrainer")
-EVALUATED = ("subclass", "SFTTrainer")  # prediction steps that gather across ranks (TRL's compute_loss in eval mode)
+# prediction steps that gather across ranks (TRL's compute_loss in eval mode), and generation (predict_with_generate)
+EVALUATED = ("subclass", "SFTTrainer", "T5Seq2Seq")
+# a loss that is each rank's own mean over its labelled tokens: DDP averages the ranks' means, which is not one process's
+# mean over every token when the ranks hold different token counts (the Trainer's semantics, not ours): 2 processes with
+# our pieces are compared with 2 processes of the same trainer without them, told that its loss is a mean
+# (model_accepts_loss_kwargs=False: without it transformers 5 multiplies these losses by the number of processes, the
+# defect the loss guard corrects)
+PER_RANK_MEAN = ("T5Seq2Seq", "TokenClassification", "MaskedLM")
 EVAL = ("2 processes, evaluation", "2 processes, OOM on rank 1 in evaluation")
 ONE = {"ours, no OOM": dict(per_device=8),
        "OOM in forward": dict(per_device=8, oom=dict(max_batch=4, phase="forward")),
@@ -65,8 +73,11 @@ def runs(tmp_path_factory) -> dict:
         plan[file_name(kind, "2 processes, evaluation")] = dict(kind=kind, per_device=4, evaluate=True)
         plan[file_name(kind, "2 processes, OOM on rank 1 in evaluation")] = dict(
             kind=kind, per_device=4, evaluate=True, oom=dict(max_batch=2, rank=1, phase="forward", eval_too=True))
-    # GRPO samples completions: 2 processes are compared with 2 processes without our pieces
-    plan[file_name("GRPOTrainer", "2 processes, without ours")] = dict(kind="GRPOTrainer", per_device=4, ours=False)
+    # GRPO samples completions, the per-rank means average differently on 2 processes: both are compared with 2 processes
+    # without our pieces
+    for kind in ("GRPOTrainer", *PER_RANK_MEAN):
+        plan[file_name(kind, "2 processes, without ours")] = dict(kind=kind, per_device=4, ours=False,
+                                                                  mean_loss=kind in PER_RANK_MEAN)
     plan[file_name("GRPOTrainer", "2 processes, ours, no OOM")] = dict(kind="GRPOTrainer", per_device=4)
     done = launch(cpu_config(out), Path(__file__).with_name("peer_probe.py"), str(out), json.dumps(plan), timeout=900)
     assert done.returncode == 0, done.stderr[-6000:]
@@ -93,11 +104,18 @@ def test_the_reference_trains(runs, kind):
     assert_trained(runs[(kind, "reference")]["params"], initial, at_least=1e-3)
 
 
+def reference_for(runs: dict, kind: str, name: str) -> dict:
+    """One process at the whole batch; for a per-rank mean on 2 processes, 2 processes without our pieces."""
+    if name.startswith("2 processes") and kind in PER_RANK_MEAN:
+        return runs[(kind, "2 processes, without ours")]
+    return runs[(kind, "reference")]
+
+
 @pytest.mark.parametrize("name", [*ONE, *TWO])
 @pytest.mark.parametrize("kind", SPLITTABLE)
 def test_our_pieces_and_a_recovered_oom_change_nothing(runs, kind, name):
     got = runs[(kind, name)]
-    assert_same_run(got, runs[(kind, "reference")])
+    assert_same_run(got, reference_for(runs, kind, name))
     assert not got["stepped_aside"]
     oom = {**ONE, **TWO}[name].get("oom")
     if oom:
@@ -122,8 +140,8 @@ def test_an_oom_after_the_first_step_or_in_a_later_micro_step_changes_nothing(ru
 @pytest.mark.parametrize("kind", SPLITTABLE)
 def test_the_trainers_own_tallies_count_each_sample_once(runs, kind):
     """TRL's num_tokens, a subclass's own token tally: a recovered step (and the loss probe) counts nothing twice."""
-    reference = runs[(kind, "reference")]
     for name in [*ONE, *TWO]:
+        reference = reference_for(runs, kind, name)
         got = runs[(kind, name)]
         assert got["tallies"] == reference["tallies"], name
         if "tokens_seen" in reference["own_tallies"]:
@@ -133,7 +151,8 @@ def test_the_trainers_own_tallies_count_each_sample_once(runs, kind):
 @pytest.mark.parametrize("kind", ALL)
 def test_telemetry_reaches_the_log_history_of_every_trainer(runs, kind):
     keys = runs[(kind, "ours, no OOM")]["telemetry_keys"]
-    assert {"loop/tokens_per_s", "loop/step_time_s", "host/rss_gib"} <= set(keys), keys
+    rate = "loop/samples_per_s" if kind == "ViT" else "loop/tokens_per_s"  # images have no tokens
+    assert {rate, "loop/step_time_s", "host/rss_gib"} <= set(keys), keys
     assert not any(k.startswith("train/") for k in keys)  # report_to sinks add their own "train/" prefix
 
 
