@@ -2,7 +2,8 @@
 step 3 on rank 0 only (``should_log`` is off the logging schedule there: every 2 steps). Each case trains the tiny BERT
 for 6 steps in turn, in one process group:
 
-- ``reference``: telemetry, no such callback (the weights every case must end with);
+- ``reference``: telemetry and no callback of the user's (so no flag agreement either: every callback sets its flags
+  alike on every rank; the weights every case must end with);
 - ``log``: telemetry alone, ``should_log`` on rank 0;
 - ``log+watchdog``: telemetry and the watchdog, ``should_log`` on rank 0;
 - ``evaluate``: telemetry alone, ``should_evaluate`` on rank 0;
@@ -73,9 +74,9 @@ for case in ("reference", *FLAG):
     deadline.start()
     folder = out / case
     seen = Seen()
-    callbacks = [OnRankZeroAlone(FLAG[case])] if case in FLAG else []
+    callbacks = [OnRankZeroAlone(FLAG[case]), seen] if case in FLAG else []
     trainer = Trainer(model=tiny_bert(), args=tiny_args(folder, max_steps=6, logging_steps=2, per_device_eval_batch_size=8),
-                      train_dataset=TokenDataset(n=96), eval_dataset=TokenDataset(n=16), callbacks=[*callbacks, seen])
+                      train_dataset=TokenDataset(n=96), eval_dataset=TokenDataset(n=16), callbacks=callbacks)
     telemetry = None
     if case == "save+guard":
         guard_saves(trainer)

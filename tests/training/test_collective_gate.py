@@ -110,3 +110,35 @@ def test_save_model_is_gated_only_where_it_gathers_and_only_when_the_user_calls_
     assert gathers_in_save_model(trainer(zero=3)) and not gathers_in_save_model(trainer(zero=2))
     # save_model(output_dir, _internal_call): the Trainer's own call from _save_checkpoint is gated there
     assert _user_call("dir") and not _user_call("dir", _internal_call=True) and not _user_call("dir", True)
+
+
+def test_the_flags_are_agreed_only_where_a_callback_may_set_one_alone():
+    """Issue 28, item 4: with only callbacks that set their flags from what every rank sees (the Trainer's own, ours, the
+    report_to sinks) the per-step all-reduce is left out; any other callback (a user's, a subclass, transformers'
+    JITCheckpointCallback) turns it on."""
+    from transformers import Trainer, TrainerCallback
+    from transformers.integrations.integration_utils import CodeCarbonCallback
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    from hf_gpu_train.callbacks import attach_telemetry
+    from hf_gpu_train.training.collective_gate import needs_agreement
+    from hf_gpu_train.training.watchdog import attach_watchdog
+
+    from ..callbacks.tiny import TokenDataset, tiny_args, tiny_bert
+
+    trainer = Trainer(model=tiny_bert(), args=tiny_args("/tmp/unused"), train_dataset=TokenDataset(n=8))
+    trainer.add_callback(object.__new__(CodeCarbonCallback))  # a report_to sink (not started here)
+    attach_telemetry(trainer)
+    attach_watchdog(trainer)
+    assert not needs_agreement(trainer), [type(c).__name__ for c in trainer.callback_handler.callbacks]
+
+    class Mine(TrainerCallback):
+        pass
+
+    class MyFlow(DefaultFlowCallback):
+        pass
+
+    for extra in (Mine(), MyFlow()):
+        trainer.add_callback(extra)
+        assert needs_agreement(trainer)
+        trainer.remove_callback(extra)
