@@ -1,7 +1,8 @@
 """One arm of oom_overhead.py or faults.py, launched on 2 gloo processes: ``scripts/finetune.py``'s ``finetune()`` as
 shipped (MiniLM on builtin:text, the default when its figures were measured), short, with the arm's key=value and nothing else different.
+A first ``recipe=PATH`` runs that recipe as shipped instead (no MiniLM pins).
 
-    default_finetune_probe.py OUT NAME STEPS [key=value ...]   (writes OUT/NAME.json: the steps/s)
+    default_finetune_probe.py OUT NAME STEPS [recipe=PATH] [key=value ...]   (writes OUT/NAME.json: the steps/s)
 """
 
 import json
@@ -22,11 +23,21 @@ end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 # builtin:python-docs with a learning rate by model and an evaluation first
 PINNED = ("dataset=builtin:text", "learning_rate=5e-5", "evaluate_before=false")
 out, name, steps, arm = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
-cfg = load_config(None, [f"output_dir={out}/{name}", f"max_steps={steps}", "per_device_train_batch_size=16", "max_length=64",
-                         "logging_steps=10", "eval_strategy=no", "save_strategy=no", "telemetry=false", "resume=never",
-                         *PINNED, *arm])
+recipe = arm.pop(0).split("=", 1)[1] if arm and arm[0].startswith("recipe=") else None
+shape = [] if recipe else ["per_device_train_batch_size=16", "max_length=64", *PINNED]
+cfg = load_config(recipe, [f"output_dir={out}/{name}", f"max_steps={steps}", "logging_steps=10", "eval_strategy=no",
+                           "save_strategy=no", "telemetry=false", "resume=never", *shape, *arm])
 finetune(cfg)
 if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary
     summary = json.loads(Path(out, name, "run_summary.json").read_text())
-    Path(out, f"{name}.json").write_text(json.dumps({"steps_per_second": summary["global_step"] / summary["train_seconds"]}))
+    figures = {"steps_per_second": summary["global_step"] / summary["train_seconds"]}
+    state = Path(out, name, "trainer_state.json")
+    if state.is_file():  # telemetry on, logging every step: the steps after the first two, without one-time costs
+        times = [h["loop/step_time_s"] for h in json.loads(state.read_text())["log_history"] if "loop/step_time_s" in h]
+        if len(times) > 3:
+            figures["steady_steps_per_second"] = (len(times) - 2) / sum(times[2:])
+    from hf_gpu_train.training.lockstep import COST  # the recovery's own work, per optimizer step
+
+    figures["recovery_cost_per_step_s"] = {k: v / summary["global_step"] for k, v in COST.as_dict().items()}
+    Path(out, f"{name}.json").write_text(json.dumps(figures))
 leave_process_group()  # Gloo's threads could otherwise abort the exit

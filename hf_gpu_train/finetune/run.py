@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
 
 
 def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
+    from ..training.checkpoint_marker import resume_point
     from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
 
     out = Path(cfg.output_dir)
@@ -46,8 +47,12 @@ def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished
     if cfg.resume == "auto":
         found = last_complete_checkpoint(out)
         return str(found) if found else None
-    check_label_map(cfg.resume, label_names, "checkpoint")
-    return cfg.resume
+    try:  # a named checkpoint that is half-written: set aside, the newest complete one beside it taken (said)
+        chosen = resume_point(cfg.resume, out)
+    except ValueError as error:
+        raise ConfigError(f"resume={cfg.resume!r}: {error}") from None
+    check_label_map(chosen, label_names, "checkpoint")
+    return chosen
 
 
 def _raw_splits(opened) -> dict:

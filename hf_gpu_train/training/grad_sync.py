@@ -27,12 +27,13 @@ bucket, and one small CPU all-reduce per micro-step (the ballot).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from .lockstep import END, Outcome, raw
+from .lockstep import COST, END, Outcome, raw
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 Vote = Outcome  # what a round's ballot decided (lockstep.py)
@@ -98,6 +99,13 @@ class GradientReducer:
         self.grad_events += 1
         if not self._armed:
             return
+        began = time.perf_counter()
+        try:
+            self._count_ready(param)
+        finally:
+            COST.hook_s += time.perf_counter() - began
+
+    def _count_ready(self, param: torch.Tensor) -> None:
         i = self._position[id(param)]
         if self._fired[i]:  # a second accumulation in one backward (reentrant checkpointing, shared weights)
             if self._bucket_of[i] < self._next:
@@ -166,6 +174,7 @@ class GradientReducer:
 
     def apply(self, vote: Vote) -> None:
         """Write the averages into ``.grad``; a parameter no rank used keeps ``grad=None``."""
+        began = time.perf_counter()
         with torch.no_grad():
             for bucket in self.buckets:
                 offset = 0
@@ -180,6 +189,7 @@ class GradientReducer:
                     # and then a copy (measured: apply was ~40 ms of a 0.7 s MiniLM step on 2 CPU cores)
                     torch.div(view, self.world_size, out=p.grad)
         self.discard()
+        COST.apply_s += time.perf_counter() - began
 
     def discard(self) -> None:
         for bucket in self.buckets:

@@ -25,6 +25,7 @@ paths through their own code: every rank raises ``RanksDiverged`` instead of han
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -39,6 +40,23 @@ GATED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_objec
          "all_gather_coalesced", "monitored_barrier")
 # the collectives as torch defines them: this package's own (gradient buckets, ballots) never pass a gate
 raw = SimpleNamespace(**{name: getattr(dist, name) for name in GATED if hasattr(dist, name)})
+
+
+class Cost:
+    """Where the recovery's own per-step work goes, over the process's life (read by benchmarks/oom_overhead.py and
+    scripts/gpu_check.py): what decides its cost on a fast GPU is CPU time, not the all-reduces DDP makes too."""
+
+    def __init__(self):
+        self.hook_s = 0.0  # gradient hooks: counting what is ready, launching buckets (copies into them included)
+        self.apply_s = 0.0  # the averaged buckets written into .grad
+        self.ballot_s = 0.0  # inside ballots, waiting for the slower rank included
+        self.ballots = 0
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+COST = Cost()
 
 
 class RestartStep(BaseException):  # noqa: N818 (control flow, not an error the user sees)
@@ -82,10 +100,13 @@ class Lockstep:
         restart = self.pending_failure
         box = [where, -where, int(restart), int(failed), int(fatal), int(stale), -(self.micro_batch or NO_LIMIT)]
         box += [int(u) for u in used] if used is not None else [0] * self.num_params
+        began = time.perf_counter()
         votes = torch.tensor(box, dtype=torch.int64)
         raw.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
         counts = votes.tolist()
         self.ballots += 1
+        COST.ballot_s += time.perf_counter() - began
+        COST.ballots += 1
         highest, lowest = counts[0], -counts[1]
         smallest = -counts[6]
         restart, fatal = bool(counts[2]), bool(counts[4])

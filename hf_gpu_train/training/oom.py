@@ -47,6 +47,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from . import plain_state
+from .collective_gate import agree_on_control
 from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
 from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
 from .loss_scaling import (
@@ -423,12 +424,18 @@ class InPlaceOOMRecovery:
         collectives must pair up): ask the loss what it averages over, before any weight changes. A loss normalised by
         ``num_items_in_batch`` adds up over micro-batches as it is and needs no answer."""
         t = self.trainer
+        prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
+        if self.guard.answer is None and num_items_in_batch is not None:
+            try:  # the loss guard's question first: a loss normalised by num_items_in_batch needs no other answer
+                self.guard.decide(model, prepared, num_items_in_batch)
+            except Exception as error:  # it asks again at the step's first compute_loss, inside the recovery's reach
+                if not is_oom_error(error):
+                    raise
+                self._free_memory()
         if self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch):
             self.weighting = LossWeighting("normalised")
             return
-        # before the loss guard has decided (it does at the step's first compute_loss, inside the recovery's reach) the
-        # probe runs anyway: a loss normalised by num_items_in_batch is then scaled by 1 at every call whatever it found
-        prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
+        # a loss normalised by num_items_in_batch is scaled by 1 at every call whatever the probe finds
         self._probes += 1
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         loose = t.args.bf16 or t.args.fp16 or any(p.dtype != torch.float32 for p in probed.parameters() if p.requires_grad)
@@ -751,6 +758,9 @@ def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS
         log.warning("OOM recovery is off for %s: %s", type(trainer).__name__, reason)
         return recovery
     recovery.install()
+    # the evaluation micro-batch is agreed by an all-reduce after each evaluation: every rank must evaluate, also when a
+    # callback set should_evaluate on one rank alone (collective_gate.py agrees the flags where one may)
+    agree_on_control(trainer)
     train = trainer.train
 
     def train_and_unhook(*args, **kw):

@@ -11,7 +11,9 @@ for 6 steps in turn, in one process group:
   from the global RNG, so the dropout after it differs from the reference's: this case's weights are ``evaluate``'s);
 - ``save``: telemetry alone, ``should_save`` on rank 0;
 - ``save+guard``: ``guard_saves`` (and the loss-scaling guard telemetry brings, so it trains as the others), no
-  telemetry, ``should_save`` on rank 0.
+  telemetry, ``should_save`` on rank 0;
+- ``evaluate+oom``: ``enable_oom_recovery`` alone (its evaluation micro-batch is agreed by an all-reduce after each
+  evaluation), no telemetry, ``should_evaluate`` on rank 0.
 
 Each rank writes ``CASE/rank-N.json`` (the steps its log history shows telemetry figures at, the steps it evaluated and
 saved at, the steps whose telemetry record holds both ranks' summaries) and ``CASE/rank-N.pt`` (its final weights).
@@ -32,12 +34,14 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
 from hf_gpu_train.training.disk_full import guard_saves  # noqa: E402
 from hf_gpu_train.training.loss_scaling import guard_loss_scaling  # noqa: E402
+from hf_gpu_train.training.oom import enable_oom_recovery  # noqa: E402
 from hf_gpu_train.training.watchdog import attach_watchdog  # noqa: E402
 from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E402
 
 out = Path(sys.argv[1])
 FLAG = {"log": "should_log", "log+watchdog": "should_log", "evaluate": "should_evaluate",
-        "evaluate-everywhere": "should_evaluate", "save": "should_save", "save+guard": "should_save"}
+        "evaluate-everywhere": "should_evaluate", "save": "should_save", "save+guard": "should_save",
+        "evaluate+oom": "should_evaluate"}
 
 
 class OnRankZeroAlone(TrainerCallback):
@@ -81,6 +85,8 @@ for case in ("reference", *FLAG):
     if case == "save+guard":
         guard_saves(trainer)
         guard_loss_scaling(trainer)
+    elif case == "evaluate+oom":
+        enable_oom_recovery(trainer)
     else:
         telemetry = attach_telemetry(trainer, interval_s=0.05)
     if case == "log+watchdog":

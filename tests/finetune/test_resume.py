@@ -54,6 +54,24 @@ def test_a_set_aside_incomplete_checkpoint_is_never_rotated_away(tmp_path, case,
     assert all((p / COMPLETE_MARKER).is_file() for p in kept)
 
 
+def test_resume_named_to_a_half_written_checkpoint_resumes_from_the_newest_complete_one(tmp_path, case, caplog):
+    """resume=PATH to a checkpoint killed while saving: set aside, the newest complete checkpoint beside it taken, said in
+    one line (it was read for its step before the Trainer could redirect: FileNotFoundError)."""
+    out = tmp_path / "out"
+    assert main(args(case, out, "save_strategy=steps", "save_steps=2", "max_steps=4")) == 0  # checkpoints 2, 4
+    (out / "checkpoint-4" / COMPLETE_MARKER).unlink()  # as if killed while saving step 4
+    (out / "checkpoint-4" / "trainer_state.json").unlink()
+    record = json.loads((out / RECORD).read_text())
+    (out / RECORD).write_text(json.dumps({**record, "finished": False}))
+    with caplog.at_level("WARNING"):
+        assert main(args(case, out, "save_strategy=steps", "save_steps=2", "max_steps=4",
+                         f"resume={out / 'checkpoint-4'}")) == 0
+    said = [r.getMessage() for r in caplog.records if "half-written" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint-2" in said[0]
+    assert [p.name.split(".")[0] for p in (out / SET_ASIDE_DIR).iterdir()] == ["checkpoint-4"]
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4  # trained again
+
+
 def test_a_different_training_is_refused_and_nothing_is_overwritten(tmp_path, case, capsys):
     out = tmp_path / "out"
     assert main(args(case, out)) == 0
