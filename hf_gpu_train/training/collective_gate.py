@@ -140,8 +140,17 @@ def agree_on_control(trainer, after_agreement=None) -> bool:
             acting = any(getattr(trainer.control, name) for name in ACTING_FLAGS)  # agreed: alike on every rank
             for hook in list(hooks):
                 hook()
-            result = original(*args, **kwargs)  # an exception leaves at once: no collective while it is in flight
-            if acting and asked[1]:
+            if not asked[1]:
+                return original(*args, **kwargs)
+            # the Trainer logs, then evaluates, then saves, in this one call: a callback's on_log or on_evaluate may set
+            # should_evaluate or should_save from what its rank alone sees, so the flags are agreed again after each
+            # (every rank logs or evaluates here, or none: what decides it was agreed)
+            restore = _agree_after(trainer, ("log", "_evaluate"))
+            try:
+                result = original(*args, **kwargs)  # an exception leaves at once: no collective while it is in flight
+            finally:
+                restore()
+            if acting:
                 agree_flags(trainer.control, STOP_FLAGS)
             return result
 
@@ -150,6 +159,33 @@ def agree_on_control(trainer, after_agreement=None) -> bool:
     if after_agreement is not None and after_agreement not in hooks:
         hooks.append(after_agreement)
     return True
+
+
+def _agree_after(trainer, names: tuple[str, ...]):
+    """Wrap these methods of the Trainer instance so the control flags are agreed after each call; returns the undo."""
+    wrapped = {}
+    for name in names:
+        original = getattr(trainer, name, None)
+        if original is None:
+            continue
+        had_own = name in vars(trainer)
+
+        def agreeing(*args, _original=original, **kwargs):
+            result = _original(*args, **kwargs)
+            agree_flags(trainer.control)
+            return result
+
+        wrapped[name] = (had_own, original)
+        setattr(trainer, name, agreeing)
+
+    def restore() -> None:
+        for name, (had_own, original) in wrapped.items():
+            if had_own:
+                setattr(trainer, name, original)
+            else:
+                delattr(trainer, name)
+
+    return restore
 
 
 def wait_for_every_rank() -> None:

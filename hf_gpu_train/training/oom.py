@@ -51,6 +51,7 @@ from .collective_gate import agree_on_control
 from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
 from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
 from .loss_scaling import (
+    MEAN,
     PROBE_TRIES,
     UNDECIDED,
     LossScalingGuard,
@@ -133,7 +134,8 @@ class InPlaceOOMRecovery:
         self.trainer = trainer
         self.weighting = weighting  # what a mean loss averages over: told, or asked of the loss at the first steps
         self._probes = 0  # optimizer steps whose batch was probed for the weighting
-        self._per_sample: tuple = (None, None)  # (inputs, what each sample adds to the count the loss averages over)
+        self._provisional = LossWeighting("rows")  # until the weighting is known (_decide_weighting)
+        self._per_sample: tuple = (None, None, None)  # (inputs, weighting, what each sample adds to the count)
         self.bucket_bytes = bucket_bytes
         self.overlapped_buckets = 0  # gradient buckets reduced while backward still ran (DDP's overlap), over the runs
         self.guard = guard
@@ -263,13 +265,15 @@ class InPlaceOOMRecovery:
         t = self.trainer
         if getattr(t, "loss_is_scaled_for_ga", None) is not None:
             return bool(t.loss_is_scaled_for_ga)
+        if self.guard.answer == MEAN:  # the loss guard found a per-batch mean (a compute_loss_func can return one too)
+            return False
         return bool((t.model_accepts_loss_kwargs and num_items_in_batch is not None) or t.compute_loss_func is not None)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._supported(model):
             return self._training_step(model, inputs, num_items_in_batch)
         size = self.layout.size(inputs)
-        self._last_batch = size
+        self._last_batch = max(self._last_batch, size)  # the whole batch (an epoch's short last batch is not it)
         fresh, self.fresh = self.fresh, False
         CHUNKS.begin_micro_step()
         if fresh:
@@ -425,11 +429,15 @@ class InPlaceOOMRecovery:
         ``num_items_in_batch`` adds up over micro-batches as it is and needs no answer."""
         t = self.trainer
         prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
+        alone = t.accelerator.num_processes < 2  # a probe that fails on one rank of several would leave it out of step
         if self.guard.answer is None and num_items_in_batch is not None:
-            try:  # the loss guard's question first: a loss normalised by num_items_in_batch needs no other answer
-                self.guard.decide(model, prepared, num_items_in_batch)
-            except Exception as error:  # it asks again at the step's first compute_loss, inside the recovery's reach
-                if not is_oom_error(error):
+            # the loss guard's question first (on two samples: cheap, and it fits where the step does): a loss normalised
+            # by num_items_in_batch needs no other answer
+            few = self.layout.take(prepared, [0, 1]) if self.layout.size(prepared) > 2 else prepared
+            try:
+                self.guard.decide(model, few, num_items_in_batch)
+            except Exception as error:  # one process: it asks again at the step's first compute_loss
+                if not (alone and is_oom_error(error)):
                     raise
                 self._free_memory()
         if self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch):
@@ -438,20 +446,22 @@ class InPlaceOOMRecovery:
         # a loss normalised by num_items_in_batch is scaled by 1 at every call whatever the probe finds
         self._probes += 1
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        loose = t.args.bf16 or t.args.fp16 or any(p.dtype != torch.float32 for p in probed.parameters() if p.requires_grad)
         tallies = plain_state.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
         try:
-            found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=2e-2 if loose else 1e-4)
-        except Exception as error:  # two samples without gradients did not fit: the next step asks again
-            if not is_oom_error(error):
+            found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=_probe_tolerance(t, probed))
+        except Exception as error:  # one process: two samples without gradients did not fit; the next step asks again
+            if not (alone and is_oom_error(error)):
                 raise
             found = UNDECIDED
+            self._free_memory()
         finally:
             plain_state.put_back(t, tallies)
-        if found is UNDECIDED:
-            self._free_memory()
         found = agree_on_weighting(found, t.accelerator)
+        # until it is known, the labels' shape weighs an OOM of these steps: labelled tokens for token labels (exact too
+        # when the batch cannot tell because every sample has as many), rows otherwise
+        fallback = "tokens" if label_counts(prepared) is not None else "rows"
         if found is UNDECIDED and self._probes < PROBE_TRIES:
+            self._provisional = LossWeighting(fallback)
             return  # the next step's batch may tell
         name = type(t).__name__
         if found == "unknown":
@@ -461,32 +471,36 @@ class InPlaceOOMRecovery:
                         "it: enable_oom_recovery(trainer, loss_weighting='rows' | 'tokens' | 'next-tokens' | 'sum', or a "
                         "function of a micro-batch's inputs returning how many items its loss averages over)", name)
         elif found is UNDECIDED:
-            found = "tokens" if label_counts(prepared) is not None else "rows"
+            found = fallback
             log.warning("OOM recovery: the first %d batches could not tell what %s.compute_loss averages over (their "
                         "samples' losses were too close, or had the same label counts); micro-batches are weighed by %s. "
                         "If that is wrong, say it: enable_oom_recovery(trainer, loss_weighting=...)", PROBE_TRIES, name,
                         LossWeighting(found).describe())
         self.weighting = LossWeighting(found)
 
+    def _weighing(self) -> LossWeighting:
+        """The weighting in force: known, or until then the labels' shape's (``_decide_weighting``)."""
+        return self.weighting or self._provisional
+
     def _counts(self, inputs) -> list[float]:
         """What each sample of this micro-step adds to the count its loss averages over (kept for the micro-step)."""
-        if self._per_sample[0] is not inputs:
-            weighting = self.weighting or LossWeighting("rows")
-            self._per_sample = (inputs, weighting.per_sample(inputs, self.layout))
-        return self._per_sample[1]
+        if self._per_sample[0] is not inputs or self._per_sample[1] is not self._weighing():
+            weighing = self._weighing()
+            self._per_sample = (inputs, weighing, weighing.per_sample(inputs, self.layout))
+        return self._per_sample[2]
 
     def _share(self, inputs, start: int, stop: int) -> float:
         """Samples ``start:stop``'s weight in the micro-step's loss: their share of what the loss averages over."""
-        if self.weighting is not None and self.weighting.kind in ("normalised", "sum"):
+        if self._weighing().kind in ("normalised", "sum"):
             return 1.0
-        return (self.weighting or LossWeighting("rows")).share(self._counts(inputs), start, stop)
+        return self._weighing().share(self._counts(inputs), start, stop)
 
     def _ranges(self, inputs, start: int, micro: int) -> list[tuple[int, int]]:
         """Micro-batches of at most ``micro`` samples from ``start``; under a mean over labelled tokens a micro-batch
         without a labelled token (its own mean is 0/0) is joined to its neighbour."""
         size = self.layout.size(inputs)
         ranges = [(begin, min(size, begin + micro)) for begin in range(start, size, micro)]
-        if self.weighting is None or self.weighting.kind in ("normalised", "sum", "rows", "unknown"):
+        if self._weighing().kind in ("normalised", "sum", "rows", "unknown"):
             return ranges
         counts = self._counts(inputs)
         joined: list[tuple[int, int]] = []
@@ -633,6 +647,8 @@ class InPlaceOOMRecovery:
 
     def _adopt_eval(self, agreed: int | None) -> None:
         if agreed is not None and agreed < NO_LIMIT and (self.state.eval_micro_batch is None or agreed < self.state.eval_micro_batch):
+            log.warning("OOM recovery (eval, step %d): another rank ran out of memory; every rank now evaluates in "
+                        "micro-batches of %d", self.trainer.state.global_step, agreed)
             self.state.eval_micro_batch = agreed
 
     def _gathers_item_counts(self, inputs) -> bool:
@@ -660,6 +676,11 @@ class InPlaceOOMRecovery:
                     items.append(float(sum(known.per_sample(chunk, self.layout))))
                 else:
                     items.append(float(loss_items(chunk, shifted)))
+                    self._warn_once("eval-before-weighting", "OOM recovery: an evaluation is split before the first "
+                                    "training step has asked the loss what it averages over: its micro-batches are "
+                                    "weighed by the labels' shape (%s); a loss that averages otherwise (CTC's per-row "
+                                    "mean, a sum) gets an approximate evaluation loss. Tell it: enable_oom_recovery("
+                                    "trainer, loss_weighting=...)", "labelled tokens" if label_counts(chunk) else "rows")
         finally:
             args.average_tokens_across_devices = averaging
         loss, logits, labels = _combine(parts, items, summed=known is not None and known.kind == "sum" and not counted)
@@ -680,7 +701,20 @@ class InPlaceOOMRecovery:
         mine = torch.tensor([-(self.state.eval_micro_batch or NO_LIMIT)], dtype=torch.int64, device=self.trainer.accelerator.device)
         torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
         smallest = -int(mine.item())
+        if smallest < NO_LIMIT and smallest != self.state.eval_micro_batch:
+            log.warning("OOM recovery: another rank ran out of memory in evaluation; every rank now evaluates in "
+                        "micro-batches of %d", smallest)
         self.state.eval_micro_batch = None if smallest >= NO_LIMIT else smallest
+
+
+def _probe_tolerance(trainer, model) -> float:
+    """How closely the pair's loss must match a candidate: fp32 arithmetic leaves ~1e-6 (1e-4 is the band); 16-bit
+    parameters or autocast, and TF32 matmuls on a GPU (~1e-3), leave more (2e-2)."""
+    args = trainer.args
+    tf32 = torch.cuda.is_available() and (torch.backends.cuda.matmul.allow_tf32 or bool(getattr(args, "tf32", False))
+                                          or torch.get_float32_matmul_precision() != "highest")
+    loose = args.bf16 or args.fp16 or tf32 or any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad)
+    return 2e-2 if loose else 1e-4
 
 
 def _predicts_next_token(model) -> bool:
@@ -702,7 +736,9 @@ def _combine(parts, weights, summed: bool = False):
     loss = None
     if all(x is not None for x in losses):
         total = 1 if summed else (sum(weights) or 1)
-        loss = sum(x * (1 if summed else w / total) for x, w in zip(losses, weights))
+        # a micro-batch without a labelled token has a loss of 0/0 and no weight in the whole batch's mean
+        kept = [(x, w) for x, w in zip(losses, weights) if summed or w > 0 or total == 1] or list(zip(losses, weights))
+        loss = sum(x * (1 if summed else w / total) for x, w in kept)
 
     def join(items):
         if all(i is None for i in items):

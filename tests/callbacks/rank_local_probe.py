@@ -12,6 +12,8 @@ for 6 steps in turn, in one process group:
 - ``save``: telemetry alone, ``should_save`` on rank 0;
 - ``save+guard``: ``guard_saves`` (and the loss-scaling guard telemetry brings, so it trains as the others), no
   telemetry, ``should_save`` on rank 0;
+- ``save-in-log+guard``: ``guard_saves``, ``should_save`` set on rank 0 from ``on_log`` (inside the Trainer's log, after the
+  flags of the step were agreed: its save comes later in the same call);
 - ``evaluate+oom``: ``enable_oom_recovery`` alone (its evaluation micro-batch is agreed by an all-reduce after each
   evaluation), no telemetry, ``should_evaluate`` on rank 0.
 
@@ -41,7 +43,7 @@ from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E40
 out = Path(sys.argv[1])
 FLAG = {"log": "should_log", "log+watchdog": "should_log", "evaluate": "should_evaluate",
         "evaluate-everywhere": "should_evaluate", "save": "should_save", "save+guard": "should_save",
-        "evaluate+oom": "should_evaluate"}
+        "save-in-log+guard": "should_save", "evaluate+oom": "should_evaluate"}
 
 
 class OnRankZeroAlone(TrainerCallback):
@@ -51,7 +53,14 @@ class OnRankZeroAlone(TrainerCallback):
         self.flag = flag
 
     def on_step_end(self, args, state, control, **kwargs):
+        if case == "save-in-log+guard":
+            return control
         if state.global_step == 3 and (torch.distributed.get_rank() == 0 or case == "evaluate-everywhere"):
+            setattr(control, self.flag, True)
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if case == "save-in-log+guard" and state.global_step == 4 and torch.distributed.get_rank() == 0:
             setattr(control, self.flag, True)
         return control
 
@@ -82,7 +91,7 @@ for case in ("reference", *FLAG):
     trainer = Trainer(model=tiny_bert(), args=tiny_args(folder, max_steps=6, logging_steps=2, per_device_eval_batch_size=8),
                       train_dataset=TokenDataset(n=96), eval_dataset=TokenDataset(n=16), callbacks=callbacks)
     telemetry = None
-    if case == "save+guard":
+    if case in ("save+guard", "save-in-log+guard"):
         guard_saves(trainer)
         guard_loss_scaling(trainer)
     elif case == "evaluate+oom":

@@ -40,7 +40,7 @@ def test_a_flag_one_rank_sets_alone_never_leaves_a_collective_to_that_rank(tmp_p
     assert run.returncode == 0, run.stderr[-4000:]
     seen = {case: [json.loads((out / case / f"rank-{r}.json").read_text()) for r in (0, 1)]
             for case in ("reference", "log", "log+watchdog", "evaluate", "evaluate-everywhere", "save", "save+guard",
-                         "evaluate+oom")}
+                         "save-in-log+guard", "evaluate+oom")}
     for case in seen:  # an evaluation draws a seed from the global RNG: the rank-0 one ends as the every-rank one
         reference = torch.load(out / ("evaluate-everywhere" if case.startswith("evaluate") else "reference") / "rank-0.pt")
         for r in (0, 1):
@@ -49,6 +49,7 @@ def test_a_flag_one_rank_sets_alone_never_leaves_a_collective_to_that_rank(tmp_p
             same = torch.equal if case != "evaluate+oom" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
             assert all(same(weights[k], reference[k]) for k in reference), (case, r)
     assert [s["evaluated"] for s in seen["evaluate+oom"]] == [[3]] * 2
+    assert [s["saved"] for s in seen["save-in-log+guard"]] == [[4]] * 2  # set in on_log at step 4, inside the same call
     assert [s["telemetry_steps"] for s in seen["reference"]] == [[2, 4, 6]] * 2
     for case in ("log", "log+watchdog"):  # the Trainer logs step 3 on both ranks, telemetry's figures with it
         assert [s["telemetry_steps"] for s in seen[case]] == [[2, 3, 4, 6]] * 2, case

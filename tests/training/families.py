@@ -106,6 +106,7 @@ def trainer(family: str, out, model_: torch.nn.Module, per_device: int = 8, accu
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
     seq2seq = family in SEQ2SEQ
+    loss_func = extra.pop("compute_loss_func", None)
     args = dict(output_dir=str(out), per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
                 gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=0.1 if optimizer == "sgd" else 1e-2,
                 optim=optimizer, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
@@ -113,4 +114,5 @@ def trainer(family: str, out, model_: torch.nn.Module, per_device: int = 8, accu
     args.update(extra)
     cls, args_cls = (Seq2SeqTrainer, Seq2SeqTrainingArguments) if seq2seq else (Trainer, TrainingArguments)
     data = Rows(family)
-    return cls(model=model_, args=args_cls(**args), train_dataset=data, eval_dataset=torch.utils.data.Subset(data, range(16)))
+    return cls(model=model_, args=args_cls(**args), train_dataset=data, eval_dataset=torch.utils.data.Subset(data, range(16)),
+               compute_loss_func=loss_func)

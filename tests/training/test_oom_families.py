@@ -178,3 +178,60 @@ def test_an_oom_in_evaluation_weighs_its_micro_batches_as_the_loss_does(tmp_path
     got, recovery = run("oom", oom=True)
     assert recovery.state.eval_micro_batch == 2
     assert got["eval_loss"] == pytest.approx(clean["eval_loss"], rel=1e-5)
+
+
+def test_a_compute_loss_func_that_returns_a_mean_is_weighed_as_a_mean(tmp_path):
+    """transformers trusts a compute_loss_func to be normalised by num_items_in_batch; one that returns a plain mean over
+    labelled tokens (the loss guard warns about it) must still be weighed by labelled tokens after an OOM, not added up."""
+    def mean_over_tokens(outputs, labels, num_items_in_batch=None):
+        return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    clean, initial, _, _ = train("token", tmp_path / "clean", recover=False, compute_loss_func=mean_over_tokens)
+    got, _, injector, recovery = train("token", tmp_path / "oom", oom=dict(max_batch=4), compute_loss_func=mean_over_tokens)
+    assert injector.raised >= 1 and recovery.weighting.describe() == "labelled tokens"
+    assert update_error(got.model, clean.model, initial) <= UPDATE_RTOL
+
+
+def test_a_batch_that_cannot_tell_still_weighs_an_oom_there_by_its_labels(tmp_path, monkeypatch, caplog):
+    """The first batch's probe cannot decide (equal label counts, or losses too close): an OOM in that very step is
+    weighed by labelled tokens for token labels (exact when the counts are equal), never silently by rows."""
+    from hf_gpu_train.training import oom
+
+    calls = []
+    real = oom.probe_weighting
+
+    def undecided_first(*args, **kwargs):
+        calls.append(1)
+        return None if len(calls) == 1 else real(*args, **kwargs)
+
+    monkeypatch.setattr(oom, "probe_weighting", undecided_first)
+    clean, initial, _, _ = train("token", tmp_path / "clean", recover=False)
+    got, _, injector, recovery = train("token", tmp_path / "oom", oom=dict(max_batch=4, times=1))
+    assert injector.raised == 1 and len(calls) == 2  # the second step decided
+    assert update_error(got.model, clean.model, initial) <= UPDATE_RTOL
+
+
+def test_an_evaluation_micro_batch_without_a_labelled_token_does_not_make_the_loss_nan(tmp_path):
+    from .families import Rows
+
+    class Sparse(Rows):  # rows 2 and 3 of every 8 have no masked token
+        def __getitem__(self, i):
+            row = dict(super().__getitem__(i))
+            if i % 8 in (2, 3):
+                row["labels"] = torch.full_like(row["labels"], -100)
+            return row
+
+    def run(name, oom):
+        net = model("mlm")
+        t = trainer("mlm", tmp_path / name, net, steps=1)
+        t.eval_dataset = Sparse("mlm", n=16)
+        recovery = enable_oom_recovery(t)
+        t.train()
+        if oom:
+            OOMFaultInjector(max_batch=2, eval_too=True).install(net)
+        return t.evaluate(), recovery
+
+    clean, _ = run("clean", oom=False)
+    got, recovery = run("oom", oom=True)
+    assert recovery.state.eval_micro_batch == 2
+    assert got["eval_loss"] == pytest.approx(clean["eval_loss"], rel=1e-5)
