@@ -142,6 +142,26 @@ def saving_to(trainer, folder: Path, what: str, words: SaveWords = SaveWords()):
         raise DiskFullError(disk_full_message(trainer, folder, "a checkpoint" if checkpoint else what, needed, words)) from error
 
 
+@contextlib.contextmanager
+def _rotation_deferred(defer: bool):
+    """The Trainer deletes the checkpoints over ``save_total_limit`` at the end of its own ``_save_checkpoint``, before
+    the other ranks have written theirs and the marker is set: a full disk after that would leave no complete checkpoint.
+    Inside this block its rotation is recorded instead, and run by the caller once the new checkpoint is complete (an
+    exception skips it: the older checkpoints stay)."""
+    import transformers.trainer as hf_trainer
+
+    rotations: list = []
+    real = getattr(hf_trainer, "rotate_checkpoints", None)
+    if not defer or real is None:
+        yield rotations
+        return
+    hf_trainer.rotate_checkpoints = lambda *a, **kw: rotations.append(lambda: real(*a, **kw))
+    try:
+        yield rotations
+    finally:
+        hf_trainer.rotate_checkpoints = real
+
+
 def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None) -> None:
     """For anyone's Trainer, before ``trainer.train()``: a full disk during ``_save_checkpoint`` or ``save_model``
     becomes ``DiskFullError``; every checkpoint is marked complete once every rank has written it (``before_marker``
@@ -167,11 +187,14 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
             with saving_to(trainer, folder, what, words):
                 if mark and main:
                     begin_save(folder, trainer.state.global_step)
-                result = original(*args, **kwargs)
+                with _rotation_deferred(mark) as rotations:
+                    result = original(*args, **kwargs)
                 if mark and agreed:
                     wait_for_every_rank()  # every rank's RNG state (and shards) written before the marker
                 if mark and main and folder.is_dir():
                     write_marker(folder, trainer.state.global_step, before_marker)
+                for rotate in rotations:  # older checkpoints go only once this one is complete
+                    rotate()
             return result
 
         setattr(trainer, name, saving)

@@ -146,3 +146,25 @@ def test_guard_saves_in_a_plain_trainer_keeps_checkpoint_1_and_resumes_from_it(t
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     # every checkpoint the resumed run wrote is complete, the one it wrote again at step 2 included
     assert all((p / COMPLETE_MARKER).is_file() for p in out.glob("checkpoint-*"))
+
+
+def test_the_trainers_rotation_waits_for_the_marker_of_the_checkpoint_that_replaces(tmp_path):
+    """save_total_limit=1: the Trainer deletes checkpoint-1 at the end of its own save of checkpoint-2, before every rank
+    has written and the marker is set. A full disk after that (the caller's files, another rank's RNG state) would leave
+    no complete checkpoint at all: the rotation waits until checkpoint-2 is marked complete."""
+    from hf_gpu_train.training.checkpoint_marker import COMPLETE_MARKER
+    from hf_gpu_train.training.disk_full import DiskFullError, guard_saves
+
+    out = tmp_path / "out"
+    trainer = _plain_trainer(out)
+    trainer.args.save_total_limit = 1
+
+    def label_map(folder):  # the caller's own files, written just before the marker
+        if folder.name == "checkpoint-2":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    guard_saves(trainer, before_marker=label_map)
+    with pytest.raises(DiskFullError):
+        trainer.train()
+    assert (out / "checkpoint-1" / COMPLETE_MARKER).is_file()  # still there, complete
+    assert not (out / "checkpoint-2" / COMPLETE_MARKER).exists()
