@@ -24,6 +24,7 @@ import logging
 import torch
 
 from . import plain_state
+from .microbatch import label_counts
 
 log = logging.getLogger("hf_gpu_train.loss_scaling")
 MEAN, SUM, UNKNOWN = "mean", "sum-normalised", "unknown"
@@ -179,14 +180,6 @@ class LossWeighting:
         if total <= 0:
             return (stop - start) / len(per_sample)
         return sum(per_sample[start:stop]) / total
-
-
-def label_counts(inputs, shifted: bool = False) -> list[float] | None:
-    """Labelled tokens per row (-100 ignored; ``shifted``: the positions after the first), or None without token labels."""
-    labels = inputs.get("labels") if hasattr(inputs, "get") else None
-    if not (isinstance(labels, torch.Tensor) and labels.dim() > 1):
-        return None
-    return [float(n) for n in (labels[:, 1:] if shifted else labels).ne(-100).flatten(1).sum(1).tolist()]
 
 
 def probe_weighting(compute_loss, model, inputs, layout, tolerance: float) -> str | None:

@@ -60,14 +60,21 @@ def split_batch(inputs: Mapping[str, Any], micro: int) -> list[dict[str, Any]]:
     return [slice_batch(inputs, start, min(size, start + micro)) for start in range(0, size, micro)]
 
 
+def label_counts(inputs, shifted: bool = False) -> list[float] | None:
+    """Labelled tokens per row (-100 ignored; ``shifted``: the positions after the first), or None without token labels."""
+    labels = inputs.get("labels") if hasattr(inputs, "get") else None
+    if not (isinstance(labels, torch.Tensor) and labels.dim() > 1):
+        return None
+    return [float(n) for n in (labels[:, 1:] if shifted else labels).ne(-100).flatten(1).sum(1).tolist()]
+
+
 def loss_items(inputs: Mapping[str, Any], shifted: bool = False) -> int:
-    """What a loss over these inputs averages over: labelled tokens for token-level labels (-100 ignored; for a
-    causal LM, ``shifted``, the positions after the first, as its loss reads them), samples otherwise. Weighs the
-    losses of evaluation micro-batches."""
-    labels = inputs.get("labels")
-    if isinstance(labels, torch.Tensor) and labels.dim() > 1:
-        return int((labels[:, 1:] if shifted else labels).ne(-100).sum())
-    return batch_size(inputs)
+    """What a loss over these inputs averages over, read from the labels' shape: labelled tokens for token-level labels
+    (-100 ignored; for a causal LM, ``shifted``, the positions after the first, as its loss reads them), samples
+    otherwise. Weighs the losses of evaluation micro-batches before the training has asked the loss
+    (``loss_scaling.probe_weighting``)."""
+    counts = label_counts(inputs, shifted)
+    return int(sum(counts)) if counts is not None else batch_size(inputs)
 
 
 _REPLAYING = [0]

@@ -58,10 +58,9 @@ from .loss_scaling import (
     LossWeighting,
     agree_on_weighting,
     guard_loss_scaling,
-    label_counts,
     probe_weighting,
 )
-from .microbatch import CHUNKS, describe_oom, is_oom_error, layout_for, loss_items, replaying_micro_steps
+from .microbatch import CHUNKS, describe_oom, is_oom_error, label_counts, layout_for, loss_items, replaying_micro_steps
 from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
 log = logging.getLogger("hf_gpu_train.oom")
