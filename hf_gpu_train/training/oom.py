@@ -60,7 +60,16 @@ from .loss_scaling import (
     guard_loss_scaling,
     probe_weighting,
 )
-from .microbatch import CHUNKS, describe_oom, is_oom_error, label_counts, layout_for, loss_items, replaying_micro_steps
+from .microbatch import (
+    CHUNKS,
+    Pairs,
+    describe_oom,
+    is_oom_error,
+    label_counts,
+    layout_for,
+    loss_items,
+    replaying_micro_steps,
+)
 from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
 log = logging.getLogger("hf_gpu_train.oom")
@@ -682,7 +691,10 @@ class InPlaceOOMRecovery:
                                     "trainer, loss_weighting=...)", "labelled tokens" if label_counts(chunk) else "rows")
         finally:
             args.average_tokens_across_devices = averaging
-        loss, logits, labels = _combine(parts, items, summed=known is not None and known.kind == "sum" and not counted)
+        # a preference batch's rows are every chosen row, then every rejected one: so are the joined micro-batches'
+        pairs = [self.layout.size(chunk) for chunk in self.layout.split(inputs, micro)] if isinstance(self.layout, Pairs) else None
+        loss, logits, labels = _combine(parts, items, summed=known is not None and known.kind == "sum" and not counted,
+                                        pairs=pairs)
         # only a loss normalised by the item count it was given is rescaled (TRL's prediction steps give none: their
         # loss is this rank's own mean, and stays one)
         if gathers and counted:
@@ -724,11 +736,13 @@ def _predicts_next_token(model) -> bool:
     return type(inner).__name__.endswith("ForCausalLM")
 
 
-def _combine(parts, weights, summed: bool = False):
+def _combine(parts, weights, summed: bool = False, pairs: list[int] | None = None):
     """Join micro-batch ``prediction_step`` results as the Trainer's evaluation loop joins batches: losses averaged by
     what each one averages over (samples, or labelled tokens; added up for a loss that is a sum), logits, labels and
     generated tokens concatenated, each padded to the longest along its second dimension with -100
-    (``nested_concat``): with ``predict_with_generate`` every micro-batch generates up to its own longest row."""
+    (``nested_concat``): with ``predict_with_generate`` every micro-batch generates up to its own longest row. ``pairs``
+    (a preference batch: each part's rows are its chosen rows, then its rejected ones) joins every part's first half,
+    then every second half, as the whole batch holds them."""
     from transformers.trainer_pt_utils import nested_concat
 
     losses = [p[0] for p in parts]
@@ -744,6 +758,11 @@ def _combine(parts, weights, summed: bool = False):
             return None
         if not isinstance(items[0], (torch.Tensor, tuple, list, dict)):
             return items[0]
+        if pairs is not None and all(isinstance(i, torch.Tensor) and i.dim() > 0 and i.shape[0] == 2 * n
+                                     for i, n in zip(items, pairs)):
+            items = [i[:n] for i, n in zip(items, pairs)] + [i[n:] for i, n in zip(items, pairs)]
+        elif pairs is not None and isinstance(items[0], (tuple, list)):
+            return type(items[0])(join([i[k] for i in items]) for k in range(len(items[0])))
         joined = items[0]
         for item in items[1:]:
             joined = nested_concat(joined, item, padding_index=-100)

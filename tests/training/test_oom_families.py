@@ -235,3 +235,25 @@ def test_an_evaluation_micro_batch_without_a_labelled_token_does_not_make_the_lo
     got, recovery = run("oom", oom=True)
     assert recovery.state.eval_micro_batch == 2
     assert got["eval_loss"] == pytest.approx(clean["eval_loss"], rel=1e-5)
+
+
+def test_an_oom_in_a_preference_evaluation_keeps_the_rows_in_the_batchs_order(tmp_path):
+    """TRL's DPO: a batch is the chosen rows, then the rejected rows; split in whole pairs, each micro-batch's logits are
+    its own chosen then rejected rows. Joined, they must come back as the whole batch's: every chosen row, then every
+    rejected one (review finding: they came back interleaved by micro-batch)."""
+    pytest.importorskip("trl")
+    from tests.integrations.peers import build
+
+    def run(name, oom):
+        t = build("DPOTrainer", str(tmp_path / name), per_device=8)
+        t.args.prediction_loss_only = False
+        injector = OOMFaultInjector(max_batch=8, eval_too=True).install(t.model) if oom else None
+        recovery = enable_oom_recovery(t)
+        out = t.predict(t.train_dataset.select(range(8)))
+        return out, injector, recovery
+
+    clean, _, _ = run("clean", oom=False)
+    got, injector, recovery = run("oom", oom=True)
+    assert injector.raised >= 1 and recovery.state.eval_micro_batch == 4  # pairs: 8 rows of 4 chosen + 4 rejected
+    assert torch.equal(torch.as_tensor(got.label_ids), torch.as_tensor(clean.label_ids))
+    assert torch.allclose(torch.as_tensor(got.predictions), torch.as_tensor(clean.predictions), atol=1e-5)
