@@ -251,7 +251,8 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         progress.mkdir()
         proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker), PROGRESS_DIR_ENV: str(progress)},
                                 stderr=subprocess.PIPE)
-        shown = b""
+        shown = b""  # what the launcher printed (its root cause is read from it)
+        written = b""  # what reached our stderr: the usage line may have been dropped as another rank's copy
         after: AfterUsageError | None = None
         while chunk := os.read(proc.stderr.fileno(), 65536):
             if after is None and marker.exists():
@@ -259,6 +260,7 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
             passed = chunk if after is None else after.feed(chunk)
             _write(passed)
             shown = (shown + chunk)[-65536:]
+            written = (written + passed)[-65536:]
         code = proc.wait()
         if not marker.exists():
             hang = read_hang_report(progress)
@@ -267,9 +269,11 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
                 print(f"hf-gpu-train launch: {line}", file=sys.stderr)
             return HANG_EXIT_CODE if code and hang is not None else code
         if after is not None:
-            _write(after.flush())
+            rest = after.flush()
+            _write(rest)
+            written += rest
         message = marker.read_text().strip().splitlines()[0]
-        if message.encode() not in shown:
+        if message.encode() not in written:
             print(message, file=sys.stderr)
         print("hf-gpu-train launch: the training processes stopped on the usage error above (exit 2)", file=sys.stderr)
         return 2

@@ -130,6 +130,21 @@ def test_a_worker_usage_error_ends_the_launch_with_its_line_and_exit_2(capfd):
     assert "boom" in capfd.readouterr().err  # any other failure passes through as it is
 
 
+def test_the_usage_line_is_shown_once_when_the_marker_is_seen_before_the_line(capfd):
+    """The worker writes the marker and prints the line; when the launcher reads the line after the marker exists (a
+    race CI met), the line is dropped as another rank's copy: it must still be shown once."""
+    import sys
+
+    from hf_gpu_train.cli.launch import run_reporting_usage_errors
+
+    worker = ("import os, sys\n"
+              "open(os.environ['HF_GPU_TRAIN_USAGE_ERROR_FILE'], 'a').write('finetune: error: learning_rate=-1: must be positive\\n')\n"
+              "print('finetune: error: learning_rate=-1: must be positive', file=sys.stderr, flush=True)\n"
+              "sys.exit(2)\n")
+    assert run_reporting_usage_errors([sys.executable, "-c", worker], {}) == 2
+    assert capfd.readouterr().err.count("learning_rate=-1: must be positive") == 1
+
+
 def test_after_a_usage_error_other_ranks_tracebacks_still_reach_stderr(capfd):
     """Rank 0 stops on a usage error; rank 1 then fails for a reason of its own: its traceback is the user's to read.
     Only the usage line's copies from other ranks and the launcher's own report of the failed worker are dropped."""
