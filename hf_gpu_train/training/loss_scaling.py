@@ -174,7 +174,7 @@ class LossWeighting:
 
     def share(self, per_sample: list[float], start: int, stop: int) -> float:
         """The weight of samples ``start:stop`` in the loss of all of them: a mean's share, 1 for a sum."""
-        if self.kind == "sum":
+        if self.kind in ("sum", "normalised"):  # each micro-batch's loss adds up to the whole batch's as it is
             return 1.0
         total = sum(per_sample)
         if total <= 0:

@@ -499,8 +499,6 @@ class InPlaceOOMRecovery:
 
     def _share(self, inputs, start: int, stop: int) -> float:
         """Samples ``start:stop``'s weight in the micro-step's loss: their share of what the loss averages over."""
-        if self._weighing().kind in ("normalised", "sum"):
-            return 1.0
         return self._weighing().share(self._counts(inputs), start, stop)
 
     def _ranges(self, inputs, start: int, micro: int) -> list[tuple[int, int]]:
