@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,15 @@ def teardown_race_only(stderr: str, results: list) -> bool:
     """torchelastic's exit barrier can lose its TCPStore when the agent hosting it leaves first (pytorch
     #69520, open). It happens after the workers finished; accept it only when every rank wrote its result."""
     return "Error waiting on exit barrier" in stderr and all(results)
+
+
+def fake_slurm(tmp_path: Path, env: dict) -> dict:
+    """srun with --ntasks-per-node=1 on 2 nodes: the task twice, SLURM_NODEID 0 and 1."""
+    bindir = tmp_path / "slurm-bin"
+    bindir.mkdir()
+    srun = bindir / "srun"
+    srun.write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+                    "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\nwait $a && wait $b\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    return {**env, "PATH": f"{bindir}:{env['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "localhost",
+            "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port())}

@@ -2,14 +2,13 @@
 
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ..launching import free_port, hf_gpu_train, teardown_race_only
+from ..launching import fake_slurm, free_port, hf_gpu_train, teardown_race_only
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("ddp_probe.py")
@@ -68,15 +67,7 @@ def test_sbatch_script_with_faked_slurm_forms_one_process_group(tmp_path):
     made = hf_gpu_train("config", "--machine", "cpu-only", "--num-processes", "1", "--num-machines", "2",
                         "--main-process-ip", "127.0.0.1", "--output", str(cfg), "--script", str(PROBE))
     assert made.returncode == 0, made.stderr
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    # srun with --ntasks-per-node=1 on 2 nodes: run the task twice, SLURM_NODEID 0 and 1
-    fake_srun = bindir / "srun"
-    fake_srun.write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
-                         "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\nwait $a && wait $b\n")
-    fake_srun.chmod(fake_srun.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "localhost",
-           "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port()), "PROBE_OUT": str(tmp_path),
+    env = {**fake_slurm(tmp_path, dict(os.environ)), "PROBE_OUT": str(tmp_path),
            "ACCELERATE": f"{sys.executable} -m accelerate.commands.accelerate_cli"}
     run = subprocess.run(["bash", f"{cfg}.sbatch"], env=env, capture_output=True, text=True, timeout=300)
     ranks_done = [(tmp_path / f"rank{r}.json").is_file() for r in (0, 1)]

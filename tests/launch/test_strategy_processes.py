@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ..launching import ROOT, free_port, hf_gpu_train, teardown_race_only
+from ..launching import ROOT, fake_slurm, free_port, hf_gpu_train, teardown_race_only
 from ..scaling.finetune_cases import text_case
 
 PROBE = Path(__file__).with_name("shard_probe.py")
@@ -59,18 +58,6 @@ def environment(tmp_path: Path) -> dict:
     for key in [k for k in env if k.startswith(("ACCELERATE_", "FSDP_"))] + ["OMP_NUM_THREADS", "HF_GPU_TRAIN_PLAN"]:
         env.pop(key, None)
     return env
-
-
-def fake_slurm(tmp_path: Path, env: dict) -> dict:
-    """srun with --ntasks-per-node=1 on 2 nodes: the task twice, SLURM_NODEID 0 and 1."""
-    bindir = tmp_path / "slurm-bin"
-    bindir.mkdir()
-    srun = bindir / "srun"
-    srun.write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
-                    "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\nwait $a && wait $b\n")
-    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
-    return {**env, "PATH": f"{bindir}:{env['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "localhost",
-            "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port())}
 
 
 def without_strategy(torchrun_line: str) -> str:
