@@ -36,7 +36,7 @@ if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary
         times = [h["loop/step_time_s"] for h in json.loads(state.read_text())["log_history"] if "loop/step_time_s" in h]
         if len(times) > 3:
             figures["steady_steps_per_second"] = (len(times) - 2) / sum(times[2:])
-    from hf_gpu_train.training.lockstep import COST  # the recovery's own work, per optimizer step
+    from hf_gpu_train.oom.lockstep import COST  # the recovery's own work, per optimizer step
 
     figures["recovery_cost_per_step_s"] = {k: v / summary["global_step"] for k, v in COST.as_dict().items()}
     Path(out, f"{name}.json").write_text(json.dumps(figures))

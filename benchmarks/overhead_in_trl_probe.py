@@ -65,7 +65,7 @@ def main() -> None:
         attach_telemetry(trainer, write_report=False)
         recovery = enable_oom_recovery(trainer)
     if mode == "on-oom":
-        from hf_gpu_train.training import OOMFaultInjector
+        from hf_gpu_train.oom import OOMFaultInjector
 
         OOMFaultInjector(max_batch=4, rank=1, phase="forward", times=1, start_after=2).install(trainer.model)
     start = time.perf_counter()

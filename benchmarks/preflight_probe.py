@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.errors import report_usage_error  # noqa: E402
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
-from hf_gpu_train.training.preflight_collective import PreflightError, preflight  # noqa: E402
+from hf_gpu_train.faults.preflight_collective import PreflightError, preflight  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 

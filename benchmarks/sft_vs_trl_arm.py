@@ -181,7 +181,7 @@ def run_ours(spec: dict) -> dict:
     from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
     from hf_gpu_train.finetune.run import finetune
-    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+    from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     cfg, explicit = load_config_and_keys(spec["recipe"], spec["ours_overrides"])
     applied = None
@@ -327,7 +327,7 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.chdir(ROOT)
     if spec.get("release_memory"):  # the allocator setting of ours' release_memory=true, for a like-for-like arm
-        from hf_gpu_train.training.release_memory import release
+        from hf_gpu_train.levers.release_memory import release
 
         print(release(on_cuda=bool(__import__("torch").cuda.is_available())), flush=True)
     result = train_arm(spec) if spec["mode"] == "train" else common_eval(spec)

@@ -91,7 +91,7 @@ def auto_find_batch_size(args: list[str], global_batch: int, oom_above: int, war
     from hf_gpu_train.finetune.run import parse_args, prepare
     from hf_gpu_train.finetune.runtime import resolve_runtime
     from hf_gpu_train.finetune.trainer_factory import build_trainer
-    from hf_gpu_train.training import OOMFaultInjector
+    from hf_gpu_train.oom import OOMFaultInjector
 
     recipe, overrides = parse_args(args)
     cfg = load_config(recipe, [*overrides, "global_batch_size=null", f"per_device_train_batch_size={global_batch}", "eval_strategy=no", "save_strategy=no",

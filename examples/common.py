@@ -70,7 +70,7 @@ def maybe_inject_oom(trainer, wanted: bool) -> None:
     if wanted:
         import os
 
-        from hf_gpu_train.training import OOMFaultInjector
+        from hf_gpu_train.oom import OOMFaultInjector
 
         rank = 1 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
         OOMFaultInjector(max_batch=2, rank=rank, times=1).install(trainer.model)

@@ -13,10 +13,10 @@ from .hardware.snapshot import load_machine  # noqa: E402
 _LAZY = {
     "attach_telemetry": ("hf_gpu_train.callbacks", "attach_telemetry"),
     "TelemetryCallback": ("hf_gpu_train.callbacks", "TelemetryCallback"),
-    "enable_oom_recovery": ("hf_gpu_train.training", "enable_oom_recovery"),
-    "guard_loss_scaling": ("hf_gpu_train.training", "guard_loss_scaling"),
-    "OOMFaultInjector": ("hf_gpu_train.training", "OOMFaultInjector"),
-    "make_plan": ("hf_gpu_train.launch.plan", "make_plan"),
+    "enable_oom_recovery": ("hf_gpu_train.oom", "enable_oom_recovery"),
+    "guard_loss_scaling": ("hf_gpu_train.oom", "guard_loss_scaling"),
+    "OOMFaultInjector": ("hf_gpu_train.oom", "OOMFaultInjector"),
+    "make_plan": ("hf_gpu_train.plan.planner", "make_plan"),
     "FinetuneConfig": ("hf_gpu_train.finetune.config", "FinetuneConfig"),
     "load_config": ("hf_gpu_train.finetune.config", "load_config"),
 }

@@ -1,5 +1,5 @@
 """The C library's allocator functions (glibc's ``mallopt``, ``malloc_trim``), for the two places that steer it:
-``training/release_memory.py`` (freed memory given back at once) and ``tune/resident_memory.py`` (a trial not charged
+``levers/release_memory.py`` (freed memory given back at once) and ``tune/resident_memory.py`` (a trial not charged
 for the one before it)."""
 
 from __future__ import annotations

@@ -21,3 +21,11 @@ def report_usage_error(message: str, environ=None) -> None:
     if target:
         with open(target, "a") as f:
             f.write(message + "\n")
+
+
+class PlanError(UsageError):
+    """The hardware cannot honour what was asked: the message names the GPU and the alternative."""
+
+
+class ConfigError(UsageError):
+    """A bad finetune config value: names the key, the value and the fix."""

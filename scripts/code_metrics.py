@@ -24,8 +24,8 @@ LAYERS: dict[str, int] = {
     "": 0,  # the package's top-level modules (errors, textfmt, svg, ...)
     "hardware": 1,
     "doctor": 2,
-    "plan": 2, "launch": 2,
-    "levers": 3, "oom": 3, "faults": 3, "training": 3,
+    "plan": 2, "levers": 2,  # the planner plans the levers; a lever reads the planner's shape of a step
+    "launch": 3, "oom": 3, "faults": 3,
     "callbacks": 4,
     "report": 4,
     "finetune": 5,

@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_gpu_train.hardware.snapshot import load_machine, reference_machine_names  # noqa: E402
-from hf_gpu_train.launch.decisions import PlanError  # noqa: E402
-from hf_gpu_train.launch.plan import PlanOptions, make_plan  # noqa: E402
-from hf_gpu_train.launch.plan_document import render_plan_json  # noqa: E402
 from hf_gpu_train.launch.render import render_env, render_sbatch, render_yaml  # noqa: E402
+from hf_gpu_train.plan.decisions import PlanError  # noqa: E402
+from hf_gpu_train.plan.document import render_plan_json  # noqa: E402
+from hf_gpu_train.plan.planner import PlanOptions, make_plan  # noqa: E402
 
 OUT = ROOT / "launch_configs"
 MAIN_IP = "rank0.cluster.example"  # placeholder for rank 0's address: regenerate with --main-process-ip YOUR_HOST

@@ -121,9 +121,9 @@ def check_real_oom(precision: str = "bf16") -> bool:
     from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
     from hf_gpu_train.finetune.builtin import minilm_path
-    from hf_gpu_train.launch.memory import TrainingShape, largest_micro_batch
-    from hf_gpu_train.launch.model_spec import from_hf_config
-    from hf_gpu_train.training import enable_oom_recovery
+    from hf_gpu_train.oom import enable_oom_recovery
+    from hf_gpu_train.plan.memory import TrainingShape, largest_micro_batch
+    from hf_gpu_train.plan.model_spec import from_hf_config
 
     section(f"real OOM recovered in place ({precision})")
     if not torch.cuda.is_available():
@@ -260,9 +260,9 @@ def check_peft_memory() -> bool:
     import torch
 
     from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
-    from hf_gpu_train.launch.memory import estimate
-    from hf_gpu_train.launch.model_spec import from_hf_config
-    from hf_gpu_train.launch.training_shape import TrainingShape
+    from hf_gpu_train.plan.memory import estimate
+    from hf_gpu_train.plan.model_spec import from_hf_config
+    from hf_gpu_train.plan.training_shape import TrainingShape
 
     section("LoRA / QLoRA memory: planner vs measured")
     if not torch.cuda.is_available():
@@ -314,9 +314,9 @@ def check_memory_levers(length: int = 2048, steps: int = 8) -> bool:
     from memory_levers import LEVERS
 
     from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
-    from hf_gpu_train.launch.memory import estimate
-    from hf_gpu_train.launch.model_spec import from_hf_config
-    from hf_gpu_train.launch.training_shape import TrainingShape
+    from hf_gpu_train.plan.memory import estimate
+    from hf_gpu_train.plan.model_spec import from_hf_config
+    from hf_gpu_train.plan.training_shape import TrainingShape
 
     section(f"memory levers: SmolLM2 full fine-tuning, packed rows of {length}, bf16")
     if not torch.cuda.is_available():
@@ -385,15 +385,15 @@ def check_deepspeed(steps: int = 8) -> bool:
     import torch
 
     from hf_gpu_train.hardware.detect import detect
-    from hf_gpu_train.launch.deepspeed_config import (
+    from hf_gpu_train.launch.render import render_env, render_yaml
+    from hf_gpu_train.plan.deepspeed_config import (
         DEEPSPEED_FILE_PLACEHOLDER,
         deepspeed_file_for,
         deepspeed_path_for,
         render_deepspeed_file,
     )
-    from hf_gpu_train.launch.plan import PlanOptions, make_plan
-    from hf_gpu_train.launch.plan_document import render_plan_json
-    from hf_gpu_train.launch.render import render_env, render_yaml
+    from hf_gpu_train.plan.document import render_plan_json
+    from hf_gpu_train.plan.planner import PlanOptions, make_plan
 
     section("DeepSpeed ZeRO-3 with CPU offload (1 process) against the same run without it")
     if not torch.cuda.is_available():
@@ -433,7 +433,7 @@ def check_deepspeed(steps: int = 8) -> bool:
 
 
 def check_tune_on_gpu() -> bool:
-    from hf_gpu_train.tune.gpu_check import check_tune
+    from hf_gpu_train.tune.on_gpu import check_tune
 
     section("hf-gpu-train tune")
     return check_tune(ROOT)

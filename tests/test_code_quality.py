@@ -19,52 +19,43 @@ def test_ruff_is_clean():
     assert result.returncode == 0, result.stdout
 
 
-# The layers, lowest first: a module imports (at its top or inside a function) only from its own layer and below.
-# report/ renders files a run left and must not reach back into the callbacks that write them; the planner (launch/)
-# serves any training script and must not need the fine-tuning entry point.
-FORBIDDEN = {
-    "hardware": ("launch", "finetune", "callbacks", "training", "report", "tune", "cli"),
-    "launch": ("finetune", "callbacks", "training", "report", "tune", "cli"),
-    "report": ("finetune", "callbacks", "training", "tune", "cli"),
-}
+def code_metrics():
+    """scripts/code_metrics.py, the one reading of the package's imports (the closing notes' figures come from it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("code_metrics", ROOT / "scripts" / "code_metrics.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def imported_modules(path: Path, package: Path) -> list[tuple[int, str]]:
-    """(line, module path below the package) of every import in ``path``, at its top or inside a function: ``from .x
-    import y`` and ``from .. import x`` (each name, which may be a module), ``import hf_gpu_train.x``, and
-    ``importlib.import_module("hf_gpu_train.x")``."""
-    import ast
-
-    here = path.relative_to(package).parts[:-1]  # the module's package, below hf_gpu_train
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = [*here[:max(0, len(here) - (node.level - 1))], *(node.module.split(".") if node.module else [])]
-            elif (node.module or "").split(".")[0] == "hf_gpu_train":
-                base = node.module.split(".")[1:]
-            else:
-                continue
-            found += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
-        elif isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.removeprefix("hf_gpu_train.")) for alias in node.names
-                      if alias.name.startswith("hf_gpu_train.")]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and node.args[0].value.startswith("hf_gpu_train.")):
-            found.append((node.lineno, node.args[0].value.removeprefix("hf_gpu_train.")))
-    return found
+METRICS = code_metrics()
+imported_modules = METRICS.imported_modules
 
 
 def test_the_layers_read_one_way():
-    package = Path(__file__).resolve().parents[1] / "hf_gpu_train"
-    found = []
-    for layer, above in FORBIDDEN.items():
-        for path in sorted((package / layer).rglob("*.py")):
-            for line, target in imported_modules(path, package):
-                if target.split(".")[0] in above:
-                    found.append(f"{path.relative_to(package)}:{line} imports {target}")
-    assert not found, "\n".join(found)
+    """A module imports (at its top or inside a function) only from its own layer and below (the layers are
+    ``LAYERS`` in scripts/code_metrics.py): report/ renders files a run left and must not reach back into the
+    callbacks that write them; the planner serves any training script and must not need the fine-tuning entry point."""
+    package = ROOT / "hf_gpu_train"
+    assert set(METRICS.LAYERS) >= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert not METRICS.upward_imports(package), "\n".join(METRICS.upward_imports(package))
+
+
+def test_no_module_imports_itself_in_a_circle():
+    circles = METRICS.circles(METRICS.import_graph(ROOT / "hf_gpu_train"))
+    assert not circles, circles
+
+
+def test_a_circle_and_an_upward_import_are_seen(tmp_path):
+    package = tmp_path / "hf_gpu_train"
+    for folder in ("plan", "finetune"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "plan" / "a.py").write_text("from ..finetune import b\n")
+    (package / "finetune" / "b.py").write_text("def f():\n    from ..plan import a\n")
+    assert METRICS.circles(METRICS.import_graph(package)) == [["finetune.b", "plan.a"]]
+    assert METRICS.upward_imports(package) == ["plan/a.py:1 imports finetune.b"]
 
 
 def test_every_spelling_of_an_import_is_seen(tmp_path):
@@ -73,6 +64,6 @@ def test_every_spelling_of_an_import_is_seen(tmp_path):
     module = package / "report" / "sub" / "m.py"
     module.write_text("from ... import callbacks\nfrom ...finetune.run import main\nfrom . import sibling\n"
                       "import hf_gpu_train.tune.search\nfrom hf_gpu_train.cli import main\n"
-                      "def f():\n    import importlib\n    return importlib.import_module('hf_gpu_train.training.oom')\n")
+                      "def f():\n    import importlib\n    return importlib.import_module('hf_gpu_train.oom.recovery')\n")
     assert [t for _, t in imported_modules(module, package)] == ["callbacks", "finetune.run.main", "report.sub.sibling",
-                                                                  "tune.search", "cli.main", "training.oom"]
+                                                                  "tune.search", "cli.main", "oom.recovery"]

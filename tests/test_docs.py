@@ -360,7 +360,7 @@ def script_problems(words: tuple[str, ...]) -> list[str]:
 
 def launch_problems(sub: str, argv: list[str]) -> list[str]:
     """launch and tune take the rest of the line as it is (argparse REMAINDER): check it as they read it."""
-    from hf_gpu_train.launch.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+    from hf_gpu_train.plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 
     if not argv:
         return []  # the subcommand named alone, in prose
@@ -446,7 +446,7 @@ def other_command_problems(command: Command) -> list[str]:
         runs = re.search(r"(\S+\.py) \$\*", (ROOT / words[1]).read_text()) if tool == "sbatch" else None
         return script_problems((runs.group(1), *words[2:])) if runs else []
     if tool == "accelerate" and words[1:2] == ["launch"]:
-        from hf_gpu_train.launch.accelerate_argv import CONFIG_FILE_OPTIONS, split_launch_argv
+        from hf_gpu_train.plan.accelerate_argv import CONFIG_FILE_OPTIONS, split_launch_argv
 
         parsed = split_launch_argv(words[2:])
         return file_problems("--config-file", parsed.value(*CONFIG_FILE_OPTIONS)) + script_problems(

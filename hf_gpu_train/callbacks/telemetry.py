@@ -104,7 +104,7 @@ class TelemetryCallback(TrainerCallback):
 
     def agree_flags_of(self, trainer) -> None:
         """Emit once ``trainer``'s control flags are agreed across the ranks (installing the agreement if nothing did)."""
-        from ..training.collective_gate import agree_on_control
+        from ..faults.collective_gate import agree_on_control
 
         if self._agreed_on is not trainer and agree_on_control(trainer, self._after_agreement):
             self._agreed_on = trainer
@@ -232,7 +232,7 @@ class TelemetryCallback(TrainerCallback):
             raise TelemetryNotAttached("TelemetryCallback() was given to a Trainer without the Trainer, and the Trainer that "
                                        "started training could not be found: build the Trainer first, then call "
                                        "hf_gpu_train.attach_telemetry(trainer) (or pass TelemetryCallback(trainer=trainer))")
-        from ..training.loss_scaling import guard_loss_scaling
+        from ..oom.loss_scaling import guard_loss_scaling
         from .console import use_compact_console
 
         self.trainer = trainer
@@ -414,8 +414,8 @@ def attach_telemetry(trainer, compact_console: bool = True, **kwargs) -> Telemet
 
     ``compact_console`` (default): the Trainer's printer is swapped for one compact line per log step
     (``console.py``); the full metric set still goes to every ``report_to`` sink and the run report. The loss-scaling
-    guard comes with it (``training/loss_scaling.py``): the losses telemetry reports are right on N processes."""
-    from ..training.loss_scaling import guard_loss_scaling
+    guard comes with it (``oom/loss_scaling.py``): the losses telemetry reports are right on N processes."""
+    from ..oom.loss_scaling import guard_loss_scaling
     from .console import use_compact_console
 
     guard_loss_scaling(trainer)

@@ -14,7 +14,7 @@ generated tokens. Packed rows (``position_ids`` restarting at every example, no 
 restarts at 0 as a pseudo-example of its own: that trailing segment, when it is all pad ids with no label, is not
 counted (about 15% of a row for examples of 200-450 tokens at ``max_length`` 512).
 
-The in-place OOM recovery (``training/oom.py``) may run one batch as several micro-batch forwards,
+The in-place OOM recovery (``oom/recovery.py``) may run one batch as several micro-batch forwards,
 retry a micro-batch that failed, start a step again, or compute earlier micro-steps a second time. It numbers
 the micro-batches it runs and voids the ones that will run again (``training.microbatch.CHUNKS``); each count
 here carries that number, and only the ones still valid when the micro-step closes (``micro_step_done``) are
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..training.microbatch import CHUNKS, replaying
+from ..oom.microbatch import CHUNKS, replaying
 
 
 def packed_real_tokens(input_ids: torch.Tensor, position_ids: torch.Tensor, labels, pad_token_id) -> torch.Tensor:

@@ -20,10 +20,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..launch.lint import ERROR, Finding, lint
-    from ..launch.lint_plan import plan_findings
     from ..launch.render import env_path_for, parse_env
-    from ..launch.run_plan_file import plan_path_for
+    from ..plan.lint import ERROR, Finding, lint
+    from ..plan.lint_plan import plan_findings
+    from ..plan.run_plan_file import plan_path_for
 
     path = Path(args.config_file)
     try:

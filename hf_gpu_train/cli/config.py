@@ -58,7 +58,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def model_spec_from_args(args: argparse.Namespace):
-    from ..launch.model_spec import ModelSpec, resolve_model
+    from ..plan.model_spec import ModelSpec, resolve_model
 
     if args.model and args.params:
         raise UsageError("give --model or --params, not both")
@@ -83,10 +83,10 @@ def port_in_use(port: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from ..hardware.snapshot import load_machine
-    from ..launch.deepspeed_config import deepspeed_path_for, render_deepspeed_file
-    from ..launch.plan import PlanOptions, make_plan
-    from ..launch.plan_document import no_memory_plan, render_plan_json
     from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
+    from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
+    from ..plan.document import no_memory_plan, render_plan_json
+    from ..plan.planner import PlanOptions, make_plan
     from ..textfmt import table
 
     profile, live = resolve_profile(args)
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
     written = []
     deepspeed_path = None
-    if plan.deepspeed_file is not None:  # ZeRO-Offload's optimizer section (launch/deepspeed_config.py)
+    if plan.deepspeed_file is not None:  # ZeRO-Offload's optimizer section (plan/deepspeed_config.py)
         deepspeed_path = deepspeed_path_for(yaml_path)
         deepspeed_path.write_text(render_deepspeed_file(plan.deepspeed_file))
         written.append(deepspeed_path)

@@ -29,7 +29,7 @@ HELP_FLAGS = ("-h", "--help")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    # prefix_chars="+": argparse must not read accelerate's options; they are split by hand (launch/accelerate_argv.py)
+    # prefix_chars="+": argparse must not read accelerate's options; they are split by hand (plan/accelerate_argv.py)
     p = subparsers.add_parser("launch", help="accelerate launch with the config's .env and plan applied", usage=USAGE,
                               description=DESCRIPTION, prefix_chars="+", add_help=False)
     p.add_argument("argv", nargs=argparse.REMAINDER, help="accelerate launch options, --config-file FILE, SCRIPT and its arguments")
@@ -60,8 +60,8 @@ def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[st
 
 def _binding(plan, settings: dict) -> tuple[frozenset[int] | None, str | None]:
     """A taskset binding applied to this launcher is inherited by accelerate and every process it starts."""
-    from ..launch.cpu_binding import TASKSET
-    from ..launch.run_environment import binding_target
+    from ..plan.cpu_binding import TASKSET
+    from ..plan.run_environment import binding_target
 
     if plan is None or plan.cpu_binding is None or plan.cpu_binding.method != TASKSET or not hasattr(os, "sched_getaffinity"):
         return None, None
@@ -87,7 +87,7 @@ def _data(recipe: str | None, overrides: list[str]) -> dict | None:
 
     from ..errors import UsageError
     from ..finetune.config import load_config_and_keys
-    from ..launch.run_plan_file import data_stamps
+    from ..plan.run_plan_file import data_stamps
 
     try:
         cfg, _ = load_config_and_keys(recipe, overrides)
@@ -99,7 +99,7 @@ def _data(recipe: str | None, overrides: list[str]) -> dict | None:
 def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict) -> tuple[str, str] | None:
     """(accelerate precision, note) when `hf-gpu-train tune` measured another precision for this very recipe: the
     launcher passes it to this run only (NAME.yaml's mixed_precision reaches every recipe)."""
-    from ..launch.run_plan_file import accelerate_precision, tuned_keys_for
+    from ..plan.run_plan_file import accelerate_precision, tuned_keys_for
 
     recipe = recipe_in(script_args)
     overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
@@ -144,9 +144,9 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
     them without its machine variables (threads, NCCL topology, devices) and CPU binding."""
     import yaml
 
-    from ..launch.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
-    from ..launch.machine_match import detect_this_machine, scope_to_this_machine
-    from ..launch.run_plan_file import PLAN_ENV, env_path_for, generating_command, parse_env, plan_path_for, read_run_plan
+    from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+    from ..plan.machine_match import detect_this_machine, scope_to_this_machine
+    from ..plan.run_plan_file import PLAN_ENV, env_path_for, generating_command, parse_env, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
     parsed = split_launch_argv(argv)
@@ -210,7 +210,7 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch.accelerate_argv import split_launch_argv
+    from ..plan.accelerate_argv import split_launch_argv
 
     if split_launch_argv(args.argv).has(*HELP_FLAGS):
         from . import example

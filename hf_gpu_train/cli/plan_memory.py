@@ -35,7 +35,7 @@ def _devices(args) -> tuple[int, int, str, object]:
     """(memory per process in bytes, GPU count, what they are, the first GPU or None) from --gpu-memory-gib or the
     machine."""
     from ..errors import UsageError
-    from ..launch.gpu_selection import select_devices
+    from ..plan.gpu_selection import select_devices
 
     if args.gpu_memory_gib:
         return int(args.gpu_memory_gib * 2**30), args.gpus or 1, "GPU(s)", None
@@ -50,7 +50,7 @@ def _devices(args) -> tuple[int, int, str, object]:
 
 def _check(args, spec) -> None:
     from ..errors import UsageError
-    from ..launch.model_spec import adapter_shape, quantized_params
+    from ..plan.model_spec import adapter_shape, quantized_params
 
     if args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: must be at least 1 (16 is a good start)")
@@ -61,7 +61,7 @@ def _check(args, spec) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..launch.memory import TrainingShape
+    from ..plan.memory import TrainingShape
 
     spec = model_spec_from_args(args)
     if spec is None:
@@ -85,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
-    """The per-lever table and the recommended set (launch/lever_table.py), on the plan's strategy; 0 when the
+    """The per-lever table and the recommended set (levers/table.py), on the plan's strategy; 0 when the
     recommended set fits, 1 when nothing does."""
     import math
 
     from ..hardware.peaks import peak_flops
-    from ..launch.lever_plan import host_room_per_process
-    from ..launch.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
-    from ..launch.method_choice import useful_micro_batch
+    from ..levers.plan import host_room_per_process
+    from ..levers.table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
+    from ..plan.method_choice import useful_micro_batch
     from ..textfmt import table
 
     per_gpu = math.ceil(args.global_batch / count)
@@ -103,7 +103,7 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     room = host_room_per_process(spec, shape, strategy, count, _host_ram(args), count)
     levers = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, peak_flops=peak, pcie_bytes_per_s=pcie,
                          host_bytes_per_process=room)
-    print(f"\nMemory levers ({shape.method}, {strategy if count > 1 else '1 GPU'}; hf_gpu_train/launch/lever_table.py):")
+    print(f"\nMemory levers ({shape.method}, {strategy if count > 1 else '1 GPU'}; hf_gpu_train/levers/table.py):")
     print(table(format_rows(levers)))
     for note in levers.notes:
         print(f"  {note}")
@@ -128,7 +128,7 @@ def _host_ram(args) -> int | None:
 
 def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
     """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (lever_plan.py)."""
-    from ..launch.lever_plan import last_resort_plan
+    from ..levers.plan import last_resort_plan
 
     ram = _host_ram(args)
     plan = last_resort_plan(spec, memory, count, shape, args.global_batch, (strategy,), ram, count)
@@ -146,7 +146,7 @@ def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:
     """(exit status, the strategy the levers are planned on: the plan's, or the last tried when nothing fits)"""
     from dataclasses import replace
 
-    from ..launch.memory import STRATEGIES, estimate, largest_micro_batch, plan_memory
+    from ..plan.memory import STRATEGIES, estimate, largest_micro_batch, plan_memory
     from ..textfmt import table
 
     rows = [["Strategy", "Fixed (GiB)", "Act./sample (GiB)", "Max micro-batch", "With checkpointing"]]
@@ -183,8 +183,8 @@ def _print_plan(plan, count, global_batch, memory) -> None:
 
 
 def _run_auto(args, spec, shape, memory, count) -> int:
-    from ..launch.memory import BREAKDOWN_ROWS, usable_bytes
-    from ..launch.method_choice import recommend_method
+    from ..plan.memory import BREAKDOWN_ROWS, usable_bytes
+    from ..plan.method_choice import recommend_method
     from ..textfmt import table
 
     rec = recommend_method(spec, memory, count, shape, args.global_batch, prefer_full=args.prefer_full)

@@ -61,7 +61,7 @@ VALUED = ("--budget-s", "--axes", "--machine", "--warmup-steps", "--measure-step
 
 def split_tune_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(tune's own options, everything else): tune's options are taken from anywhere before the script."""
-    from ..launch.accelerate_argv import SWITCHES as ACCELERATE_SWITCHES
+    from ..plan.accelerate_argv import SWITCHES as ACCELERATE_SWITCHES
 
     own: list[str] = []
     rest: list[str] = []
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{example('tune')}")
         return 0
     opts = own_parser().parse_args(own_argv)
-    from ..launch.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+    from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
     from ..tune.job import load_job
 
     parsed = split_launch_argv(rest)
@@ -217,13 +217,13 @@ def _tune(job, opts, options: list[str], started: float) -> int:
 def _write_and_print(job, opts, results, notes, choice, spent, startup_s, started) -> int:
     from ..textfmt import table
     from ..tune.plot import write_plot
-    from ..tune.report import RunFacts, render_report, report_paths, trial_rows, write_report
+    from ..tune.tune_report import RunFacts, render_report, report_paths, trial_rows, write_report
     from ..tune.writeback import write_winner
 
     now = datetime.now(timezone.utc)
     stamp, when = now.strftime("%Y%m%d-%H%M%S"), now.strftime("%Y-%m-%d %H:%M UTC")
     report_path, plot_path = report_paths(job.config_file)
-    from ..launch.run_plan_file import data_stamps
+    from ..plan.run_plan_file import data_stamps
 
     written = write_winner(job.config_file, choice, results, job.space, stamp, when, job.recipe, list(job.overrides),
                            report_path.name, opts.budget_s, data=data_stamps(job.values))

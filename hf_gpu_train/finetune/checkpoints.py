@@ -1,6 +1,6 @@
 """The fine-tuning run's checkpoints: the label map written into each before its completion marker, and checked on
 resume and warm start. The marker and the resume from the last complete checkpoint live in
-``training/checkpoint_marker.py`` (anyone's Trainer gets them through ``guard_saves``); this run installs them the same
+``faults/checkpoint_marker.py`` (anyone's Trainer gets them through ``guard_saves``); this run installs them the same
 way (``run.finetune``: ``guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(...))``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..training.checkpoint_marker import (  # noqa: F401 (the names this run's modules and tests use)
+from ..faults.checkpoint_marker import (  # noqa: F401 (the names this run's modules and tests use)
     COMPLETE_MARKER,
     SET_ASIDE_DIR,
     checkpoints,

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError  # noqa: F401 (ConfigError: the finetune names it from here)
 from .learning_rates import FINETUNE_LEARNING_RATE  # noqa: F401 - the reference rate, imported from here by callers
 
 TASKS = ("text-classification", "image-classification", "causal-lm")
@@ -49,10 +49,6 @@ _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:t
 
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-class ConfigError(UsageError):
-    """A bad finetune config value: names the key, the value and the fix."""
 
 
 @dataclass
@@ -97,9 +93,9 @@ class FinetuneConfig:
     # speed and safety
     precision: str = "auto"
     gradient_checkpointing: bool = False
-    # memory levers (finetune/memory_levers.py): which layers checkpointing covers and what they keep (all | every-N
+    # memory levers (levers/from_config.py): which layers checkpointing covers and what they keep (all | every-N
     # | selective | selective-lean), saved activations in pinned host memory, the optimizer step inside the backward
-    # (full, 1 process), freed memory given back at once (the allocator: training/release_memory.py)
+    # (full, 1 process), freed memory given back at once (the allocator: levers/release_memory.py)
     checkpoint_layers: str = "all"
     offload_activations: bool = False
     optimizer_in_backward: bool = False
@@ -120,7 +116,7 @@ class FinetuneConfig:
     allow_cpu: bool = False  # train on the CPU although a GPU is visible
     telemetry: bool = True
     oom_recovery: bool = True
-    # a rank without progress for this long ends the run with every rank's stacks (training/watchdog.py): auto (10 x
+    # a rank without progress for this long ends the run with every rank's stacks (faults/watchdog.py): auto (10 x
     # the step time, at least 120 s; 600 s for the first step, evaluations and saves), seconds, or off
     watchdog: float | str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # passed to TrainingArguments as they are
@@ -242,7 +238,7 @@ class FinetuneConfig:
             raise bad("chat_template", "give the path of a Jinja chat template file that exists")
 
     def _check_memory_levers(self) -> None:
-        from .memory_levers import check_levers
+        from ..levers.from_config import check_levers
 
         check_levers(self)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .run import SHOWN_METRICS
+from .metrics import SHOWN_METRICS
 
 BASELINE = "baseline_results.json"
 # evaluate_before=auto: the evaluation first is worth it when it costs little beside the training. Rows are the

@@ -1,6 +1,6 @@
 """The launch plan inside ``scripts/finetune.py``: found, its environment applied, its values used unless the
 recipe or the command line set them, overrides said, and an override the planner predicts will not fit warned
-about with its numbers, all before torch is imported or a model loaded. ``hf_gpu_train.launch.run_plan`` holds
+about with its numbers, all before torch is imported or a model loaded. ``hf_gpu_train.plan.run_plan`` holds
 the pieces (no torch); this module is the fine-tuning side's use of them.
 """
 
@@ -26,7 +26,7 @@ class AppliedPlan:
     launched_strategy: str | None = None  # what the launch runs (launch/launched_strategy.py), read before the values applied
 
     def record(self, measured_peak_bytes: int | None, measured_what: str | None) -> dict:
-        from ..launch.run_plan import plan_record
+        from ..plan.run_plan import plan_record
 
         return plan_record(self.plan, self.resolution, self.memory, measured_peak_bytes, measured_what)
 
@@ -38,8 +38,9 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values.
     ``overrides``: the command line's key=value (with ``recipe``, the job tuned values are scoped to)."""
     from ..launch.launched_strategy import launched_strategy
-    from ..launch.machine_match import detect_this_machine, scope_to_this_machine, unset_planned_variables
-    from ..launch.run_plan import (
+    from ..levers.from_config import planned_levers_that_hold, shape_levers
+    from ..plan.machine_match import detect_this_machine, scope_to_this_machine, unset_planned_variables
+    from ..plan.run_plan import (
         APPLIED_KEYS,
         apply_run_environment,
         check_memory,
@@ -47,8 +48,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
         override_lines,
         resolve_with_plan,
     )
-    from ..launch.run_plan_file import data_stamps, tuned_keys_for
-    from .memory_levers import planned_levers_that_hold, shape_levers
+    from ..plan.run_plan_file import data_stamps, tuned_keys_for
     from .plan_scope import scope_to_this_run, strategy_difference
 
     environ = os.environ if environ is None else environ
@@ -111,7 +111,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
 
 def _noting(not_applied: dict, before, after, lines: list, why: str) -> tuple[object, list]:
     """(after, lines): ``before`` scoped by one rule, each value the rule took away or replaced noted with ``why``."""
-    from ..launch.run_plan import APPLIED_KEYS
+    from ..plan.run_plan import APPLIED_KEYS
 
     for key in APPLIED_KEYS:
         if before.value(key) is not None and before.value(key) != after.value(key):
@@ -122,7 +122,7 @@ def _noting(not_applied: dict, before, after, lines: list, why: str) -> tuple[ob
 def tuned_for_this_recipe(plan, recipe, overrides=(), data=None) -> tuple[object, list[str]]:
     """Values `hf-gpu-train tune` measured are scoped to the job (recipe text and command line) they were measured for:
     any other job gets the plan as `hf-gpu-train config` wrote it, and one line says which values were left out and why."""
-    from ..launch.run_plan_file import TUNED, job_overrides, plan_before_tune, tuned_keys_for
+    from ..plan.run_plan_file import TUNED, job_overrides, plan_before_tune, tuned_keys_for
 
     measured = (plan.document or {}).get(TUNED)
     if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe, overrides, data):
@@ -143,7 +143,7 @@ def _tuned_precision_over_the_yamls(plan) -> tuple[object, list[str]]:
     """A precision tune measured for this recipe wins over NAME.yaml's own mixed_precision (which `accelerate launch`
     exports to every run, and which tune no longer rewrites): only a --mixed_precision other than the YAML's is the
     user's choice."""
-    from ..launch.run_plan_file import LaunchedAs, plan_before_tune
+    from ..plan.run_plan_file import LaunchedAs, plan_before_tune
 
     launched, yamls = plan.launched.mixed_precision, plan_before_tune(plan).value("precision")
     if launched is None or launched != yamls or launched == plan.value("precision"):

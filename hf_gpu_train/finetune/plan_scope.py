@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..launch.model_spec import model_fingerprint as fingerprint
+from ..plan.model_spec import model_fingerprint as fingerprint
 from .config import FinetuneConfig
 
 # the values a memory plan (or tune) decides for one model, sequence length and method
@@ -33,7 +33,7 @@ def canonical_name(name: str) -> str:
     directories as absolute paths."""
     from pathlib import Path
 
-    from ..launch.model_spec import BUILTIN_MODELS
+    from ..plan.model_spec import BUILTIN_MODELS
 
     if name == "builtin:minilm":
         from .builtin import minilm_path
@@ -48,7 +48,7 @@ def canonical_name(name: str) -> str:
 def run_model_spec(cfg: FinetuneConfig):
     """The planner's spec of the model this run trains (its config on the meta device; timm's census), or None with
     the reason when it cannot be read here. Best effort: whatever goes wrong reading it is said, never raised."""
-    from ..launch.model_spec import resolve_model
+    from ..plan.model_spec import resolve_model
 
     name = cfg.model
     if name == "builtin:smollm2":
@@ -139,7 +139,7 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned: frozenset = frozenset(),
                 plan.memory, model=spec or plan.memory.model, method=_method(cfg), global_batch_target=None,
                 seq_len=plan.memory.seq_len if vision else (cfg.max_length or plan.memory.seq_len), image_size=image_size)
     if strategy is not None and memory is not None:
-        from ..launch.memory import STRATEGIES
+        from ..plan.memory import STRATEGIES
 
         launched_strategy = strategy[1]
         memory = dataclasses.replace(memory, strategy=launched_strategy) if launched_strategy in (*STRATEGIES, "single") else None

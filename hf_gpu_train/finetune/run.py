@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
+from .metrics import SHOWN_METRICS
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
 
 
 def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
-    from ..training.checkpoint_marker import resume_point
+    from ..faults.checkpoint_marker import resume_point
     from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
 
     out = Path(cfg.output_dir)
@@ -140,7 +141,7 @@ def prepare(cfg: FinetuneConfig, runtime):
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
-    from ..launch.decisions import accelerate_uses_cpu
+    from ..plan.decisions import accelerate_uses_cpu
     from .intervals import interval_callbacks
 
     # the completion marker (with the label map) comes with guard_saves in finetune()
@@ -200,7 +201,6 @@ def final_metrics(trainer, first_step: int) -> dict:
 
 
 # the figures a run reports: its summary, its last line, and what it scored before training (evaluate_before.py)
-SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
 
 
 def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneConfig) -> str:
@@ -226,12 +226,12 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
     """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
     from transformers import Trainer, set_seed
 
-    from ..training.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
+    from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
+    from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
     from .agreement import check_ranks_agree
     from .checkpoints import is_main_process, label_map_writer, write_label_map
     from .evaluate_before import attach_evaluate_before, read_baseline, trained_rows
     from .fsdp import fsdp_requested, save_full_model
-    from .memory_levers import apply_levers, release_memory, release_memory_before_cuda
     from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
     from .runtime import resolve_runtime
     from .trainer_factory import build_trainer, gradient_accumulation
@@ -257,7 +257,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         # every rank joined and the collectives work, in seconds, before the model and data load. The process group
         # must exist before the model loads anyway under FSDP, or transformers loads the whole model on every rank
         # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
-        from ..training.preflight_collective import preflight
+        from ..faults.preflight_collective import preflight
 
         preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
                   backend=cfg.extra.get("ddp_backend"))
@@ -323,11 +323,11 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         print("hf_gpu_train: in-place OOM recovery off: it splits a step into micro-batches, and with optimizer_in_backward each "
               "micro-batch's backward would step the parameters", flush=True)
     elif cfg.oom_recovery:
-        from ..training import enable_oom_recovery
+        from ..oom import enable_oom_recovery
 
         enable_oom_recovery(trainer)
     if cfg.watchdog != "off":
-        from ..training.watchdog import attach_watchdog
+        from ..faults.watchdog import attach_watchdog
 
         attach_watchdog(trainer, cfg.watchdog)
     if cfg.telemetry:
@@ -355,7 +355,7 @@ def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch
         if before is not None:  # what the evaluation first took (inside train(), not in train_seconds)
             summary["evaluate_before_seconds"] = round(before.seconds, 2)
         if cfg.offload_activations:
-            from ..training.activation_offload import offloaded_bytes
+            from ..levers.activation_offload import offloaded_bytes
 
             summary["offloaded_activation_bytes"] = offloaded_bytes(trainer.model)  # the last training forward's
         if launch_plan is not None:

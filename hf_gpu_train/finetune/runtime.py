@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..doctor.stack_checks import torch_install_command
 from ..hardware.detect import detect
 from ..hardware.profile import GpuInfo, HardwareProfile
-from ..launch.decisions import PlanError, accelerate_uses_cpu, decide_precision
+from ..plan.decisions import PlanError, accelerate_uses_cpu, decide_precision
 from .config import ConfigError, FinetuneConfig
 
 

@@ -10,9 +10,9 @@ import math
 
 from transformers import Trainer, TrainingArguments
 
+from ..levers.from_config import training_arguments as lever_arguments
 from .config import FinetuneConfig
 from .fsdp import fsdp_checkpoints_activations, shard_on_cpu_too, wrap_repeated_blocks
-from .memory_levers import training_arguments as lever_arguments
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
 from .sampling import evaluate_in_dataset_order, group_by_length_over_the_global_batch

@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 
 PROGRESS_DIR_ENV = "HF_GPU_TRAIN_PROGRESS_DIR"
-HANG_EXIT_CODE = 3  # training/watchdog.py: a hang was detected and every rank's stacks were written
+HANG_EXIT_CODE = 3  # faults/watchdog.py: a hang was detected and every rank's stacks were written
 
 
 def write_progress(rank: int, step: int, phase: str, environ=os.environ) -> None:

@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import UsageError
-from ..launch.run_plan_file import FILE_KEYS, NOT_THE_JOB, file_stamp
+from ..plan.run_plan_file import FILE_KEYS, NOT_THE_JOB, file_stamp
 from .results import TrialResult
 
 FORMAT = "hf_gpu_train.tune_cache"
@@ -59,7 +59,7 @@ def job_identity(values: Mapping[str, object]) -> dict:
     """The training job, in FinetuneConfig's words, without what does not change a step's speed or memory."""
     identity = {}
     for key, value in sorted(values.items()):
-        if key in NOT_THE_JOB:  # the job, as tuned values are scoped (launch/run_plan_file.py)
+        if key in NOT_THE_JOB:  # the job, as tuned values are scoped (plan/run_plan_file.py)
             continue
         identity[key] = file_stamp(value) if key in FILE_KEYS else value
     return identity

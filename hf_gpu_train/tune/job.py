@@ -64,7 +64,7 @@ def world_size_of(plan, launch_settings: Mapping[str, object]) -> int:
 
 
 def _on_cuda(plan, profile) -> bool:
-    from ..launch.decisions import accelerate_uses_cpu
+    from ..plan.decisions import accelerate_uses_cpu
 
     if profile is not None:
         return bool(profile.gpus)
@@ -73,7 +73,7 @@ def _on_cuda(plan, profile) -> bool:
 
 def _for_machine(plan, profile):
     """The plan with its memory model moved to a snapshot's GPU (a dry plan for another machine)."""
-    from ..launch.memory import usable_bytes
+    from ..plan.memory import usable_bytes
 
     if plan.memory is None or not profile.gpus:
         return plan
@@ -87,9 +87,9 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected);
     ``memory_budget_bytes``: a candidate fits only when its measured peak stays under it (--memory-budget-gib)."""
     from ..finetune.config import load_config_and_keys, read_config_values
-    from ..finetune.memory_levers import shape_levers
-    from ..launch.plan_resolution import check_memory, resolve_with_plan
-    from ..launch.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
+    from ..levers.from_config import shape_levers
+    from ..plan.resolution import check_memory, resolve_with_plan
+    from ..plan.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
     path = Path(config_file)
@@ -151,7 +151,7 @@ def _scoped_to_this_job(plan, cfg, profile):
     without memory values made for another model or a shorter sequence (tune would start from them, and record them
     as measured)."""
     from ..finetune.plan_scope import scope_to_this_run
-    from ..launch.machine_match import detect_this_machine, scope_to_this_machine
+    from ..plan.machine_match import detect_this_machine, scope_to_this_machine
 
     plan, on_another_machine = scope_to_this_machine(plan, profile if profile is not None else detect_this_machine())
     plan, for_another_run = scope_to_this_run(plan, cfg)

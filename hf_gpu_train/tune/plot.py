@@ -19,7 +19,7 @@ GIB = 2**30
 
 def _series_name(result: TrialResult) -> str:
     c = result.candidate
-    from .report import checkpointing_text
+    from .tune_report import checkpointing_text
 
     parts = [f"ckpt {checkpointing_text(c)}", f"{c.dataloader_num_workers} workers", c.precision]
     if c.torch_compile:

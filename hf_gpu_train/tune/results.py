@@ -7,7 +7,7 @@ CLI read it.
 smaller micro-batch ran out of memory: it is marked and never the winner), and on a GPU a measured peak at most
 ``HEADROOM_FRACTION`` of the device's memory. The peak is measured over a few steps; a long run sees more: the
 allocator fragments over time, evaluation runs batches of twice the micro-batch, a checkpoint save needs buffers,
-other processes come and go. The memory planner keeps 8% for fragmentation alone (``launch/memory.py``); a measured
+other processes come and go. The memory planner keeps 8% for fragmentation alone (``plan/memory.py``); a measured
 peak gets 10%.
 """
 

@@ -50,7 +50,7 @@ def install(model, collator, environ: Mapping[str, str], collate_only: bool = Fa
     model alone (it has its injector already)."""
     notes = []
     if environ.get(OOM_ENV) and not collate_only:
-        from ..training import OOMFaultInjector
+        from ..oom import OOMFaultInjector
 
         limit = int(environ[OOM_ENV])
         OOMFaultInjector(max_batch=limit).install(model)

@@ -27,7 +27,7 @@ import torch
 from ..callbacks.memory_probe import device_peak
 from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
-from ..training.activation_offload import detach as detach_offloading
+from ..levers.activation_offload import detach as detach_offloading
 from .candidates import Candidate
 from .lm_layouts import Layout, prepared_layout
 from .resident_memory import PeakResident
@@ -134,10 +134,10 @@ class TrialSession:
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
         from ..callbacks import attach_telemetry
-        from ..finetune.memory_levers import apply_levers
         from ..finetune.runtime import resolve_runtime
         from ..finetune.trainer_factory import build_trainer
-        from ..training import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
+        from ..levers.from_config import apply_levers
+        from ..oom import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
         from .meter import TrialMeter
 
         layout = self.layout(candidate.packing)
@@ -214,7 +214,7 @@ class TrialSession:
         if recovery is not None and recovery.reducer is not None:
             recovery.reducer.remove()  # its gradient hooks sit on the shared model's parameters
         if trainer is not None:
-            from ..training.optimizer_in_backward import remove_hooks
+            from ..levers.optimizer_in_backward import remove_hooks
 
             remove_hooks(trainer.optimizer)  # a trial that raised never reached on_train_end, which removes them
             trainer.accelerator.free_memory()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..launch.run_plan_file import PlanValue, plan_path_for, recipe_identity, write_measured_values
+from ..plan.run_plan_file import PlanValue, plan_path_for, recipe_identity, write_measured_values
 from .candidates import Candidate, CandidateSpace
 from .results import Choice, TrialResult
 

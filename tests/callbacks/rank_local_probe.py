@@ -34,10 +34,10 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
-from hf_gpu_train.training.disk_full import guard_saves  # noqa: E402
-from hf_gpu_train.training.loss_scaling import guard_loss_scaling  # noqa: E402
-from hf_gpu_train.training.oom import enable_oom_recovery  # noqa: E402
-from hf_gpu_train.training.watchdog import attach_watchdog  # noqa: E402
+from hf_gpu_train.faults.disk_full import guard_saves  # noqa: E402
+from hf_gpu_train.faults.watchdog import attach_watchdog  # noqa: E402
+from hf_gpu_train.oom.loss_scaling import guard_loss_scaling  # noqa: E402
+from hf_gpu_train.oom.recovery import enable_oom_recovery  # noqa: E402
 from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E402
 
 out = Path(sys.argv[1])

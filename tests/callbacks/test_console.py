@@ -11,8 +11,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_gpu_train.callbacks import attach_telemetry
 from hf_gpu_train.callbacks.console import CompactPrinterCallback
-
-from .tiny import TokenDataset, tiny_args, tiny_bert
+from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert
 
 
 class SlowEvaluationFirst(TrainerCallback):

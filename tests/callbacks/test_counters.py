@@ -33,7 +33,7 @@ def test_tokens_non_padding_with_a_mask_all_tokens_when_packed_and_none_in_eval(
 def test_a_retried_batch_counts_once_and_its_micro_batches_add_up():
     """What the OOM recovery tells the counter (training.microbatch.CHUNKS): a micro-batch that failed is void, a
     restart voids the micro-step so far, a replayed micro-step is not counted."""
-    from hf_gpu_train.training.microbatch import CHUNKS, replaying_micro_steps
+    from hf_gpu_train.oom.microbatch import CHUNKS, replaying_micro_steps
 
     model = Echo()
     counter = TokenCounter().install(model)

@@ -5,8 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_gpu_train.callbacks.flops import dense_flops_per_token, transformer_flops_per_token
-
-from .tiny import tiny_bert
+from tests.callbacks.tiny import tiny_bert
 
 
 def linear_weights(model, trainable=None):

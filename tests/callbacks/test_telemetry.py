@@ -8,9 +8,8 @@ from transformers import Trainer
 
 from hf_gpu_train.callbacks import CpuByAccidentGuard, TelemetryCallback, TrainingOnCpuByAccident, attach_telemetry
 from hf_gpu_train.hardware.fake import FakeNvmlBackend
-from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery
-
-from .tiny import TokenDataset, tiny_args, tiny_bert
+from hf_gpu_train.oom import OOMFaultInjector, enable_oom_recovery
+from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert
 
 SW_POWER_CAP = 0x4
 # A GPU that works hard at its power limit: utilization climbs to 95%, SwPowerCap in every reading and the SM

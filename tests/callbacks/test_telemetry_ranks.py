@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from ..launching import cpu_config, launch
-from .tiny import TokenDataset
+from tests.callbacks.tiny import TokenDataset
+from tests.launching import cpu_config, launch
 
 
 @pytest.mark.slow
@@ -60,6 +60,6 @@ def test_a_flag_one_rank_sets_alone_never_leaves_a_collective_to_that_rank(tmp_p
     assert [s["evaluated"] for s in seen["evaluate"]] == [s["evaluated"] for s in seen["evaluate-everywhere"]] == [[3]] * 2
     assert [s["saved"] for s in seen["save"]] == [[3]] * 2 and (out / "save" / "checkpoint-3" / "rng_state_1.pth").is_file()
     assert [s["saved"] for s in seen["save+guard"]] == [[3]] * 2
-    from hf_gpu_train.training.checkpoint_marker import COMPLETE_MARKER
+    from hf_gpu_train.faults.checkpoint_marker import COMPLETE_MARKER
 
     assert (out / "save+guard" / "checkpoint-3" / COMPLETE_MARKER).is_file()

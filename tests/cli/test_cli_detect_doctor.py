@@ -68,7 +68,7 @@ def test_live_doctor_on_this_machine_exits_cleanly():
 
 
 def test_detect_shows_mig_instances_and_pending_changes(capsys):
-    from ..hardware.odd_machines import TEST_MACHINES_DIR
+    from tests.hardware.odd_machines import TEST_MACHINES_DIR
 
     assert main(["detect", "--machine", "1x-a100-mig"]) == 0
     out = capsys.readouterr().out
@@ -81,7 +81,7 @@ def test_detect_shows_mig_instances_and_pending_changes(capsys):
 
 
 def test_doctor_cli_reports_pending_mig_and_nvlink_without_p2p(capsys):
-    from ..hardware.odd_machines import TEST_MACHINES_DIR
+    from tests.hardware.odd_machines import TEST_MACHINES_DIR
 
     assert main(["doctor", "--machine", str(TEST_MACHINES_DIR / "2x-a100-mig-pending.json")]) == 0
     out = capsys.readouterr().out

@@ -9,8 +9,7 @@ import io
 import pytest
 
 from hf_gpu_train.cli import EXAMPLES, SUBCOMMANDS, main
-
-from ..test_docs import Command, command_problems, split_command
+from tests.test_docs import Command, command_problems, split_command
 
 
 def help_text(*argv: str) -> str:

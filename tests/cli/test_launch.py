@@ -98,7 +98,7 @@ def test_config_launch_and_the_run_plan_api_never_import_torch(tmp_path):
         "import sys\n"
         "from hf_gpu_train.cli import main\n"
         "from hf_gpu_train.cli.launch import build_launch\n"
-        "import hf_gpu_train.launch.run_plan as api\n"
+        "import hf_gpu_train.plan.run_plan as api\n"
         f"assert main(['config', '--machine', '8x-h100-sxm', '--params', '7e9', '--output', {str(tmp_path / 'h')!r}]) == 0\n"
         f"launch = build_launch(['--num_processes', '4', '--config-file', {str(tmp_path / 'h.yaml')!r}, {__file__!r}], environ={{}})\n"
         "assert any('made for another machine' in note for note in launch.notes), launch.notes\n"

@@ -5,7 +5,7 @@ import pytest
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine
-from tests.launch.test_peft_memory import LLAMA3_8B
+from tests.plan.test_peft_memory import LLAMA3_8B
 
 
 def test_plan_memory_on_a_mig_box_plans_against_the_instance(capsys):
@@ -119,9 +119,9 @@ def test_plan_memory_and_config_recommend_the_same_levers_on_a_box_short_of_ram(
     from dataclasses import replace
 
     from hf_gpu_train.hardware.snapshot import save
-    from hf_gpu_train.launch.decisions import PlanError
-    from hf_gpu_train.launch.model_spec import from_config
-    from hf_gpu_train.launch.plan import PlanOptions, make_plan
+    from hf_gpu_train.plan.decisions import PlanError
+    from hf_gpu_train.plan.model_spec import from_config
+    from hf_gpu_train.plan.planner import PlanOptions, make_plan
 
     args = ["--model", llama3_dir, "--seq-len", "16384", "--global-batch", "16"]
     assert main(["plan-memory", "--machine", "1x-h200", *args]) == 0

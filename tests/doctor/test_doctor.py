@@ -160,7 +160,7 @@ def test_real_probe_small_win_on_every_gpu():
 # -- MIG, NVLink without P2P, mixed models -----------------------------------------------------------
 
 def test_mig_pending_is_reported_with_the_reset_fix():
-    from ..hardware.odd_machines import odd_machine
+    from tests.hardware.odd_machines import odd_machine
 
     checks = by_name(run_checks(odd_machine("2x-a100-mig-pending"), None, None, live=False))
     mig = checks["MIG"]
@@ -187,7 +187,7 @@ def test_mig_instances_are_listed_with_their_memory(machine):
 
 
 def test_nvlink_without_p2p_warns_with_causes_and_fix(machine):
-    from ..hardware.odd_machines import odd_machine
+    from tests.hardware.odd_machines import odd_machine
 
     check = check_nvlink_p2p(odd_machine("4x-h100-vm-nvlink-no-p2p"))
     assert check.status == WARN

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hf_gpu_train.finetune.deepspeed_env import hold_zero3_init, zero_stage_requested
-from hf_gpu_train.launch.deepspeed_config import deepspeed_file_for
+from hf_gpu_train.plan.deepspeed_config import deepspeed_file_for
 
 
 def test_the_stage_comes_from_the_file_then_the_yaml_key_then_accelerates_default(tmp_path):

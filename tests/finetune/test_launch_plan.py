@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ..launching import cpu_config, launch
-from ..scaling.finetune_cases import COMMON, text_case
+from tests.launching import cpu_config, launch
+from tests.scaling.finetune_cases import COMMON, text_case
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
@@ -42,7 +42,7 @@ def test_the_plan_fills_what_the_recipe_leaves_open_and_an_explicit_key_wins(tmp
 
 
 def test_values_tune_measured_for_a_recipe_win_over_that_recipe_not_over_the_command_line(tmp_path):
-    from hf_gpu_train.launch.run_plan_file import TUNED, recipe_identity
+    from hf_gpu_train.plan.run_plan_file import TUNED, recipe_identity
 
     case = text_case(tmp_path)
     recipe = tmp_path / "recipe.yaml"
@@ -88,7 +88,7 @@ def test_an_override_the_planner_predicts_will_not_fit_is_warned_about_before_th
 def test_tuned_packing_reaches_the_run_and_the_recipe_is_known_by_its_text_wherever_it_is(tmp_path):
     from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
-    from hf_gpu_train.launch.run_plan_file import TUNED, recipe_identity
+    from hf_gpu_train.plan.run_plan_file import TUNED, recipe_identity
 
     config = cpu_config(tmp_path)
     recipe = tmp_path / "lm.yaml"

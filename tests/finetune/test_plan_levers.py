@@ -10,9 +10,9 @@ from hf_gpu_train.cli import main
 from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.launch.run_plan_file import PLAN_ENV, read_run_plan
+from hf_gpu_train.plan.run_plan_file import PLAN_ENV, read_run_plan
 
-SEQ = 16384  # Llama-3-8B full fine-tuning at 16k tokens on one H200 fits only with the levers (tests/launch/test_lever_plan.py)
+SEQ = 16384  # Llama-3-8B full fine-tuning at 16k tokens on one H200 fits only with the levers (tests/levers/test_lever_plan.py)
 RUN = ["task=causal-lm", "method=full", f"max_length={SEQ}", "train_file=unused.jsonl", "global_batch_size=16"]
 
 
@@ -79,7 +79,7 @@ def test_a_planned_lever_this_run_rules_out_is_dropped_with_its_reason(llama8b_p
 def test_which_planned_levers_hold(values, world, extra, dropped):
     from types import SimpleNamespace
 
-    from hf_gpu_train.finetune.memory_levers import planned_levers_that_hold
+    from hf_gpu_train.levers.from_config import planned_levers_that_hold
 
     extra = dict(extra)
     cfg = SimpleNamespace(method=extra.pop("method", "full"), attn_implementation=extra.pop("attn_implementation", None),

@@ -12,7 +12,7 @@ from hf_gpu_train.finetune.builtin import minilm_path
 from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.launch.run_plan_file import PLAN_ENV, read_run_plan
+from hf_gpu_train.plan.run_plan_file import PLAN_ENV, read_run_plan
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def applied(plan_file, *overrides, here="1x-t4"):
 
 
 def test_a_plan_for_minilm_does_not_drive_a_llama_and_the_memory_check_is_the_llamas(t4_plan_for_minilm, llama_dir):
-    from hf_gpu_train.launch.run_plan_file import read_run_plan
+    from hf_gpu_train.plan.run_plan_file import read_run_plan
 
     plan = read_run_plan(t4_plan_for_minilm, "test")
     assert plan.value("per_device_train_batch_size") and plan.value("per_device_train_batch_size") > 16  # MiniLM's plan
@@ -63,7 +63,7 @@ def test_a_plan_for_minilm_does_not_drive_a_llama_and_the_memory_check_is_the_ll
 
 
 def test_the_same_model_by_another_name_gets_the_plans_values(t4_plan_for_minilm):
-    from hf_gpu_train.launch.run_plan_file import read_run_plan
+    from hf_gpu_train.plan.run_plan_file import read_run_plan
 
     plan = read_run_plan(t4_plan_for_minilm, "test")
     cfg, applied_plan = applied(t4_plan_for_minilm, "model=builtin:minilm", f"max_length={plan.memory.seq_len}")
@@ -73,7 +73,7 @@ def test_the_same_model_by_another_name_gets_the_plans_values(t4_plan_for_minilm
 
 def test_a_run_that_needs_less_than_planned_keeps_the_plans_values(t4_plan_for_minilm):
     """A shorter sequence than planned: the plan's micro-batch still fits, and is applied."""
-    from hf_gpu_train.launch.run_plan_file import read_run_plan
+    from hf_gpu_train.plan.run_plan_file import read_run_plan
 
     plan = read_run_plan(t4_plan_for_minilm, "test")
     cfg, applied_plan = applied(t4_plan_for_minilm, f"max_length={plan.memory.seq_len // 4}")
@@ -85,8 +85,7 @@ def test_values_tune_measured_for_this_recipe_stay_even_when_the_memory_plan_was
     """Tuned values were measured on what the recipe trains: the memory plan's shape does not drop them; and a
     YAML's own mixed_precision (what plain `accelerate launch` exports) does not override the tuned precision."""
     from hf_gpu_train.tune.writeback import write_winner
-
-    from ..tune.test_writeback import tuned_box
+    from tests.tune.test_writeback import tuned_box
 
     job, recipe, results, choice = tuned_box(tmp_path, "--model", minilm_path(), recipe_text=(
         "per_device_train_batch_size: 32\nglobal_batch_size: 64\nmax_length: 2048\n"))

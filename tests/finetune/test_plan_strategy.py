@@ -12,9 +12,8 @@ from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
 from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.launch.render import torchrun_command
-from hf_gpu_train.launch.run_plan_file import PLAN_ENV, read_run_plan
-
-from ..launch.test_strategy_lines import line_environment
+from hf_gpu_train.plan.run_plan_file import PLAN_ENV, read_run_plan
+from tests.launch.test_strategy_lines import line_environment
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +30,8 @@ def applied(plan_file, environ):
 
 def printed_torchrun_environment(plan_file) -> dict:
     """What the printed torchrun line puts in each process's environment (torchrun adds WORLD_SIZE)."""
-    from hf_gpu_train.launch.model_spec import resolve_model
-    from hf_gpu_train.launch.plan import PlanOptions, make_plan
+    from hf_gpu_train.plan.model_spec import resolve_model
+    from hf_gpu_train.plan.planner import PlanOptions, make_plan
 
     plan = make_plan(load_machine("2x-rtx4090"), PlanOptions(strategy="fsdp", model=resolve_model(minilm_path())))
     env = line_environment(torchrun_command(plan, "train.py", plan_file.with_suffix("").with_suffix(".yaml")))

@@ -12,9 +12,8 @@ import pytest
 
 from hf_gpu_train.finetune.config import load_config
 from hf_gpu_train.finetune.prepare_once import Prepared, data_key, prepare_once
-
-from ..launching import ROOT
-from .causal_lm.tiny import chat_rows, save_tiny_model
+from tests.finetune.causal_lm.tiny import chat_rows, save_tiny_model
+from tests.launching import ROOT
 
 PROBE = ROOT / "tests" / "finetune" / "prepare_probe.py"
 

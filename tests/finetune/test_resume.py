@@ -16,10 +16,9 @@ from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR
 from hf_gpu_train.finetune.config import load_config
 from hf_gpu_train.finetune.run import finetune, main
 from hf_gpu_train.finetune.run_record import RECORD
-
-from ..launching import cpu_config, launch
-from ..scaling.equivalence import assert_same_params
-from ..scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
+from tests.launching import cpu_config, launch
+from tests.scaling.equivalence import assert_same_params
+from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"

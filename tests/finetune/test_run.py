@@ -8,8 +8,7 @@ import yaml
 
 from hf_gpu_train.finetune.builtin import PYTHON_DOCS_SECTIONS
 from hf_gpu_train.finetune.run import main
-
-from ..launching import cpu_config, launch
+from tests.launching import cpu_config, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "finetune.py")
@@ -88,7 +87,7 @@ def test_evaluating_before_training_changes_nothing_the_run_trains(tmp_path):
     so the weights equal those of a run that did not evaluate first."""
     from safetensors.torch import load_file
 
-    from ..scaling.equivalence import assert_same_params
+    from tests.scaling.equivalence import assert_same_params
 
     outs = {flag: tmp_path / f"before-{flag}" for flag in ("true", "false")}
     for flag, out in outs.items():

@@ -9,8 +9,7 @@ from hf_gpu_train.finetune.builtin import minilm_path
 from hf_gpu_train.finetune.config import load_config
 from hf_gpu_train.finetune.data import load_classification_data
 from hf_gpu_train.finetune.text import longest_first, tokenize
-
-from ..callbacks.tiny import tiny_args, tiny_bert
+from tests.callbacks.tiny import tiny_args, tiny_bert
 
 LENGTHS = [3, 9, 5, 9, 2, 7, 5, 12, 4, 9, 6, 11, 3, 8, 10, 5, 7, 2, 12, 6]
 

@@ -8,9 +8,8 @@ from hf_gpu_train.hardware.backend import NvmlFailure, normalize_bus_id, safe_qu
 from hf_gpu_train.hardware.detect import cuda_version_string, detect
 from hf_gpu_train.hardware.fake import FakeNvmlBackend
 from hf_gpu_train.hardware.snapshot import load_machine
-
-from ..conftest import REFERENCE_MACHINES
-from .odd_machines import odd_machine, odd_machine_names
+from tests.conftest import REFERENCE_MACHINES
+from tests.hardware.odd_machines import odd_machine, odd_machine_names
 
 NVML_ONLY_FIELDS = dict(name=None, description=None, notes=(), software=None)
 

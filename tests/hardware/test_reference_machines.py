@@ -7,8 +7,7 @@ import pytest
 
 from hf_gpu_train.hardware.snapshot import MACHINES_DIR, load_machine, to_json
 from hf_gpu_train.hardware.topology import p2p_summary, topology_matrix
-
-from .odd_machines import TEST_MACHINES_DIR, odd_machine
+from tests.hardware.odd_machines import TEST_MACHINES_DIR, odd_machine
 
 REQUIRED = ["cpu-only", "1x-t4", "1x-h200", "8x-h100-sxm", "8x-a100-sxm-80gb", "4x-a100-pcie-nvlink-pairs",
             "2x-rtx4090", "4x-rtx3090-nvlink-pairs", "mixed-a100-rtx3090", "1x-a100-mig", "2x-a100-one-busy",

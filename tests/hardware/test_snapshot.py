@@ -5,8 +5,7 @@ import pytest
 from hf_gpu_train.errors import UsageError
 from hf_gpu_train.hardware import snapshot
 from hf_gpu_train.hardware.snapshot import SnapshotError, from_dict, load, load_machine, save, to_dict
-
-from ..conftest import REFERENCE_MACHINES
+from tests.conftest import REFERENCE_MACHINES
 
 
 @pytest.mark.parametrize("name", REFERENCE_MACHINES)

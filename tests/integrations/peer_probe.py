@@ -17,8 +17,8 @@ import torch  # noqa: E402
 
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
-from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery  # noqa: E402
-from hf_gpu_train.training.watchdog import attach_watchdog  # noqa: E402
+from hf_gpu_train.faults.watchdog import attach_watchdog  # noqa: E402
+from hf_gpu_train.oom import OOMFaultInjector, enable_oom_recovery  # noqa: E402
 from tests.integrations.peers import build  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)

@@ -159,7 +159,7 @@ def build(kind: str, out: str, per_device: int, accumulation: int = 1):
     return trainer
 
 
-# the families whose losses average over other things than a causal LM's (tests/training/families.py): an
+# the families whose losses average over other things than a causal LM's (tests/oom/families.py): an
 # encoder-decoder in Seq2SeqTrainer evaluated with generation, token classification and masked LM (means over labelled
 # tokens), and a vision model in a plain Trainer (ViT: its loss is normalised by num_items_in_batch)
 FAMILIES = {"T5Seq2Seq": "t5", "TokenClassification": "token", "MaskedLM": "mlm", "ViT": "vit"}
@@ -168,7 +168,7 @@ FAMILIES = {"T5Seq2Seq": "t5", "TokenClassification": "token", "MaskedLM": "mlm"
 def family_trainer(kind: str, out: str, per_device: int, accumulation: int = 1):
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
-    from tests.training.families import Rows, model
+    from tests.oom.families import Rows, model
 
     family = FAMILIES[kind]
     rows = Rows(family, n=48)

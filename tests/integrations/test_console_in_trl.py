@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .peers import MAX_STEPS, common_args, llama, lora, prompt_completion, tokenizer
+from tests.integrations.peers import MAX_STEPS, common_args, llama, lora, prompt_completion, tokenizer
 
 
 def test_sft_trainer_with_telemetry_prints_the_lines_and_no_bar(tmp_path, capsys):

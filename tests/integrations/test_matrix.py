@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..launching import cpu_config, launch
-from ..scaling.equivalence import assert_same_params, assert_same_series, assert_trained
-from .peer_probe import record
+from tests.integrations.peer_probe import record
+from tests.launching import cpu_config, launch
+from tests.scaling.equivalence import assert_same_params, assert_same_series, assert_trained
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -98,7 +98,7 @@ def assert_same_run(got: dict, expected: dict) -> None:
 
 @pytest.mark.parametrize("kind", ALL)
 def test_the_reference_trains(runs, kind):
-    from .peers import build
+    from tests.integrations.peers import build
 
     initial = {n: p.detach().clone() for n, p in build(kind, "/tmp/unused", 8).model.named_parameters() if p.requires_grad}
     assert_trained(runs[(kind, "reference")]["params"], initial, at_least=1e-3)

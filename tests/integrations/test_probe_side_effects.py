@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from hf_gpu_train.training import guard_loss_scaling
-from hf_gpu_train.training.plain_state import put_back, take
-
-from .peers import build, prompt_completion
+from hf_gpu_train.oom import guard_loss_scaling
+from hf_gpu_train.oom.trainer_state import put_back, take
+from tests.integrations.peers import build, prompt_completion
 
 pytest.importorskip("trl")
 

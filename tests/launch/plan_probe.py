@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from hf_gpu_train.launch.run_plan import RunPlanError, apply_run_environment, load_run_plan
+from hf_gpu_train.plan.run_plan import RunPlanError, apply_run_environment, load_run_plan
 
 try:
     plan = load_run_plan()

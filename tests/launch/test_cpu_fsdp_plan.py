@@ -1,7 +1,7 @@
 import pytest
 
-from hf_gpu_train.launch.decisions import PlanError
-from hf_gpu_train.launch.plan import PlanOptions, make_plan
+from hf_gpu_train.plan.decisions import PlanError
+from hf_gpu_train.plan.planner import PlanOptions, make_plan
 
 
 def test_fsdp_on_cpu_processes_is_a_real_fsdp_config_with_gloo(machine):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ..launching import fake_slurm, free_port, hf_gpu_train, teardown_race_only
+from tests.launching import fake_slurm, free_port, hf_gpu_train, teardown_race_only
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("ddp_probe.py")

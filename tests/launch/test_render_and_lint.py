@@ -7,11 +7,10 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from hf_gpu_train.cli import main
-from hf_gpu_train.launch.lint import ERROR, WARNING, lint
-from hf_gpu_train.launch.plan import PlanOptions, make_plan
 from hf_gpu_train.launch.render import parse_env, render_env, render_sbatch, render_yaml, torchrun_command
-
-from ..conftest import REFERENCE_MACHINES
+from hf_gpu_train.plan.lint import ERROR, WARNING, lint
+from hf_gpu_train.plan.planner import PlanOptions, make_plan
+from tests.conftest import REFERENCE_MACHINES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,7 +125,7 @@ def test_lint_mig_configs(machine):
 
 
 def test_lint_warns_about_accelerate_cpu_affinity_on_other_gpus_and_pending_mig(machine):
-    from ..hardware.odd_machines import odd_machine
+    from tests.hardware.odd_machines import odd_machine
 
     cfg = {**BASE, "mixed_precision": "fp16", "num_processes": 4, "gpu_ids": "4,5,6,7", "enable_cpu_affinity": True}
     found = lint_levels(cfg, machine("8x-v100-dgx1"))

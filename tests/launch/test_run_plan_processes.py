@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ..launching import ROOT, cpu_config, free_port, hf_gpu_train, teardown_race_only
+from tests.launching import ROOT, cpu_config, free_port, hf_gpu_train, teardown_race_only
 
 PROBE = Path(__file__).with_name("plan_probe.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")  # the console script users type

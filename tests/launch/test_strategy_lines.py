@@ -12,12 +12,11 @@ from unittest import mock
 
 import pytest
 
-from hf_gpu_train.launch.deepspeed_config import deepspeed_path_for, render_deepspeed_file
-from hf_gpu_train.launch.model_spec import ModelSpec
-from hf_gpu_train.launch.plan import PlanOptions, make_plan
 from hf_gpu_train.launch.render import render_sbatch, render_yaml, torchrun_command
-
-from ..conftest import REFERENCE_MACHINES
+from hf_gpu_train.plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
+from hf_gpu_train.plan.model_spec import ModelSpec
+from hf_gpu_train.plan.planner import PlanOptions, make_plan
+from tests.conftest import REFERENCE_MACHINES
 
 
 def line_environment(line: str) -> dict[str, str]:
@@ -145,8 +144,8 @@ STRATEGIES = [("auto", None), ("fsdp", None), ("fsdp", 3e9), ("deepspeed-zero2",
 @pytest.mark.parametrize("name", REFERENCE_MACHINES)
 def test_the_torchrun_environment_is_what_accelerate_launch_exports(machine, tmp_path, name):
     from hf_gpu_train.launch.accelerate_env import launch_environment
-    from hf_gpu_train.launch.decisions import PlanError
-    from hf_gpu_train.launch.deepspeed_config import accelerate_keys
+    from hf_gpu_train.plan.decisions import PlanError
+    from hf_gpu_train.plan.deepspeed_config import accelerate_keys
 
     checked = 0
     for strategy, extra in STRATEGIES:

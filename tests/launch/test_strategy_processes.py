@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ..launching import ROOT, fake_slurm, free_port, hf_gpu_train, teardown_race_only
-from ..scaling.finetune_cases import text_case
+from tests.launching import ROOT, fake_slurm, free_port, hf_gpu_train, teardown_race_only
+from tests.scaling.finetune_cases import text_case
 
 PROBE = Path(__file__).with_name("shard_probe.py")
 BIN = Path(sys.executable).parent  # accelerate, torchrun and hf-gpu-train of this environment

@@ -83,8 +83,7 @@ def test_a_plain_trainer_with_telemetry_gets_its_loss_curves(tmp_path):
     from transformers import Trainer
 
     from hf_gpu_train.callbacks import attach_telemetry
-
-    from ..callbacks.tiny import TokenDataset, tiny_args, tiny_bert
+    from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert
 
     out = tmp_path / "plain"
     trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=8, logging_steps=2, eval_strategy="steps", eval_steps=4),

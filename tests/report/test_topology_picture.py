@@ -20,8 +20,7 @@ from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine, reference_machine_names
 from hf_gpu_train.hardware.topology import p2p_summary, topology_matrix
 from hf_gpu_train.report.topology_picture import COLORS, P2P_DASH, render_topology_svg
-
-from ..hardware.odd_machines import odd_machine, odd_machine_names
+from tests.hardware.odd_machines import odd_machine, odd_machine_names
 
 NS = "{http://www.w3.org/2000/svg}"
 MACHINES = [(name, load_machine) for name in reference_machine_names()] + [(name, odd_machine) for name in odd_machine_names()]

@@ -13,12 +13,11 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
-from hf_gpu_train.training.activation_offload import TEST_CPU_MIN_BYTES_ENV
-
-from ..finetune.causal_lm.tiny import chat_case
-from ..launching import cpu_config, launch
-from .equivalence import assert_same_params, assert_same_series
-from .test_fsdp_equivalence import fsdp_config
+from hf_gpu_train.levers.activation_offload import TEST_CPU_MIN_BYTES_ENV
+from tests.finetune.causal_lm.tiny import chat_case
+from tests.launching import cpu_config, launch
+from tests.scaling.equivalence import assert_same_params, assert_same_series
+from tests.scaling.test_fsdp_equivalence import fsdp_config
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"

@@ -13,10 +13,17 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
-
-from ..launching import cpu_config, launch
-from .equivalence import assert_same_params, assert_same_series
-from .finetune_cases import COMMON, EPOCHS, GLOBAL_BATCH, text_case, text_loss_by_hand, vision_case, vision_loss_by_hand
+from tests.launching import cpu_config, launch
+from tests.scaling.equivalence import assert_same_params, assert_same_series
+from tests.scaling.finetune_cases import (
+    COMMON,
+    EPOCHS,
+    GLOBAL_BATCH,
+    text_case,
+    text_loss_by_hand,
+    vision_case,
+    vision_loss_by_hand,
+)
 
 pytestmark = pytest.mark.slow
 HALF = GLOBAL_BATCH // 2

@@ -16,10 +16,9 @@ from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
 from hf_gpu_train.finetune.run_record import RECORD
-
-from ..launching import free_port, launch
-from .equivalence import assert_same_params, assert_same_series
-from .finetune_cases import COMMON, GLOBAL_BATCH, text_case
+from tests.launching import free_port, launch
+from tests.scaling.equivalence import assert_same_params, assert_same_series
+from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"

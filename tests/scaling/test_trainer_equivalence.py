@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..launching import cpu_config, launch
-from .equivalence import assert_same_run, assert_trained, initial_params
-from .models import KINDS, model_and_data
-from .trainer_probe import record
+from tests.launching import cpu_config, launch
+from tests.scaling.equivalence import assert_same_run, assert_trained, initial_params
+from tests.scaling.models import KINDS, model_and_data
+from tests.scaling.trainer_probe import record
 
 pytestmark = pytest.mark.slow
 

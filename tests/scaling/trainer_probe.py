@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
-from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery, guard_loss_scaling  # noqa: E402
+from hf_gpu_train.oom import OOMFaultInjector, enable_oom_recovery, guard_loss_scaling  # noqa: E402
 from tests.scaling.models import model_and_data  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)

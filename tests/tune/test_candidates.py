@@ -9,12 +9,11 @@ from pathlib import Path
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.launch.plan_resolution import check_memory
-from hf_gpu_train.launch.run_plan_file import read_run_plan
+from hf_gpu_train.plan.resolution import check_memory
+from hf_gpu_train.plan.run_plan_file import read_run_plan
 from hf_gpu_train.tune.candidates import AXES, CPU_COMPILE_NOTE, Candidate, CandidateSpace
 from hf_gpu_train.tune.job import load_job
-
-from .simulated import space
+from tests.tune.simulated import space
 
 
 def test_micro_batches_divide_the_samples_per_process_and_the_accumulation_keeps_the_effective_batch():

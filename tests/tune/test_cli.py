@@ -11,8 +11,7 @@ import pytest
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.cli.tune import split_tune_argv
-
-from .test_candidates import planned_t4, t4_model
+from tests.tune.test_candidates import planned_t4, t4_model
 
 
 def test_tune_options_come_from_before_the_script_and_the_scripts_arguments_stay_its_own():

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 from hf_gpu_train.tune.results import SKIPPED, choose
 from hf_gpu_train.tune.search import run_search
-
-from .simulated import Machine, space
+from tests.tune.simulated import Machine, space
 
 
 def tried(machine: Machine) -> list[tuple]:

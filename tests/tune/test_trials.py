@@ -68,8 +68,7 @@ def test_trials_share_one_model_and_leave_nothing_behind(tmp_path):
     from transformers import Trainer
 
     from hf_gpu_train.tune.trials import TrialSession
-
-    from ..scaling.finetune_cases import text_case
+    from tests.scaling.finetune_cases import text_case
 
     cfg = load_config(None, [*text_case(tmp_path), "global_batch_size=16", f"output_dir={tmp_path / 'out'}"])
     session = TrialSession(cfg, str(tmp_path / "trials"), environ={})
@@ -89,7 +88,7 @@ def test_trials_share_one_model_and_leave_nothing_behind(tmp_path):
 
     import transformers.modeling_utils as modeling_utils
 
-    from hf_gpu_train.training import selective_checkpoint
+    from hf_gpu_train.levers import selective_checkpoint
 
     enabled, selective_calls = [], []
     original, checkpoint = selective_checkpoint.enable, modeling_utils.checkpoint

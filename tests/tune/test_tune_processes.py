@@ -13,9 +13,8 @@ import pytest
 
 from hf_gpu_train.tune.results import TrialResult
 from hf_gpu_train.tune.test_hooks import OOM_ENV, SLOW_COLLATE_ENV
-
-from ..launching import ROOT, cpu_config
-from ..scaling.finetune_cases import text_case
+from tests.launching import ROOT, cpu_config
+from tests.scaling.finetune_cases import text_case
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +89,7 @@ def _the_tuned_job_gets_the_values_and_another_does_not(config, case):
     job tune named got none)."""
     from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
-    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+    from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     def applied(*overrides):
         cfg, explicit = load_config_and_keys(None, list(overrides))

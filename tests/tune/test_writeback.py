@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.launch.plan_resolution import resolve_with_plan
-from hf_gpu_train.launch.run_plan_file import APPLIED_KEYS, generating_command, read_run_plan, tuned_keys_for
+from hf_gpu_train.plan.resolution import resolve_with_plan
+from hf_gpu_train.plan.run_plan_file import APPLIED_KEYS, generating_command, read_run_plan, tuned_keys_for
 from hf_gpu_train.tune.job import load_job
 from hf_gpu_train.tune.results import OK, OOM, TrialResult, choose
 from hf_gpu_train.tune.writeback import BLOCK_BEGIN, write_winner
@@ -78,7 +78,7 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
     from hf_gpu_train.cli.launch import build_launch
     from hf_gpu_train.finetune.config import load_config
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
-    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+    from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     job, recipe, results, choice = tuned_box(tmp_path)
     write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "box.tune_report.md", 60.0)
@@ -109,9 +109,8 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
 
 
 def test_the_gpu_check_sets_the_planner_estimate_beside_every_measured_peak(tmp_path):
-    from hf_gpu_train.tune.gpu_check import planner_errors
-
-    from .test_candidates import planned_t4, t4_model
+    from hf_gpu_train.tune.on_gpu import planner_errors
+    from tests.tune.test_candidates import planned_t4, t4_model
 
     config = planned_t4(tmp_path)
     args = [t4_model(tmp_path), "max_length=512", "global_batch_size=64"]
@@ -131,7 +130,7 @@ def test_tuned_values_are_scoped_to_the_recipe_and_the_command_lines_job(tmp_pat
     that change what trains (not output_dir, logging or the tuned keys themselves)."""
     from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
-    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+    from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     job, recipe, results, choice = tuned_box(tmp_path)
     write_winner(job.config_file, choice, results, job.space, "S", "now", None, ["max_length=128"], "r.md", 60.0)
@@ -162,7 +161,7 @@ def test_a_tuned_plan_on_another_machine_gives_neither_its_tuned_nor_its_planned
     from hf_gpu_train.cli.launch import build_launch
     from hf_gpu_train.finetune.config import load_config
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
-    from hf_gpu_train.launch.run_plan_file import PLAN_ENV
+    from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     job, recipe, results, choice = tuned_box(tmp_path)
     write_winner(job.config_file, choice, results, job.space, "S", "now", str(recipe), [], "r.md", 60.0)
@@ -187,7 +186,7 @@ def test_a_tuned_plan_on_another_machine_gives_neither_its_tuned_nor_its_planned
 def test_tuned_values_hold_for_the_data_they_were_measured_on(tmp_path):
     """The same recipe text naming a train_file that has changed since tune (longer texts, at the same path) is another
     job; an edit of the learning rate on the command line is the same job."""
-    from hf_gpu_train.launch.run_plan_file import data_stamps
+    from hf_gpu_train.plan.run_plan_file import data_stamps
 
     job, recipe, results, choice = tuned_box(tmp_path)
     data = tmp_path / "train.jsonl"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...launch.model_spec import lm_head_extras  # what the config adds beyond hidden @ W.T: the chunked path would not be exact
+from ...plan.model_spec import lm_head_extras  # what the config adds beyond hidden @ W.T: the chunked path would not be exact
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # rows at a time when the vocabulary is unknown; else launch.training_shape.chunk_rows(vocabulary)
@@ -162,7 +162,7 @@ def support(model, precision: str | None = None) -> Support:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder") or not type(base).__name__.endswith("ForCausalLM"):
         return Support(False, f"{type(base).__name__} is not a decoder with a linear output head (*ForCausalLM)")
-    extras = lm_head_extras(base.config)  # the planner's reading of the same config (launch/model_spec.py)
+    extras = lm_head_extras(base.config)  # the planner's reading of the same config (plan/model_spec.py)
     if extras:
         return Support(False, f"its head or loss does more than a matmul and transformers' cross-entropy: {', '.join(extras)}")
     if hasattr(head, "base_layer") or not isinstance(getattr(head, "weight", None), torch.Tensor):
@@ -269,8 +269,8 @@ def install(model, chunk: int | None = None, precision: str | None = None, kerne
     base = causal_lm_of(model)
     if verdict.supported and kernel == "cce" and base.get_output_embeddings().bias is not None:
         verdict = Support(False, "its output head has a bias, which Cut Cross-Entropy does not take")
-    if chunk is None and verdict.supported:  # the planner's rows: launch/activations.py counts one chunk's logits
-        from ...launch.training_shape import chunk_rows
+    if chunk is None and verdict.supported:  # the planner's rows: plan/activations.py counts one chunk's logits
+        from ...plan.training_shape import chunk_rows
 
         chunk = chunk_rows(base.get_output_embeddings().weight.shape[0])
     if verdict.supported and probe:

@@ -5,7 +5,7 @@ Why rows of ``max_length`` and not one long row per batch (``DataCollatorWithFla
 attention transformers builds a block-diagonal mask from the restarting ``position_ids``, of size rows x T x T,
 and computes attention over all of it; a batch flattened into one row of B x T tokens costs B times the mask memory
 and the attention work. A batch of rows also splits along its first dimension, which the in-place OOM recovery
-(``training/oom.py``) does: each row holds whole examples, so its micro-batches stay exact. (A single packed row,
+(``oom/recovery.py``) does: each row holds whole examples, so its micro-batches stay exact. (A single packed row,
 ``per_device_train_batch_size=1``, cannot be split: the recovery then stops with its remedies.)
 
 Rows are filled best-fit-decreasing (longest example first, into the fullest row it still fits), once, over the

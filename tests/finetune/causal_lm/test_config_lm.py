@@ -15,8 +15,7 @@ from hf_gpu_train.finetune.config import (
     ConfigError,
     load_config,
 )
-
-from .tiny import tiny_llama
+from tests.finetune.causal_lm.tiny import tiny_llama
 
 LM = ["task=causal-lm", "model=builtin:smollm2"]
 

@@ -8,8 +8,7 @@ from hf_gpu_train.finetune.causal_lm.chat import require_chat_template
 from hf_gpu_train.finetune.causal_lm.data import CHAT, PROMPT_COMPLETION, TEXT, detect_form
 from hf_gpu_train.finetune.causal_lm.encode import IGNORE, encode_split
 from hf_gpu_train.finetune.config import ConfigError, load_config
-
-from .tiny import tiny_tokenizer
+from tests.finetune.causal_lm.tiny import tiny_tokenizer
 
 CONVERSATION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"},
                 {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Name a prime number."},

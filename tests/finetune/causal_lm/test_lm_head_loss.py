@@ -10,8 +10,7 @@ import torch
 
 from hf_gpu_train.finetune.causal_lm import lm_head_loss
 from hf_gpu_train.finetune.causal_lm.lm_head_loss import install, linear_cross_entropy, support
-
-from .tiny import tiny_llama
+from tests.finetune.causal_lm.tiny import tiny_llama
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -237,7 +236,7 @@ def test_falcon_h1s_lm_head_multiplier_keeps_its_own_head():
     assert "lm_head_multiplier" in support(model).reason
     assert not install(model).supported
     assert "differ by" in lm_head_loss.head_probe(model).reason  # the probe alone finds it too
-    from hf_gpu_train.launch.model_spec import lm_head_extras
+    from hf_gpu_train.plan.model_spec import lm_head_extras
 
     assert lm_head_extras(config) == ("lm_head_multiplier",)  # the planner counts the full logits for it
 
@@ -313,7 +312,7 @@ def test_a_zero3_launch_keeps_the_models_own_head_before_the_trainer_exists(monk
     assert "ZeRO-3" in support(tiny_llama(64)).reason
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     assert support(tiny_llama(64)).supported
-    from hf_gpu_train.launch.deepspeed_config import deepspeed_file_for
+    from hf_gpu_train.plan.deepspeed_config import deepspeed_file_for
 
     file = tmp_path / "ds.json"
     file.write_text(json.dumps(deepspeed_file_for(3, offload_params=True)))

@@ -10,8 +10,7 @@ import torch
 from hf_gpu_train.finetune.causal_lm.collate import PackedCollator, PaddingCollator
 from hf_gpu_train.finetune.causal_lm.encode import IGNORE
 from hf_gpu_train.finetune.causal_lm.packing import best_fit_decreasing, pack_dataset, packing_support
-
-from .tiny import tiny_llama
+from tests.finetune.causal_lm.tiny import tiny_llama
 
 PAD = 2
 
@@ -128,7 +127,7 @@ def test_oom_recovery_splits_packed_rows_into_exact_micro_batches(tmp_path):
     without OOM. Plain SGD, so a gradient off by a factor shows in the weights (Adam would normalise it away)."""
     from transformers import Trainer, TrainingArguments
 
-    from hf_gpu_train.training import OOMFaultInjector, enable_oom_recovery
+    from hf_gpu_train.oom import OOMFaultInjector, enable_oom_recovery
 
     packed, _ = pack_dataset(examples([(i * 7) % 13 + 3 for i in range(40)], seed=3), 24)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ...launching import free_port
+from tests.launching import free_port
 
 
 def _rank(rank: int, port: int, out: str) -> None:

@@ -14,9 +14,8 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from hf_gpu_train.finetune.run import main
-
-from ...scaling.equivalence import assert_same_params, assert_trained
-from .tiny import chat_case, save_tiny_model, write_jsonl
+from tests.finetune.causal_lm.tiny import chat_case, save_tiny_model, write_jsonl
+from tests.scaling.equivalence import assert_same_params, assert_trained
 
 pytestmark = pytest.mark.slow
 
@@ -204,7 +203,7 @@ def test_the_memory_levers_train_the_weights_of_a_run_without_them(tmp_path, cas
     assert "in-place OOM recovery off" in said
     plain, levers = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "levers"))
     assert_same_params(levers, plain, atol=1e-6)
-    from .tiny import tiny_llama
+    from tests.finetune.causal_lm.tiny import tiny_llama
 
     untrained = {k: v for k, v in tiny_llama(plain["model.embed_tokens.weight"].shape[0]).state_dict().items() if k in plain}
     assert_trained(plain, untrained)

@@ -1,0 +1,3 @@
+"""Faults of a run of several processes, in anyone's Trainer: the watchdog on a stalled rank, the collective gate
+(saves and evaluations every rank enters, or none does), the preflight collective, a disk that fills up, and
+checkpoints that can be trusted (a completion marker, a resume that never takes a half-written one)."""

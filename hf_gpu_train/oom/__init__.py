@@ -1,0 +1,10 @@
+"""In-place OOM recovery for anyone's Hugging Face Trainer (``recovery``), the pieces it is made of (micro-batches,
+the gradient reducer, the ballots, what a loss averages over, the Trainer state a re-run restores), and a fault
+injector to test it without a GPU."""
+
+from .fault_injection import OOMFaultInjector
+from .loss_scaling import guard_loss_scaling
+from .recovery import InPlaceOOMRecovery, enable_oom_recovery
+from .remedies import OutOfMemoryAtMicroBatchOne
+
+__all__ = ["InPlaceOOMRecovery", "OutOfMemoryAtMicroBatchOne", "enable_oom_recovery", "guard_loss_scaling", "OOMFaultInjector"]

@@ -1,0 +1,816 @@
+"""In-place OOM recovery for the Hugging Face Trainer: same step, same effective batch, every rank agrees.
+
+``enable_oom_recovery(trainer)`` wraps the Trainer's ``training_step``, ``prediction_step`` and
+``compute_loss`` on the instance (a Trainer callback has no exception hook). When a step runs out of memory:
+
+1. only the error's text is kept; memory is freed *outside* the ``except`` block (the traceback holds
+   tensors: pytorch #18853);
+2. the micro-batch is halved and the step goes on with the *same* inputs, cut into micro-batches whose losses
+   are weighed by their share of what the loss averages over (rows, labelled tokens, a causal LM's next tokens; 1 for
+   a sum, or a loss normalised by ``num_items_in_batch``: ``loss_scaling.py`` asks the loss at the first step), so
+   the gradient equals the whole batch's. An OOM in forward keeps what earlier
+   micro-batches accumulated; an OOM part-way through backward has already added part of a gradient, so that
+   micro-step is recomputed from its first sample (with gradient accumulation, the earlier micro-steps of that
+   optimizer step are computed again from their inputs, their tokens not counted twice). ``global_step``, the LR schedule, the data order and the
+   effective batch do not change;
+3. with several processes, forward and backward run under DDP's ``no_sync`` and ``GradientReducer``
+   (``grad_sync.py``) averages the gradients with DDP's overlap but a state we own. Every micro-step ends with a
+   small ballot, and every collective that anyone's code issues inside a step (TRL's metric gathers, a subclass's
+   ``all_reduce``) passes one first (``lockstep.py``). A rank that runs out of memory goes on alone in
+   micro-batches; if the others are past every collective of the step they meet it at the ballot at the end and
+   only reduce again; if they wait in a collective of the step, the ballot there tells every rank, and every rank
+   computes the optimizer step again from its first micro-step in micro-batches of the same size (the Trainer's
+   plain-data tallies put back as they were), so all ranks issue the same collectives. Every rank then runs the
+   smallest micro-batch any rank needed. A rank that cannot fit one sample stops every rank with the remedies.
+4. the batch divides into samples by its layout (``microbatch.layout_for``): rows, or chosen/rejected pairs for
+   TRL's DPO (its loss pairs row i with row i + n).
+
+Compared with ``auto_find_batch_size`` (restarts the loop with a smaller batch, changes the effective batch,
+no cross-rank agreement) and Composer's microbatching (in place, outside the HF stack).
+
+Limits, said plainly: FSDP and DeepSpeed step aside with a warning, before training (their collectives run inside
+forward and backward), and so do trainers that prepare their own batches inside each step (TRL's GRPO generates and
+counts its calls in ``_prepare_inputs``). Collectives are seen through ``torch.distributed``'s Python functions,
+looked up at call time (accelerate, TRL and most code do); one bound at import (``from torch.distributed import
+all_reduce``) is not seen. BatchNorm normalises each micro-batch with its own statistics, so a split step is close to, not
+equal to, the whole batch (a warning says so once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from ..faults.collective_gate import agree_on_control
+from . import trainer_state as plain_state
+from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
+from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
+from .loss_scaling import (
+    MEAN,
+    PROBE_TRIES,
+    UNDECIDED,
+    LossScalingGuard,
+    LossWeighting,
+    agree_on_weighting,
+    guard_loss_scaling,
+    probe_weighting,
+)
+from .microbatch import CHUNKS, Pairs, describe_oom, is_oom_error, label_counts, layout_for, loss_items, replaying_micro_steps
+from .remedies import OutOfMemoryAtMicroBatchOne, remedies
+
+log = logging.getLogger("hf_gpu_train.oom")
+SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")
+THRASH_STEPS = 3
+GROW_AFTER_STEPS = 50  # clean optimizer steps at a smaller micro-batch before trying twice as many samples again
+
+
+class OOMRecoveryState(TrainerCallback, ExportableState):
+    """The micro-batch sizes, saved in ``trainer_state.json`` with every checkpoint: what the run needed, for the record.
+    A resumed run reads them, says them, and starts at the configured batch (it may run on another machine, with more
+    memory; an OOM there recovers again, in place). Data only: with ``restore_callback_states_from_checkpoint=True`` the Trainer replaces this object by a
+    new one built from the checkpoint, and the recovery finds the new one (``_RecoveryHooks``)."""
+
+    def __init__(self):
+        self.micro_batch: int | None = None
+        self.eval_micro_batch: int | None = None
+        self.recoveries = 0
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"micro_batch": self.micro_batch, "eval_micro_batch": self.eval_micro_batch,
+                                           "recoveries": self.recoveries}}
+
+
+class _RecoveryHooks(TrainerCallback):
+    """The recovery's view of the loop: not exportable, so the Trainer never swaps it out."""
+
+    def __init__(self, recovery: InPlaceOOMRecovery):
+        self.recovery = recovery
+        self._retries: list[float] = []
+        self._warned_thrash = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.recovery.train_begins(state)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.recovery.optimizer_step_done()
+        self._check_thrash()
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.recovery.train_ends()
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.recovery.agree_on_eval_micro_batch()
+        return control
+
+    on_predict = on_evaluate
+
+    def _check_thrash(self) -> None:
+        """Allocator retries climbing step after step: cudaMalloc failed, caches were flushed, and it
+        worked on the second try. That is memory thrash, and usually the step before an OOM."""
+        if not torch.cuda.is_available() or self._warned_thrash:
+            return
+        self._retries.append(float(torch.cuda.memory_stats().get("num_alloc_retries", 0)))
+        self._retries = self._retries[-(THRASH_STEPS + 1):]
+        rising = len(self._retries) > THRASH_STEPS and all(b > a for a, b in zip(self._retries, self._retries[1:]))
+        if rising:
+            self._warned_thrash = True
+            log.warning("OOM recovery: CUDA allocator retries rose in each of the last %d steps (%d now): memory thrash, an "
+                        "OOM is near. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or lower the micro-batch.",
+                        THRASH_STEPS, int(self._retries[-1]))
+
+
+class InPlaceOOMRecovery:
+    def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
+                 weighting: LossWeighting | None = None):
+        self.trainer = trainer
+        self.weighting = weighting  # what a mean loss averages over: told, or asked of the loss at the first steps
+        self._probes = 0  # optimizer steps whose batch was probed for the weighting
+        self._provisional = LossWeighting("rows")  # until the weighting is known (_decide_weighting)
+        self._per_sample: tuple = (None, None, None)  # (inputs, weighting, what each sample adds to the count)
+        self.bucket_bytes = bucket_bytes
+        self.overlapped_buckets = 0  # gradient buckets reduced while backward still ran (DDP's overlap), over the runs
+        self.guard = guard
+        self.grow_after_steps = grow_after_steps or None
+        self._grow_wait = self.grow_after_steps  # doubles each time a grown micro-batch runs out of memory again
+        self._grown = False  # the micro-batch grew and has not yet run a whole wait since
+        self.layout = layout_for(trainer)  # rows, or chosen/rejected pairs (TRL's DPO)
+        self._training_step = trainer.training_step
+        self._prediction_step = trainer.prediction_step
+        self._compute_loss = trainer.compute_loss
+        self.state = OOMRecoveryState()
+        self.hooks = _RecoveryHooks(self)
+        self.reducer: GradientReducer | None = None
+        self.share = 1.0  # this micro-batch's share of the step's batch, while one runs
+        self.fresh = True  # the next training_step starts an optimizer step
+        self.clean_steps = 0
+        self.events: list[dict] = []
+        self._last_batch = 0
+        self._warned: set[str] = set()
+        self.seen_items = None
+        self._earlier: list[tuple] = []  # this optimizer step's completed micro-steps (inputs, item count)
+        self._fatal: str | None = None  # an OOM at micro-batch 1 on several processes, raised at the micro-step's ballot
+        self.lockstep: Lockstep | None = None  # the ballots that keep every rank in the same collectives (several processes)
+        self.restarts = 0  # steps every rank computed again because one rank ran out of memory inside a collective's reach
+        self._tallies: dict = {}  # the Trainer's plain-data attributes at the start of the optimizer step
+        self.stepped_aside: str | None = None  # why recovery is off for this Trainer, said before training
+        self._chunk_tallies: dict = {}  # the same, at the start of the micro-batch that runs now
+
+    # -- wiring --------------------------------------------------------------------------------
+    def install(self) -> InPlaceOOMRecovery:
+        t = self.trainer
+        t.training_step = self.training_step
+        t.prediction_step = self.prediction_step
+        t.compute_loss = self.compute_loss
+        t.add_callback(self.state)
+        t.add_callback(self.hooks)
+        return self
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self.state.micro_batch
+
+    def train_begins(self, trainer_state) -> None:
+        """Find the state object the Trainer holds now (it may have rebuilt it from a checkpoint) and, when the
+        Trainer does not restore callback states itself, restore the micro-batches recorded in the checkpoint."""
+        handler = self.trainer.callback_handler
+        self.state = next((c for c in handler.callbacks if isinstance(c, OOMRecoveryState)), self.state)
+        if not self.trainer.args.restore_callback_states_from_checkpoint:
+            saved = (trainer_state.stateful_callbacks or {}).get(OOMRecoveryState.__name__)
+            saved = saved[0] if isinstance(saved, list) and saved else saved
+            for key, value in ((saved or {}).get("attributes") or {}).items():
+                setattr(self.state, key, value)
+        recorded = {"training": self.state.micro_batch, "evaluation": self.state.eval_micro_batch}
+        recorded = {phase: size for phase, size in recorded.items() if size}
+        if recorded:
+            log.warning("OOM recovery: the checkpoint recorded micro-batch %s after an out-of-memory error; this run "
+                        "starts at the configured batch (a new OOM recovers again, in place)",
+                        " and ".join(f"{size} in {phase}" for phase, size in recorded.items()))
+            self.state.micro_batch = self.state.eval_micro_batch = None
+        self.clean_steps, self._grow_wait, self._grown = 0, self.grow_after_steps, False
+        self.fresh = True
+        CHUNKS.reset()
+
+    def train_ends(self) -> None:
+        """Take the gradient hooks off the parameters: a later Trainer on the same model must not carry them."""
+        CHUNKS.reset()  # a run that ended part-way through a recovery leaves no voided micro-batch behind
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.overlapped_buckets += self.reducer.launched_in_backward
+            self.reducer = None
+        if self.lockstep is not None:
+            self.lockstep.close()
+            self.lockstep = None
+            remove_gates()
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def _distributed(self, model) -> bool:
+        return self.trainer.accelerator.num_processes > 1
+
+    def _supported(self, model, training: bool = True) -> bool:
+        accelerator = self.trainer.accelerator
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+        if getattr(self.trainer, "is_fsdp_enabled", False):
+            kind = "FSDP"
+        elif getattr(self.trainer, "is_deepspeed_enabled", False):
+            kind = "DEEPSPEED"
+        if kind not in SUPPORTED_DISTRIBUTED:
+            self._warn_once("unsupported", "OOM recovery is off under %s: its collectives run inside forward and backward "
+                            "(single process and DDP are supported)", kind)
+            return False
+        if training and self._distributed(model) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._warn_once("not-ddp", "OOM recovery is off: %d processes but the model is not wrapped in DDP (%s)",
+                            accelerator.num_processes, type(model).__name__)
+            return False
+        return True
+
+    def _reducer_for(self, model) -> GradientReducer:
+        if self.reducer is None:
+            accelerator = self.trainer.accelerator
+            self.reducer = GradientReducer(model.parameters(), accelerator.num_processes, accelerator.device,
+                                           bucket_bytes=self.bucket_bytes)
+            if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+                log.warning("OOM recovery: this model has BatchNorm layers; after an OOM each micro-batch is normalised "
+                            "with its own statistics, so a split step is close to, not equal to, the whole batch's")
+        return self.reducer
+
+    # -- training --------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen_items = num_items_in_batch  # what the Trainer counted (and gathered) for this call
+        result = self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # a loss normalised by the whole batch's item count adds up over micro-batches as it is
+        scale = 1.0 if self._loss_already_scaled(num_items_in_batch) else self.share
+        if scale == 1.0:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss * scale, outputs
+        return result * scale
+
+    def _loss_already_scaled(self, num_items_in_batch) -> bool:
+        """The Trainer's own rule (``Trainer.training_step``): a loss normalised by the whole step's item count adds up
+        over micro-batches as it is; a per-batch mean is weighed by each micro-batch's share."""
+        t = self.trainer
+        if getattr(t, "loss_is_scaled_for_ga", None) is not None:
+            return bool(t.loss_is_scaled_for_ga)
+        if self.guard.answer == MEAN:  # the loss guard found a per-batch mean (a compute_loss_func can return one too)
+            return False
+        return bool((t.model_accepts_loss_kwargs and num_items_in_batch is not None) or t.compute_loss_func is not None)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self._supported(model):
+            return self._training_step(model, inputs, num_items_in_batch)
+        size = self.layout.size(inputs)
+        self._last_batch = max(self._last_batch, size)  # the whole batch (an epoch's short last batch is not it)
+        fresh, self.fresh = self.fresh, False
+        CHUNKS.begin_micro_step()
+        if fresh:
+            self._earlier, self._fatal = [], None
+            if self.weighting is None and self._probes < PROBE_TRIES:
+                self._decide_weighting(model, inputs, num_items_in_batch)
+            self._tallies = plain_state.take(self.trainer)  # what a restarted step must not count twice
+        reducer = self._reducer_for(model)
+        distributed = self._distributed(model)
+        lock = self._lockstep_for(reducer) if distributed else None
+        syncs = distributed and model.require_backward_grad_sync  # the last micro-step of the optimizer step
+        if distributed and fresh:
+            broadcast_buffers(model)  # DDP's per-step buffer sync, kept out of the guarded forwards
+        done, total = 0, None  # samples of this micro-step whose gradients are in .grad, and their loss
+        replay: list[tuple] = []  # earlier micro-steps of this optimizer step to compute again
+        round_failed = False  # this rank ran out of memory in this micro-step: its gradient buckets are unusable
+        while True:
+            micro = min(self.state.micro_batch or size, size)
+            if lock:  # what this rank can run in training, told at every ballot of this step
+                lock.micro_batch = self.state.micro_batch
+            failure, polluted, restart = None, False, None
+            if self._fatal is None and (replay or done < size):
+                events, replaying = reducer.grad_events, bool(replay)
+                try:
+                    with model.no_sync() if distributed else contextlib.nullcontext(), \
+                            lock.attempt() if lock else contextlib.nullcontext():
+                        with replaying_micro_steps():
+                            while replay:  # the earlier micro-steps, whole, before this one goes on
+                                self._accumulate(model, *replay[0], micro, distributed=distributed)
+                                replay.pop(0)
+                        replaying, events = False, reducer.grad_events
+                        for start, stop in self._ranges(inputs, done, micro):
+                            loss = self._chunk(model, self.layout.slice(inputs, start, stop), num_items_in_batch,
+                                               self._share(inputs, start, stop), arm=syncs and stop == size, distributed=distributed)
+                            total = loss if total is None else total + loss
+                            done, events = stop, reducer.grad_events
+                except RestartStep as stop_here:  # a ballot inside someone's collective: every rank starts again
+                    restart = stop_here.outcome
+                except Exception as error:  # only OOM is handled; everything else is re-raised untouched
+                    if not is_oom_error(error):
+                        raise
+                    failure = describe_oom(error)
+                    CHUNKS.void_current()  # this micro-batch runs again: its tokens count once
+                    # backward had begun adding a micro-batch's gradient, or a replay was under way
+                    polluted = replaying or reducer.grad_events != events
+                finally:
+                    self.share = 1.0
+            if restart is not None:
+                done, total, replay = self._restart(model, reducer, lock, restart, size, syncs)
+                round_failed = False
+                continue
+            if failure is not None:
+                self._free_memory()
+                if micro <= 1:
+                    if not distributed:
+                        raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+                    self._fatal = failure  # raised with every rank, at this micro-step's ballot
+                    model.zero_grad(set_to_none=True)
+                else:
+                    if polluted:  # the step again from its first micro-step: the Trainer's tallies as they were then
+                        self._drop_gradients(model)
+                        plain_state.put_back(self.trainer, self._tallies)
+                        CHUNKS.void_all()
+                        done, total, replay = 0, None, list(self._earlier)
+                    else:  # the failed micro-batch runs again: what it tallied before failing (in backward) is put back
+                        plain_state.put_back(self.trainer, self._chunk_tallies)
+                    self._shrink(micro, size, failure, "train")
+                    round_failed = True
+                    if lock:  # the other ranks may be inside a collective of this step: they learn at the next ballot
+                        lock.pending_failure = True
+                    continue  # go on alone, in micro-batches, up to the next ballot
+            if not distributed:
+                self._earlier.append((inputs, num_items_in_batch))
+                return total
+            lock.pending_failure = False
+            if syncs:
+                outcome = reducer.finish(lock, failed=round_failed, fatal=self._fatal is not None)
+            else:
+                outcome = lock.ballot(END, fatal=self._fatal is not None)
+            if outcome.fatal:
+                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, self._fatal or
+                                                          "out of memory at micro-batch 1 on another rank"))
+            if outcome.restart:  # a rank is still inside this micro-step, at a collective: every rank starts again
+                done, total, replay = self._restart(model, reducer, lock, outcome, size, syncs)
+                round_failed = False
+                continue
+            if outcome.diverged:
+                raise RanksDiverged("the ranks reached the end of a micro-step at different points of their code")
+            self._adopt(outcome.micro_batch, size)
+            if not syncs:
+                self._earlier.append((inputs, num_items_in_batch))
+                return total
+            if outcome.failed:  # a rank recovered alone: its buckets carried a partial gradient; reduce again
+                reducer.discard()
+                round_failed = False
+                continue
+            if outcome.stale:  # every rank saw it: reduce again from the complete gradients, without overlap from now on
+                reducer.discard()
+                reducer.overlap = False
+                log.info("OOM recovery: a gradient was accumulated twice in one backward (reentrant checkpointing?): "
+                         "gradients are averaged after backward from now on")
+                outcome = reducer.finish(lock)
+            reducer.apply(outcome)
+            return total
+
+    def _restart(self, model, reducer, lock, outcome, size: int, syncs: bool):
+        """Every rank, on the same ballot: end the gradient round, take the smallest micro-batch, and compute this
+        optimizer step again from its first micro-step (the Trainer's tallies put back as they were at its start)."""
+        if syncs:
+            reducer.complete_round()
+        if outcome.fatal:
+            raise OutOfMemoryAtMicroBatchOne(f"out of memory at micro-batch 1 ({self._fatal or 'on another rank'}): "
+                                             "use bf16/fp16, a shorter max_length or a smaller image_size")
+        lock.pending_failure = False
+        self._adopt(outcome.micro_batch, size)  # the loop tells the next ballots from the state
+        model.zero_grad(set_to_none=True)
+        plain_state.put_back(self.trainer, self._tallies)
+        CHUNKS.void_all()
+        self.restarts += 1
+        if self._earlier:
+            log.info("OOM recovery: every rank computes this optimizer step again (%d earlier micro-step(s) first), in "
+                     "micro-batches of %s", len(self._earlier), self.state.micro_batch)
+        return 0, None, list(self._earlier)
+
+    def _lockstep_for(self, reducer) -> Lockstep:
+        if self.lockstep is None:
+            install_gates()
+            self.lockstep = Lockstep(num_params=len(reducer.params))
+        return self.lockstep
+
+    def _chunk(self, model, chunk, num_items_in_batch, share: float, arm: bool, distributed: bool):
+        """One micro-batch's forward and backward (its loss scaled by ``share`` where the loss is a mean)."""
+        if arm:
+            self.reducer.arm()
+        CHUNKS.begin_chunk()
+        self._chunk_tallies = plain_state.take(self.trainer)  # put back if this micro-batch fails (it runs again)
+        self.share = share
+        if distributed:
+            model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
+        return self._training_step(model, chunk, num_items_in_batch)
+
+    def _accumulate(self, model, inputs, num_items_in_batch, micro: int, distributed: bool) -> None:
+        """An earlier micro-step computed again, whole, in micro-batches (its loss was already reported; a micro-step
+        without sync, so no bucket is armed)."""
+        for begin, stop in self._ranges(inputs, 0, micro):
+            self._chunk(model, self.layout.slice(inputs, begin, stop), num_items_in_batch, self._share(inputs, begin, stop),
+                        arm=False, distributed=distributed)
+
+    # -- what a micro-batch's loss weighs ----------------------------------------------------------
+    def _decide_weighting(self, model, inputs, num_items_in_batch) -> None:
+        """At the first optimizer steps, on every rank at once (the probe runs the Trainer's compute_loss, whose
+        collectives must pair up): ask the loss what it averages over, before any weight changes. A loss normalised by
+        ``num_items_in_batch`` adds up over micro-batches as it is and needs no answer."""
+        t = self.trainer
+        prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
+        alone = t.accelerator.num_processes < 2  # a probe that fails on one rank of several would leave it out of step
+        if self.guard.answer is None and num_items_in_batch is not None:
+            # the loss guard's question first (on two samples: cheap, and it fits where the step does): a loss normalised
+            # by num_items_in_batch needs no other answer
+            few = self.layout.take(prepared, [0, 1]) if self.layout.size(prepared) > 2 else prepared
+            try:
+                self.guard.decide(model, few, num_items_in_batch)
+            except Exception as error:  # one process: it asks again at the step's first compute_loss
+                if not (alone and is_oom_error(error)):
+                    raise
+                self._free_memory()
+        if self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch):
+            self.weighting = LossWeighting("normalised")
+            return
+        # a loss normalised by num_items_in_batch is scaled by 1 at every call whatever the probe finds
+        self._probes += 1
+        probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        tallies = plain_state.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
+        try:
+            found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=_probe_tolerance(t, probed))
+        except Exception as error:  # one process: two samples without gradients did not fit; the next step asks again
+            if not (alone and is_oom_error(error)):
+                raise
+            found = UNDECIDED
+            self._free_memory()
+        finally:
+            plain_state.put_back(t, tallies)
+        found = agree_on_weighting(found, t.accelerator)
+        # until it is known, the labels' shape weighs an OOM of these steps: labelled tokens for token labels (exact too
+        # when the batch cannot tell because every sample has as many), rows otherwise
+        fallback = "tokens" if label_counts(prepared) is not None else "rows"
+        if found is UNDECIDED and self._probes < PROBE_TRIES:
+            self._provisional = LossWeighting(fallback)
+            return  # the next step's batch may tell
+        name = type(t).__name__
+        if found == "unknown":
+            log.warning("OOM recovery: cannot tell what %s.compute_loss averages over: on two samples of different label "
+                        "counts its loss matched neither a mean over rows, nor a mean over labelled tokens, nor a sum. After "
+                        "an OOM micro-batches would be weighed by their share of rows, exact only for a mean over rows. Tell "
+                        "it: enable_oom_recovery(trainer, loss_weighting='rows' | 'tokens' | 'next-tokens' | 'sum', or a "
+                        "function of a micro-batch's inputs returning how many items its loss averages over)", name)
+        elif found is UNDECIDED:
+            found = fallback
+            log.warning("OOM recovery: the first %d batches could not tell what %s.compute_loss averages over (their "
+                        "samples' losses were too close, or had the same label counts); micro-batches are weighed by %s. "
+                        "If that is wrong, say it: enable_oom_recovery(trainer, loss_weighting=...)", PROBE_TRIES, name,
+                        LossWeighting(found).describe())
+        self.weighting = LossWeighting(found)
+
+    def _weighing(self) -> LossWeighting:
+        """The weighting in force: known, or until then the labels' shape's (``_decide_weighting``)."""
+        return self.weighting or self._provisional
+
+    def _counts(self, inputs) -> list[float]:
+        """What each sample of this micro-step adds to the count its loss averages over (kept for the micro-step)."""
+        if self._per_sample[0] is not inputs or self._per_sample[1] is not self._weighing():
+            weighing = self._weighing()
+            self._per_sample = (inputs, weighing, weighing.per_sample(inputs, self.layout))
+        return self._per_sample[2]
+
+    def _share(self, inputs, start: int, stop: int) -> float:
+        """Samples ``start:stop``'s weight in the micro-step's loss: their share of what the loss averages over."""
+        return self._weighing().share(self._counts(inputs), start, stop)
+
+    def _ranges(self, inputs, start: int, micro: int) -> list[tuple[int, int]]:
+        """Micro-batches of at most ``micro`` samples from ``start``; under a mean over labelled tokens a micro-batch
+        without a labelled token (its own mean is 0/0) is joined to its neighbour."""
+        size = self.layout.size(inputs)
+        ranges = [(begin, min(size, begin + micro)) for begin in range(start, size, micro)]
+        if self._weighing().kind in ("normalised", "sum", "rows", "unknown"):
+            return ranges
+        counts = self._counts(inputs)
+        joined: list[tuple[int, int]] = []
+        for begin, stop in ranges:
+            if joined and (sum(counts[begin:stop]) == 0 or sum(counts[joined[-1][0]:joined[-1][1]]) == 0):
+                joined[-1] = (joined[-1][0], stop)
+            else:
+                joined.append((begin, stop))
+        return joined
+
+    def _adopt(self, agreed: int | None, size: int) -> None:
+        """Every rank runs the smallest micro-batch any rank needed."""
+        if agreed is None or agreed >= NO_LIMIT or (self.state.micro_batch is not None and self.state.micro_batch <= agreed):
+            return
+        current = self.state.micro_batch or size
+        self.state.micro_batch = agreed
+        self._lowered()
+        self.events.append({"step": self.trainer.state.global_step, "phase": "train", "batch": size, "from": current,
+                            "to": agreed, "cause": "out of memory on another rank"})
+        log.warning("OOM recovery (step %d): another rank ran out of memory; every rank now runs micro-batches of %d",
+                    self.trainer.state.global_step, agreed)
+
+    def _drop_gradients(self, model) -> None:
+        """Part of a micro-batch's gradient is in .grad: start the optimizer step's gradients again. The earlier
+        micro-steps of this optimizer step are computed again from their inputs (the Trainer holds every micro-batch of
+        the step already, so keeping them costs no memory)."""
+        if self._earlier:
+            log.info("OOM recovery: out of memory part-way through backward; the %d earlier micro-step(s) of this optimizer "
+                     "step are computed again", len(self._earlier))
+        model.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _free_memory() -> None:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _shrink(self, micro: int, size: int, failure: str | None, phase: str) -> None:
+        new = max(1, micro // 2)
+        key = "micro_batch" if phase == "train" else "eval_micro_batch"
+        setattr(self.state, key, new)
+        self.state.recoveries += 1
+        if phase == "train":  # an evaluation OOM must not move when this rank grows the training micro-batch back
+            self._lowered()
+        event = {"step": self.trainer.state.global_step, "phase": phase, "batch": size, "from": micro, "to": new,
+                 "cause": failure or "out of memory on another rank"}
+        self.events.append(event)
+        log.warning("OOM recovery (%s, step %d): %s; retrying the same %d samples as micro-batches of %d",
+                    phase, event["step"], event["cause"], size, new)
+
+    def _lowered(self) -> None:
+        """The training micro-batch went down: count clean steps from here; a grown micro-batch that failed before a
+        whole wait passed makes the next wait twice as long (growing costs at most a recomputed step, and less and
+        less often)."""
+        self.clean_steps = 0
+        if self._grown and self._grow_wait:
+            self._grow_wait *= 2
+        self._grown = False
+
+    def optimizer_step_done(self) -> None:
+        """After each optimizer step: grow the micro-batch back after ``_grow_wait`` clean steps. Every rank counts the
+        same steps (each shrinks or adopts the smallest micro-batch at the same ballot), so they grow at the same step."""
+        self.fresh = True
+        if self.state.micro_batch is None:
+            return
+        self.clean_steps += 1
+        if self._grow_wait and self.clean_steps >= self._grow_wait:
+            if self._grown:  # the grown micro-batch ran a whole wait: the next growth waits the configured time again
+                self._grow_wait = self.grow_after_steps
+            grown = self.state.micro_batch * 2  # a new OOM halves it again, in place
+            self.state.micro_batch = None if grown >= self._last_batch else grown  # None: the whole batch at once
+            self.clean_steps, self._grown = 0, True
+            log.warning("OOM recovery: %d clean steps, trying micro-batch %s", self._grow_wait,
+                        self.state.micro_batch or f"{self._last_batch} (the whole batch)")
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """An OOM in evaluation shrinks the evaluation micro-batch only (not the training one). On several processes
+        every prediction step ends with a ballot (``lockstep.py``), and collectives issued inside it (TRL's metric
+        gathers, the Trainer's gather of the item count) pass one first: a rank that ran out of memory goes on alone
+        in micro-batches when the others are past every collective of the step, and every rank computes the step
+        again in micro-batches when the others wait in one. Micro-batches count items locally, and one gather per
+        step stands for the one the whole batch would have made. Every rank leaves each step with the smallest
+        evaluation micro-batch any rank needed."""
+        if not self._supported(model, training=False):
+            return self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        size = self.layout.size(inputs)
+        lock = self._lockstep_for(self._reducer_for(model)) if self._distributed(model) else None
+        tallies = plain_state.take(self.trainer) if lock else {}
+        global_items = None  # the item count of the whole batch over every rank, once this step has gathered it
+        fatal = None
+        while True:
+            micro = min(self.state.eval_micro_batch or size, size)
+            if lock:  # in evaluation the ballots carry the evaluation micro-batch
+                lock.micro_batch = self.state.eval_micro_batch
+            failure, result, restart = None, None, None
+            self.seen_items = None
+            try:
+                with lock.attempt() if lock else contextlib.nullcontext():
+                    if fatal is not None:
+                        pass
+                    elif micro >= size:
+                        result = self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+                    else:
+                        result = self._predict_in_chunks(model, inputs, micro, prediction_loss_only, ignore_keys, global_items)
+            except RestartStep as stop_here:
+                restart = stop_here.outcome
+            except Exception as error:
+                if not is_oom_error(error):
+                    raise
+                failure = describe_oom(error)
+                if micro >= size and self._gathers_item_counts(inputs) and self.seen_items is not None:
+                    global_items = self.seen_items  # the failed whole-batch call had gathered it
+            if failure is not None:
+                self._free_memory()
+                if micro <= 1:
+                    fatal = failure
+                    if lock is None:
+                        break
+                else:
+                    self._shrink(micro, size, failure, "eval")
+                    if lock:
+                        lock.pending_failure = True
+                    continue
+            if lock is None:
+                return result
+            if restart is None:
+                lock.pending_failure = False
+                restart = lock.ballot(END, fatal=fatal is not None)
+                if not (restart.restart or restart.fatal):
+                    if restart.diverged:
+                        raise RanksDiverged("the ranks reached the end of an evaluation step at different points of their code")
+                    self._adopt_eval(restart.micro_batch)
+                    return result
+            if restart.fatal:
+                fatal = fatal or "out of memory at micro-batch 1 on another rank"
+                break
+            lock.pending_failure = False
+            self._adopt_eval(restart.micro_batch)
+            plain_state.put_back(self.trainer, tallies)
+            global_items = None  # every rank computes the step again, and gathers the item count again
+        raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({fatal}): use bf16/fp16, a "
+                                         "shorter max_length or a smaller image_size")
+
+    def _adopt_eval(self, agreed: int | None) -> None:
+        if agreed is not None and agreed < NO_LIMIT and (self.state.eval_micro_batch is None or agreed < self.state.eval_micro_batch):
+            log.warning("OOM recovery (eval, step %d): another rank ran out of memory; every rank now evaluates in "
+                        "micro-batches of %d", self.trainer.state.global_step, agreed)
+            self.state.eval_micro_batch = agreed
+
+    def _gathers_item_counts(self, inputs) -> bool:
+        t = self.trainer
+        counts = "labels" in inputs and (t.model_accepts_loss_kwargs or t.compute_loss_func is not None)
+        return counts and t.args.average_tokens_across_devices and t.accelerator.num_processes > 1
+
+    def _predict_in_chunks(self, model, inputs, micro, prediction_loss_only, ignore_keys, global_items):
+        gathers = self._gathers_item_counts(inputs)
+        args = self.trainer.args
+        parts, items, counted = [], [], False
+        shifted = _predicts_next_token(model)
+        # what the training loss was found to average over; before the first training step, the labels' shape tells
+        known = self.weighting if self.weighting is not None and self.weighting.kind not in ("normalised", "unknown") else None
+        averaging = args.average_tokens_across_devices
+        args.average_tokens_across_devices = False  # each micro-batch counts its own items, without a collective
+        try:
+            for chunk in self.layout.split(inputs, micro):
+                self.seen_items = None
+                parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
+                counted = counted or self.seen_items is not None
+                if self.seen_items is not None:
+                    items.append(float(self.seen_items))
+                elif known is not None:
+                    items.append(float(sum(known.per_sample(chunk, self.layout))))
+                else:
+                    items.append(float(loss_items(chunk, shifted)))
+                    self._warn_once("eval-before-weighting", "OOM recovery: an evaluation is split before the first "
+                                    "training step has asked the loss what it averages over: its micro-batches are "
+                                    "weighed by the labels' shape (%s); a loss that averages otherwise (CTC's per-row "
+                                    "mean, a sum) gets an approximate evaluation loss. Tell it: enable_oom_recovery("
+                                    "trainer, loss_weighting=...)", "labelled tokens" if label_counts(chunk) else "rows")
+        finally:
+            args.average_tokens_across_devices = averaging
+        # a preference batch's rows are every chosen row, then every rejected one: so are the joined micro-batches'
+        pairs = [self.layout.size(chunk) for chunk in self.layout.split(inputs, micro)] if isinstance(self.layout, Pairs) else None
+        loss, logits, labels = _combine(parts, items, summed=known is not None and known.kind == "sum" and not counted,
+                                        pairs=pairs)
+        # only a loss normalised by the item count it was given is rescaled (TRL's prediction steps give none: their
+        # loss is this rank's own mean, and stays one)
+        if gathers and counted:
+            if global_items is None:
+                mine = torch.tensor(sum(items), device=self.trainer.accelerator.device)
+                global_items = self.trainer.accelerator.gather(mine).sum()
+            if loss is not None:  # the whole batch's loss is this rank's sum over every rank's item count, x world
+                loss = loss * sum(items) * self.trainer.accelerator.num_processes / float(global_items)
+        return loss, logits, labels
+
+    def agree_on_eval_micro_batch(self) -> None:
+        """After an evaluation every rank takes the smallest evaluation micro-batch any rank needed."""
+        if self.trainer.accelerator.num_processes < 2 or not torch.distributed.is_initialized():
+            return
+        mine = torch.tensor([-(self.state.eval_micro_batch or NO_LIMIT)], dtype=torch.int64, device=self.trainer.accelerator.device)
+        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+        smallest = -int(mine.item())
+        if smallest < NO_LIMIT and smallest != self.state.eval_micro_batch:
+            log.warning("OOM recovery: another rank ran out of memory in evaluation; every rank now evaluates in "
+                        "micro-batches of %d", smallest)
+        self.state.eval_micro_batch = None if smallest >= NO_LIMIT else smallest
+
+
+def _probe_tolerance(trainer, model) -> float:
+    """How closely the pair's loss must match a candidate: fp32 arithmetic leaves ~1e-6 (1e-4 is the band); 16-bit
+    parameters or autocast, and TF32 matmuls on a GPU (~1e-3), leave more (2e-2)."""
+    args = trainer.args
+    tf32 = torch.cuda.is_available() and (torch.backends.cuda.matmul.allow_tf32 or bool(getattr(args, "tf32", False))
+                                          or torch.get_float32_matmul_precision() != "highest")
+    loose = args.bf16 or args.fp16 or tf32 or any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad)
+    return 2e-2 if loose else 1e-4
+
+
+def _predicts_next_token(model) -> bool:
+    """A causal LM's loss reads labels shifted by one: its items are the labelled positions after the first."""
+    inner = getattr(model, "module", model)
+    get_base = getattr(inner, "get_base_model", None)
+    inner = get_base() if callable(get_base) else inner
+    return type(inner).__name__.endswith("ForCausalLM")
+
+
+def _combine(parts, weights, summed: bool = False, pairs: list[int] | None = None):
+    """Join micro-batch ``prediction_step`` results as the Trainer's evaluation loop joins batches: losses averaged by
+    what each one averages over (samples, or labelled tokens; added up for a loss that is a sum), logits, labels and
+    generated tokens concatenated, each padded to the longest along its second dimension with -100
+    (``nested_concat``): with ``predict_with_generate`` every micro-batch generates up to its own longest row. ``pairs``
+    (a preference batch: each part's rows are its chosen rows, then its rejected ones) joins every part's first half,
+    then every second half, as the whole batch holds them."""
+    from transformers.trainer_pt_utils import nested_concat
+
+    losses = [p[0] for p in parts]
+    loss = None
+    if all(x is not None for x in losses):
+        total = 1 if summed else (sum(weights) or 1)
+        # a micro-batch without a labelled token has a loss of 0/0 and no weight in the whole batch's mean
+        kept = [(x, w) for x, w in zip(losses, weights) if summed or w > 0 or total == 1] or list(zip(losses, weights))
+        loss = sum(x * (1 if summed else w / total) for x, w in kept)
+
+    def join(items):
+        if all(i is None for i in items):
+            return None
+        if not isinstance(items[0], (torch.Tensor, tuple, list, dict)):
+            return items[0]
+        if pairs is not None and all(isinstance(i, torch.Tensor) and i.dim() > 0 and i.shape[0] == 2 * n
+                                     for i, n in zip(items, pairs)):
+            items = [i[:n] for i, n in zip(items, pairs)] + [i[n:] for i, n in zip(items, pairs)]
+        elif pairs is not None and isinstance(items[0], (tuple, list)):
+            return type(items[0])(join([i[k] for i in items]) for k in range(len(items[0])))
+        joined = items[0]
+        for item in items[1:]:
+            joined = nested_concat(joined, item, padding_index=-100)
+        return joined
+
+    return loss, join([p[1] for p in parts]), join([p[2] for p in parts])
+
+
+def step_aside_reason(trainer) -> str | None:
+    """Why in-place recovery cannot work for this Trainer, known before training starts (None: it can)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "under FSDP its collectives run inside forward and backward; use the planner's micro-batch (plan-memory)"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "under DeepSpeed its collectives run inside forward and backward; use the planner's micro-batch (plan-memory)"
+    from transformers import Trainer
+
+    if getattr(type(trainer), "_prepare_inputs", None) is not Trainer._prepare_inputs:
+        # GRPOTrainer (and RLOO, online DPO ...): its training_step receives prompts, generates and scores completions
+        # inside _prepare_inputs and advances a counter of its own on every call
+        return (f"{type(trainer).__name__} prepares its own batches inside every training step (it generates and scores "
+                "completions and counts its calls), so a step cannot be run again in micro-batches; if it runs out of "
+                "memory, lower per_device_train_batch_size and raise gradient_accumulation_steps (or steps_per_generation)")
+    return None
+
+
+def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
+                        loss_weighting=None) -> InPlaceOOMRecovery:
+    """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
+    loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum. ``bucket_bytes``:
+    the size of the gradient buckets averaged under DDP (DDP's ``bucket_cap_mb``, 25 MiB).
+
+    Where recovery cannot work for this Trainer (``step_aside_reason``) it says so now, once, and changes nothing:
+    the returned object's ``stepped_aside`` holds the reason.
+
+    ``grow_after_steps``: clean optimizer steps at a smaller micro-batch before it doubles again (the wait doubles
+    each time a grown micro-batch runs out of memory again); None: never grow back.
+
+    ``loss_weighting``: what the loss averages over, when the loss itself cannot tell (``loss_scaling.py`` asks it at the
+    first steps and says so when it cannot): ``"rows"``, ``"tokens"`` (labelled tokens), ``"next-tokens"`` (a causal LM's
+    shifted labels), ``"sum"``, or a function of a micro-batch's inputs returning how many items its loss averages over."""
+    told = LossWeighting.told(loss_weighting) if loss_weighting is not None else None
+    guard = guard_loss_scaling(trainer)
+    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes, weighting=told)
+    reason = step_aside_reason(trainer)
+    if reason is not None:
+        recovery.stepped_aside = reason
+        log.warning("OOM recovery is off for %s: %s", type(trainer).__name__, reason)
+        return recovery
+    recovery.install()
+    # the evaluation micro-batch is agreed by an all-reduce after each evaluation: every rank must evaluate, also when a
+    # callback set should_evaluate on one rank alone (collective_gate.py agrees the flags where one may)
+    agree_on_control(trainer)
+    train = trainer.train
+
+    def train_and_unhook(*args, **kw):
+        try:
+            return train(*args, **kw)
+        finally:
+            recovery.train_ends()  # the gradient hooks come off the parameters even when training raises
+
+    trainer.train = train_and_unhook
+    return recovery

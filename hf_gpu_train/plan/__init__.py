@@ -1,0 +1,3 @@
+"""The planner: a hardware profile and a model -> LaunchPlan (precision, GPUs, CPU binding, NCCL, strategy, memory,
+method), the plan document NAME.plan.json, what a training process reads of it, and the lint of a config against a
+machine. No torch here: `hf-gpu-train config` runs it on a laptop for a machine it is not on."""
