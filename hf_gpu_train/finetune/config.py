@@ -19,9 +19,9 @@ import yaml
 
 from ..errors import ConfigError, UsageError  # noqa: F401 (ConfigError: the finetune names it from here)
 from .learning_rates import FINETUNE_LEARNING_RATE  # noqa: F401 - the reference rate, imported from here by callers
+from .tasks.base import task_for
 
-TASKS = ("text-classification", "image-classification", "causal-lm")
-METHODS = ("auto", "full", "lora", "qlora")  # auto: lora for causal-lm, full for the classifiers
+METHODS = ("auto", "full", "lora", "qlora")  # auto: the task's first method (lora for causal-lm, full for the classifiers)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes of training, and at the end
 # learning_rate when the user sets none. A classifier's depends on the model it trains (finetune/learning_rates.py,
@@ -29,11 +29,6 @@ STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes 
 # Adam's own default step size (Kingma & Ba 2015; torch.optim.AdamW's default). Measured on scikit-learn digits with
 # EfficientNet-Lite0 from scratch (recipes/efficientnet_lite0_digits.yaml): see docs/finetuning.md.
 SCRATCH_LEARNING_RATE = 1e-3
-# Causal language models. Full fine-tuning: 2e-5, TRL SFTConfig's default (a pretrained LM moves less than an encoder
-# with a fresh head). LoRA/QLoRA: 2e-4, the QLoRA paper's rate for 7B-13B models (Dettmers et al. 2023, table 9);
-# the adapters start at zero and have few parameters, so they take larger steps.
-CAUSAL_LM_FULL_LEARNING_RATE = 2e-5
-ADAPTER_LEARNING_RATE = 2e-4
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -143,8 +138,7 @@ class FinetuneConfig:
         def bad(key: str, fix: str) -> ConfigError:
             return ConfigError(f"{key}={getattr(self, key)!r}: {fix}")
 
-        if self.task not in TASKS:
-            raise bad("task", f"use one of {', '.join(TASKS)}")
+        task = task_for(self.task)
         if self.precision not in PRECISIONS:
             raise bad("precision", f"use one of {', '.join(PRECISIONS)}")
         for key in ("per_device_train_batch_size", "max_length", "image_size", "logging_steps"):
@@ -165,13 +159,13 @@ class FinetuneConfig:
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise bad("learning_rate", "must be positive")
         self._check_pretrained()
-        self._check_causal_lm()
+        self._check_method()
         self._check_memory_levers()
         if self.learning_rate is None:  # a pretrained classifier's stays None until its model is built (learning_rates.py)
             if self.trains_from_scratch:
                 self.learning_rate = SCRATCH_LEARNING_RATE
-            elif self.task == "causal-lm":
-                self.learning_rate = ADAPTER_LEARNING_RATE if self.method in ("lora", "qlora") else CAUSAL_LM_FULL_LEARNING_RATE
+            else:
+                self.learning_rate = task.default_learning_rate(self)
         if not 0 <= self.warmup_ratio < 1:
             raise bad("warmup_ratio", "must be in [0, 1)")
         for key in ("eval_strategy", "save_strategy"):
@@ -199,51 +193,29 @@ class FinetuneConfig:
 
     @property
     def trains_from_scratch(self) -> bool:
-        return self.task == "image-classification" and not self.pretrained
+        return task_for(self.task).images and not self.pretrained
 
-    def _check_causal_lm(self) -> None:
-        """The causal-LM keys; ``method=auto`` is resolved here, so the run record holds what trains."""
-        def bad(key: str, fix: str) -> ConfigError:
-            return ConfigError(f"{key}={getattr(self, key)!r}: {fix}")
-
+    def _check_method(self) -> None:
+        """``method=auto`` is resolved here (the task's first method), so the run record holds what trains; then the
+        task's own keys (``tasks/``)."""
+        task = task_for(self.task)
         if self.method not in METHODS:
-            raise bad("method", f"use one of {', '.join(METHODS)}")
+            raise ConfigError(f"method={self.method!r}: use one of {', '.join(METHODS)}")
         if self.method == "auto":
-            self.method = "lora" if self.task == "causal-lm" else "full"
-        if self.task != "causal-lm":
-            if self.method != "full":
-                raise bad("method", "LoRA and QLoRA are for task=causal-lm; classifiers train fully (method=full)")
-            return
-        if self.model in ("builtin:minilm", "builtin:efficientnet_lite0"):
-            raise bad("model", "task=causal-lm needs a causal language model: model=builtin:smollm2, a local directory or a hub id")
-        if self.lora_r < 1:
-            raise bad("lora_r", "must be at least 1 (16 is a good start)")
-        if self.lora_alpha <= 0:
-            raise bad("lora_alpha", "must be positive (commonly 2 x lora_r)")
-        if not 0 <= self.lora_dropout < 1:
-            raise bad("lora_dropout", "must be in [0, 1)")
-        if not self.lora_target_modules.strip():
-            raise bad("lora_target_modules", "use all-linear or comma-separated module names such as q_proj,v_proj")
-        if self.merge_adapter and self.method == "full":
-            raise bad("merge_adapter", "method=full trains the model itself, there is no adapter to merge: drop merge_adapter")
-        if self.packing not in (True, False, "auto"):
-            raise bad("packing", "use auto, true or false")
-        if self.chunked_lm_loss not in (True, False, "auto", "liger", "cce"):
-            raise bad("chunked_lm_loss", "use auto, true or false (or, on CUDA, liger or cce: their fused kernels)")
-        if self.generation_samples < 0:
-            raise bad("generation_samples", "must be >= 0 (0: no samples)")
-        if self.generation_max_new_tokens < 1:
-            raise bad("generation_max_new_tokens", "must be at least 1")
-        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
-            raise bad("chat_template", "give the path of a Jinja chat template file that exists")
+            self.method = task.methods[0]
+        if self.method not in task.methods:
+            raise ConfigError(f"method={self.method!r}: LoRA and QLoRA are for task=causal-lm; classifiers train fully "
+                              "(method=full)" if task.classifier else
+                              f"method={self.method!r}: task={self.task} trains with {', '.join(task.methods)}")
+        task.check_config(self)
 
     def _check_memory_levers(self) -> None:
         from ..levers.from_config import check_levers
 
-        check_levers(self)
+        check_levers(self, images=task_for(self.task).images)
 
     def _check_pretrained(self) -> None:
-        vision = self.task == "image-classification"
+        vision = task_for(self.task).images
         if not self.pretrained and not vision:
             raise ConfigError("pretrained=false: text models always start from the weights in model= (a directory or hub id); "
                               "remove pretrained=false")

@@ -19,6 +19,7 @@ from pathlib import Path
 from .builtin import BUILTIN_DATASETS
 from .carve import CarvePlan, carve, plan_carve
 from .config import ConfigError, FinetuneConfig
+from .tasks.base import task_for
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 IMAGE_VERIFY_LIMIT = 50_000
@@ -105,17 +106,8 @@ def find_splits(raw, cfg: FinetuneConfig):
 
 
 def _check_columns(ds, cfg: FinetuneConfig, split: str) -> None:
-    needed = [cfg.label_column]
-    if cfg.task == "text-classification":
-        needed.append(cfg.text_column)
-        if cfg.text_pair_column:
-            needed.append(cfg.text_pair_column)
-    else:
-        needed.append(cfg.image_column)
-    for column in needed:
+    for column, key in task_for(cfg.task).data_columns(cfg).items():
         if column not in ds.column_names:
-            key = {cfg.label_column: "label_column", cfg.text_column: "text_column", cfg.image_column: "image_column"}.get(
-                column, "text_pair_column")
             raise ConfigError(f"{key}={column!r} is not a column of the {split} split; its columns are {ds.column_names}")
     if len(ds) == 0:
         raise ConfigError(f"the {split} split is empty")
@@ -222,9 +214,9 @@ def process_classification_data(cfg: FinetuneConfig, opened: OpenedData) -> Clas
         validation = _encode_labels(opened.validation, cfg.label_column, names, "validation")
     train = _sample(train, cfg.max_train_samples, cfg.seed)
     validation = _sample(validation, cfg.max_eval_samples, cfg.seed)
-    if cfg.task == "image-classification":
-        verify_images(train, cfg.image_column, "train")
-        verify_images(validation, cfg.image_column, "validation")
+    task = task_for(cfg.task)
+    task.check_rows(train, cfg, "train")  # images opened, for the image task
+    task.check_rows(validation, cfg, "validation")
     return ClassificationData(train=train, validation=validation, label_names=names, source=opened.source, notes=notes)
 
 

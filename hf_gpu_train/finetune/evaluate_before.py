@@ -22,6 +22,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .metrics import SHOWN_METRICS
+from .tasks.base import task_for
 
 BASELINE = "baseline_results.json"
 # evaluate_before=auto: the evaluation first is worth it when it costs little beside the training. Rows are the
@@ -117,7 +118,7 @@ def attach_evaluate_before(cfg, trainer, validation_rows: int, resuming: bool,
             if cfg.evaluate_before == "auto":
                 print(f"hf_gpu_train: no evaluation before training: {reason} (evaluate_before=true to ask for it)", flush=True)
         return None
-    callback = EvaluateBeforeTraining(trainer, cfg.output_dir, causal_lm=cfg.task == "causal-lm")
+    callback = EvaluateBeforeTraining(trainer, cfg.output_dir, causal_lm=not task_for(cfg.task).classifier)
     trainer.add_callback(callback)
     return callback
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from .config import FinetuneConfig
+from .tasks.base import task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -101,7 +102,7 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
             not_applied.setdefault(o.key, (o.plan_value, {"config": "your config", "launch": "the launch command"}.get(
                 o.source, f"your {o.source}")))
     lines.append("plan values not applied: " + (", ".join(f"{k}={v} ({why})" for k, (v, why) in not_applied.items()) or "none"))
-    vision = cfg.task == "image-classification"
+    vision = task_for(cfg.task).images
     memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
                           method=cfg.method, lora_rank=cfg.lora_r, levers=shape_levers(cfg))
     if memory is not None and memory.warning:

@@ -99,6 +99,8 @@ def resolve_learning_rate(cfg, model) -> str | None:
     """Set ``cfg.learning_rate`` from ``model`` when the config left it to the model; the line saying why, or None."""
     if cfg.learning_rate is not None:
         return None
-    rate, why = (vision_learning_rate if cfg.task == "image-classification" else text_learning_rate)(model)
+    from .tasks.base import task_for  # the tasks' package imports every task, and they import this module
+
+    rate, why = task_for(cfg.task).learning_rate(model)
     cfg.learning_rate = rate
     return f"learning_rate={rate:g}: {why} (set learning_rate= to choose)"

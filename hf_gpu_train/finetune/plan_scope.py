@@ -14,6 +14,7 @@ import dataclasses
 
 from ..plan.model_spec import model_fingerprint as fingerprint
 from .config import FinetuneConfig
+from .tasks.base import task_for
 
 # the values a memory plan (or tune) decides for one model, sequence length and method
 MEMORY_KEYS = ("per_device_train_batch_size", "global_batch_size", "gradient_checkpointing", "torch_compile", "packing",
@@ -64,7 +65,7 @@ def run_model_spec(cfg: FinetuneConfig):
 
 
 def _method(cfg: FinetuneConfig) -> str:
-    return cfg.method if cfg.task == "causal-lm" and cfg.method in ("full", "lora", "qlora") else "full"
+    return cfg.method if cfg.method in task_for(cfg.task).methods else "full"
 
 
 def differences(plan, cfg: FinetuneConfig, spec) -> list[str]:
@@ -77,7 +78,7 @@ def differences(plan, cfg: FinetuneConfig, spec) -> list[str]:
         ours, theirs = fingerprint(spec), fingerprint(m.model)
         detail = ", ".join(f"{k} {_count(theirs[k])} -> {_count(ours[k])}" for k in ours if ours[k] != theirs[k])
         found.append(f"model {m.model.name} -> {cfg.model} ({detail})")
-    vision = cfg.task == "image-classification"
+    vision = task_for(cfg.task).images
     if vision and cfg.image_size and m.image_size and cfg.image_size > m.image_size:
         found.append(f"image size {m.image_size} -> {cfg.image_size}")
     if not vision and cfg.max_length and m.seq_len and cfg.max_length > m.seq_len:
@@ -129,7 +130,7 @@ def scope_to_this_run(plan, cfg: FinetuneConfig, tuned: frozenset = frozenset(),
         return plan, []
     memory = plan.memory
     if found:
-        vision = cfg.task == "image-classification"
+        vision = task_for(cfg.task).images
         image_size = (cfg.image_size or plan.memory.image_size) if vision else plan.memory.image_size
         if vision and spec is None and same_name and image_size != plan.memory.image_size:
             spec, _ = run_model_spec(cfg)  # timm's activations were measured at the plan's image size: measure this one's

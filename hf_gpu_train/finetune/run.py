@@ -1,7 +1,10 @@
-"""``scripts/finetune.py``: config -> preflight -> data -> model -> Trainer -> train (resuming) -> evaluate.
+"""The run spine: ``FinetuneRun`` (setup -> train -> finish) behind ``scripts/finetune.py``, and the pieces
+``hf-gpu-train tune`` builds its trials from (``prepare``, ``attach_pieces``). The task's own work is the task's
+(``tasks/``); this module does not branch on its name.
 
 Exit 0 on success, 2 for a usage error (bad config, data or paths: one line naming the fix, nothing
-overwritten), anything else is a bug and keeps its traceback.
+overwritten), anything else is a bug and keeps its traceback. This module imports no torch at its top: ``tune``'s
+command reads ``parse_args`` before any training process exists; what the run needs it imports in ``setup``.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
 from .metrics import SHOWN_METRICS
+from .tasks import Prepared, task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
 
@@ -56,87 +61,21 @@ def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished
     return chosen
 
 
-def _raw_splits(opened) -> dict:
-    return {"train": opened.train, "validation": opened.validation}
-
-
-def _processed(opened, prepared):
-    """The run's ClassificationData from what ``prepare_once`` returned (built here, or loaded)."""
-    from .data import ClassificationData
-    from .prepare_once import world_size
-
-    notes = list(prepared.meta["notes"]) + ([f"data {prepared.how}"] if world_size() > 1 else [])
-    return ClassificationData(train=prepared.train, validation=prepared.validation, label_names=opened.label_names,
-                              source=opened.source, notes=notes)
-
-
 def prepare(cfg: FinetuneConfig, runtime):
-    """(model, train, validation, collator, processing_class, data) for the task.
-
-    The order is for whoever made a mistake: first what is cheap to check (the model's path or timm name and its
-    weights; the data's files, splits, columns and labels, and whether a validation carve is possible), then the
-    model (it may download, or find no network), and only then the passes over every row (label encoding, the
-    carve, opening every image, tokenizing). A typo costs seconds, not a pass over a large dataset. With several
-    processes those passes run once per machine and the other ranks load their result (``prepare_once``).
-    """
+    """(model, train, validation, collator, processing_class, data) for the task (``tasks/``), its notes said on the
+    main process. Each task orders its work for whoever made a mistake: first what is cheap to check (the model's
+    path or timm name and its weights; the data's files, splits, columns and labels), then the model, and only then
+    the passes over every row, once per machine (``prepare_once``)."""
     from .checkpoints import is_main_process
-    from .data import open_classification_data, process_classification_data
-    from .learning_rates import resolve_learning_rate
-    from .prepare_once import Prepared, data_key, prepare_once
 
     def say(notes):
         if is_main_process():
             for note in notes:
                 print(f"hf_gpu_train: {note}", flush=True)
 
-    if cfg.task == "causal-lm":
-        from .causal_lm.prepare import prepare_causal_lm
-
-        lm = prepare_causal_lm(cfg, runtime, say)
-        return lm.model, lm.train, lm.validation, lm.collator, lm.tokenizer, lm.data
-    if cfg.task == "text-classification":
-        from .checkpoints import check_label_map
-        from .preflight import check_text_model
-        from .text import load_text_model, resolve_model_path, text_collator, tokenize
-
-        model_dir = check_text_model(cfg)
-        opened = open_classification_data(cfg)
-        if model_dir is not None:
-            check_label_map(model_dir, opened.label_names, "model")  # warm start from one of our runs
-        model, tokenizer = load_text_model(cfg, opened.label_names)
-        chosen = resolve_learning_rate(cfg, model)
-        if chosen:
-            say([chosen])
-
-        def tokenized() -> Prepared:
-            data = process_classification_data(cfg, opened)
-            return Prepared(*tokenize(cfg, data, tokenizer), {"notes": data.notes})
-
-        prepared = prepare_once(data_key(cfg, _raw_splits(opened), resolve_model_path(cfg.model), tokenizer), tokenized)
-        data = _processed(opened, prepared)
-        say(data.notes)
-        return model, prepared.train, prepared.validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data
-    from .pretrained import resolve_vision_weights
-    from .vision import attach_transforms, image_collator, load_vision_model
-
-    weights = resolve_vision_weights(cfg)
-    opened = open_classification_data(cfg)
-    model = load_vision_model(cfg, opened.label_names, weights)
-    chosen = resolve_learning_rate(cfg, model)
-    say([weights.describe(cfg.learning_rate), *([chosen] if chosen else [])])  # which weights, at which learning rate
-
-    def processed() -> Prepared:
-        data = process_classification_data(cfg, opened)
-        return Prepared(data.train, data.validation, {"notes": data.notes})
-
-    data = _processed(opened, prepare_once(data_key(cfg, _raw_splits(opened), None), processed))
-    say(data.notes)
-    if runtime.on_cuda:
-        import torch
-
-        model = model.to(memory_format=torch.channels_last)
-    train, validation = attach_transforms(cfg, data, model)
-    return model, train, validation, image_collator(runtime.on_cuda), None, data
+    prepared = task_for(cfg.task).prepare(cfg, runtime, say)
+    return (prepared.model, prepared.train, prepared.validation, prepared.collator, prepared.processing_class,
+            prepared.data)
 
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
@@ -208,7 +147,7 @@ def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneCo
     def figures(values: dict) -> str:
         return ", ".join(f"{name} {values[key]:.4g}" for key, name in SHOWN_METRICS.items() if key in values)
 
-    line = f"{figures(metrics)} on {rows} validation {'rows' if cfg.task == 'causal-lm' else 'examples'}"
+    line = f"{figures(metrics)} on {rows} validation {task_for(cfg.task).rows_word}"
     if baseline:
         line += f"; before training (the model as loaded): {figures(baseline)}"
     return line
@@ -222,164 +161,216 @@ def _report_finished(cfg: FinetuneConfig, results: dict) -> dict:
     return results
 
 
-def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch_plan=None) -> dict:
-    """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
-    from transformers import Trainer, set_seed
+@dataclass
+class Pieces:
+    """What ``attach_pieces`` put on a Trainer, and the lines that say what it left off."""
 
-    from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
-    from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
-    from .agreement import check_ranks_agree
-    from .checkpoints import is_main_process, label_map_writer, write_label_map
-    from .evaluate_before import attach_evaluate_before, read_baseline, trained_rows
-    from .fsdp import fsdp_requested, save_full_model
-    from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
-    from .runtime import resolve_runtime
-    from .trainer_factory import build_trainer, gradient_accumulation
+    recovery: object = None
+    telemetry: object = None
+    lines: list[str] = field(default_factory=list)
 
-    check_output_dir(cfg)
-    check_extra_arguments(cfg)
-    from .deepspeed_env import deepspeed_optimizer_line
 
-    deepspeed_optimizer = deepspeed_optimizer_line(cfg)  # a usage error here, before anything loads
-    cuda_release = release_memory_before_cuda(cfg)  # before anything starts CUDA: resolving the runtime asks it
-    runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
-    released = release_memory(cfg, runtime, cuda_release)  # before the model loads
-    if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
-        # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
-    accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
-    identity = RunIdentity.of(cfg, runtime.precision, effective)
-    previous = read_previous(cfg.output_dir)
-    if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
-        return _report_finished(cfg, previous.results)
-    set_seed(cfg.seed)
-    if runtime.world_size > 1 or fsdp_requested():
-        # every rank joined and the collectives work, in seconds, before the model and data load. The process group
-        # must exist before the model loads anyway under FSDP, or transformers loads the whole model on every rank
-        # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
-        from ..faults.preflight_collective import preflight
-
-        preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
-                  backend=cfg.extra.get("ddp_backend"))
-    from .deepspeed_env import hold_zero3_init
-
-    zero3_init = hold_zero3_init(runtime.precision)  # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py)
-    model, train, validation, collator, processing_class, data = prepare(cfg, runtime)
-    if identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
-        identity = RunIdentity.of(cfg, runtime.precision, effective)
-        if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
-            return _report_finished(cfg, previous.results)
-    resume = _resume_point(cfg, data.label_names, previous.finished)
-    back_up_config(cfg.output_dir, cfg)
-    if is_main_process():
-        save_resolved(cfg, cfg.output_dir)
-    write_label_map(cfg.output_dir, data.label_names)
-    write_record(cfg.output_dir, identity, runtime.world_size)
-    if cfg.global_batch_size and effective != cfg.global_batch_size:
-        log.warning("global_batch_size=%d is not a multiple of %d x %d process(es): effective batch %d",
-                    cfg.global_batch_size, cfg.per_device_train_batch_size, runtime.world_size, effective)
-    trainer = build_trainer(cfg, runtime, model, train, validation, collator, processing_class,
-                            callbacks=default_callbacks(cfg, data.label_names) + list(extra_callbacks),
-                            trainer_class=trainer_class or Trainer)
-    del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
-    from .launch_plan import confirm_launched_strategy
-
-    strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # the plan was scoped for what runs
-    # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
-    # rank wrote it; a resume never takes a half-written one
-    guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(data.label_names))
-    # selective checkpointing, offloading, optimizer in backward
-    lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
-    lever_lines += [strategy_line] if strategy_line else []
-    if cfg.task == "causal-lm":  # the chunked head checked where the Trainer placed the model (every rank agrees)
-        from .causal_lm.prepare import confirm_chunked_head
-
-        head_line = confirm_chunked_head(trainer.model, cfg, runtime.precision)
-        lever_lines += [head_line] if head_line else []
-    check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
-                       "effective_batch": effective, "precision": runtime.precision, "method": cfg.method,
-                       "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,
-                       "offload_activations": cfg.offload_activations, "optimizer_in_backward": cfg.optimizer_in_backward,
-                       "torch_compile": cfg.torch_compile, "learning_rate": cfg.learning_rate,
-                       "evaluate_before": cfg.evaluate_before, "validation_rows": len(validation),
-                       "packing": getattr(data, "packing", cfg.packing)})
-    if trainer.is_world_process_zero():
-        for line in launch_plan.lines if launch_plan else ():
-            print(f"hf_gpu_train: {line}", flush=True)
-        print(f"hf_gpu_train: {cfg.task}, {len(data.train)} train / {len(data.validation)} validation examples"
-              f"{f', {len(data.label_names)} classes' if data.label_names else ''}; {'CUDA' if runtime.on_cuda else 'CPU'} x{runtime.world_size}, "
-              f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {accumulation} "
-              f"x {runtime.world_size} = {effective}; workers {runtime.dataloader_workers}"
-              + (f"; resuming from {resume}" if resume else ""), flush=True)
-        for line in lever_lines:
-            print(f"hf_gpu_train: {line}", flush=True)
-    samples = None
-    if cfg.task == "causal-lm":
-        from .causal_lm.generation import GenerationSamples
-
-        samples = GenerationSamples(cfg, data.generation_prompts, processing_class)
-        samples.generate_before(trainer)
-    if cfg.oom_recovery and cfg.optimizer_in_backward:
-        print("hf_gpu_train: in-place OOM recovery off: it splits a step into micro-batches, and with optimizer_in_backward each "
-              "micro-batch's backward would step the parameters", flush=True)
-    elif cfg.oom_recovery:
+def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: bool, telemetry: dict | None) -> Pieces:
+    """In-place OOM recovery, the watchdog and telemetry on a Trainer, by the rules that hold wherever the run's
+    Trainer is built (the fine-tune, and every trial of ``hf-gpu-train tune``): no in-place recovery beside the
+    optimizer step in the backward (each micro-batch of a split step would step the parameters). ``telemetry``: the
+    options of ``attach_telemetry``, or None for none."""
+    pieces = Pieces()
+    if recovery and cfg.optimizer_in_backward:
+        pieces.lines.append("in-place OOM recovery off: it splits a step into micro-batches, and with optimizer_in_backward "
+                            "each micro-batch's backward would step the parameters")
+    elif recovery:
         from ..oom import enable_oom_recovery
 
-        enable_oom_recovery(trainer)
-    if cfg.watchdog != "off":
+        pieces.recovery = enable_oom_recovery(trainer)
+    if watchdog:
         from ..faults.watchdog import attach_watchdog
 
         attach_watchdog(trainer, cfg.watchdog)
-    if cfg.telemetry:
+    if telemetry is not None:
         from ..callbacks import attach_telemetry
 
-        attach_telemetry(trainer)
-    before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume),  # at train begin (why: its module)
-                                    trained_rows=trained_rows(cfg, len(train), effective))
-    start = time.perf_counter()
-    first_step = int(json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]) if resume else 0
-    result = trainer.train(resume_from_checkpoint=resume)
-    train_seconds = time.perf_counter() - start - (before.seconds if before is not None else 0.0)
-    metrics = final_metrics(trainer, first_step)
-    trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations (the last too)
-    if cfg.task == "causal-lm":
-        from .causal_lm.outputs import with_perplexity
+        pieces.telemetry = attach_telemetry(trainer, **telemetry)
+    return pieces
 
-        metrics = with_perplexity(metrics)
-    trainer.save_metrics("eval", metrics)
-    save_full_model(trainer)
-    if trainer.is_world_process_zero():
-        summary = {"global_step": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
-                   "train_samples_per_second": result.metrics.get("train_samples_per_second"),
-                   **{k: metrics[k] for k in SHOWN_METRICS if k in metrics}}
-        if before is not None:  # what the evaluation first took (inside train(), not in train_seconds)
-            summary["evaluate_before_seconds"] = round(before.seconds, 2)
-        if cfg.offload_activations:
-            from ..levers.activation_offload import offloaded_bytes
 
-            summary["offloaded_activation_bytes"] = offloaded_bytes(trainer.model)  # the last training forward's
-        if launch_plan is not None:
-            summary["plan"] = launch_plan.record(*measured_peak_memory(runtime))
-        (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        from ..report.writer import render_report
+class FinetuneRun:
+    """One fine-tuning run, in three steps (the shape of torchtune's recipes): ``setup`` (checks, runtime, model and
+    data, resume point, the record of the run, the Trainer and every piece on it), ``train``, ``finish`` (the final
+    evaluation, the saved model, the summary, the report and the task's own outputs).
 
-        try:  # the run's story: metrics, curves, config, the plan next to what was measured
-            render_report(cfg.output_dir)
-        except Exception as error:  # noqa: BLE001 - a report that cannot be drawn must not cost the trained model
-            log.warning("report.md not written (%s: %s); `hf-gpu-train report %s` draws it again", type(error).__name__, error,
-                        cfg.output_dir)
-        print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
-        baseline = before.baseline if before is not None else read_baseline(cfg.output_dir) if resume else None
-        print(f"hf_gpu_train: {result_line(metrics, baseline, len(validation), cfg)}", flush=True)
-    if cfg.task == "causal-lm":
-        from .causal_lm.model import compute_dtype
-        from .causal_lm.outputs import merge_and_save
+    ``hf-gpu-train tune`` builds its trials from the same pieces: ``prepare`` (the task's model and data),
+    ``trainer_factory.build_trainer``, ``levers.from_config.apply_levers`` and ``attach_pieces``."""
 
-        samples.generate_after(trainer)  # generations.json, and a section of report.md
-        with saving_to(trainer, Path(cfg.output_dir), MERGED, FINETUNE_WORDS):
-            merge_and_save(cfg, trainer, processing_class, data.model_path, compute_dtype(runtime))
-    write_record(cfg.output_dir, identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
-    return metrics
+    def __init__(self, cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch_plan=None):
+        self.cfg = cfg
+        self.task = task_for(cfg.task)
+        self.extra_callbacks = list(extra_callbacks)
+        self.trainer_class = trainer_class
+        self.launch_plan = launch_plan  # an AppliedPlan: recorded in run_summary.json and the report
+
+    def setup(self) -> dict | None:
+        """Everything before the first step. The results of the finished run when ``output_dir`` already holds this
+        run, finished (nothing is trained then), else None."""
+        from transformers import Trainer, set_seed
+
+        from ..faults.disk_full import FINETUNE_WORDS, guard_saves
+        from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
+        from .agreement import check_ranks_agree
+        from .checkpoints import is_main_process, label_map_writer, write_label_map
+        from .deepspeed_env import deepspeed_optimizer_line, hold_zero3_init
+        from .evaluate_before import attach_evaluate_before, trained_rows
+        from .fsdp import fsdp_requested
+        from .launch_plan import confirm_launched_strategy
+        from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
+        from .runtime import resolve_runtime
+        from .trainer_factory import build_trainer, gradient_accumulation
+
+        cfg, launch_plan = self.cfg, self.launch_plan
+        check_output_dir(cfg)
+        check_extra_arguments(cfg)
+        deepspeed_optimizer = deepspeed_optimizer_line(cfg)  # a usage error here, before anything loads
+        cuda_release = release_memory_before_cuda(cfg)  # before anything starts CUDA: resolving the runtime asks it
+        self.runtime = runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
+        released = release_memory(cfg, runtime, cuda_release)  # before the model loads
+        if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
+            # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
+        self.accumulation, self.effective = accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
+        identity = RunIdentity.of(cfg, runtime.precision, effective)
+        previous = read_previous(cfg.output_dir)
+        if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
+            return _report_finished(cfg, previous.results)
+        set_seed(cfg.seed)
+        if runtime.world_size > 1 or fsdp_requested():
+            # every rank joined and the collectives work, in seconds, before the model and data load. The process group
+            # must exist before the model loads anyway under FSDP, or transformers loads the whole model on every rank
+            # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
+            from ..faults.preflight_collective import preflight
+
+            preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
+                      backend=cfg.extra.get("ddp_backend"))
+        zero3_init = hold_zero3_init(runtime.precision)  # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py)
+        self.prepared = prepared = Prepared(*prepare(cfg, runtime))
+        data, validation = prepared.data, prepared.validation
+        if identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
+            identity = RunIdentity.of(cfg, runtime.precision, effective)
+            if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
+                return _report_finished(cfg, previous.results)
+        self.identity = identity
+        self.resume = resume = _resume_point(cfg, data.label_names, previous.finished)
+        back_up_config(cfg.output_dir, cfg)
+        if is_main_process():
+            save_resolved(cfg, cfg.output_dir)
+        write_label_map(cfg.output_dir, data.label_names)
+        write_record(cfg.output_dir, identity, runtime.world_size)
+        if cfg.global_batch_size and effective != cfg.global_batch_size:
+            log.warning("global_batch_size=%d is not a multiple of %d x %d process(es): effective batch %d",
+                        cfg.global_batch_size, cfg.per_device_train_batch_size, runtime.world_size, effective)
+        self.trainer = trainer = build_trainer(
+            cfg, runtime, prepared.model, prepared.train, validation, prepared.collator, prepared.processing_class,
+            callbacks=default_callbacks(cfg, data.label_names) + self.extra_callbacks,
+            trainer_class=self.trainer_class or Trainer)
+        del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
+        strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # the plan was scoped for what runs
+        # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
+        # rank wrote it; a resume never takes a half-written one
+        guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(data.label_names))
+        # selective checkpointing, offloading, optimizer in backward
+        lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
+        lever_lines += [strategy_line] if strategy_line else []
+        model_line = self.task.confirm_model(trainer.model, cfg, runtime.precision)  # where the Trainer placed it
+        lever_lines += [model_line] if model_line else []
+        check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size,
+                           "gradient_accumulation_steps": accumulation, "effective_batch": effective,
+                           "precision": runtime.precision, "method": cfg.method,
+                           "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,
+                           "offload_activations": cfg.offload_activations, "optimizer_in_backward": cfg.optimizer_in_backward,
+                           "torch_compile": cfg.torch_compile, "learning_rate": cfg.learning_rate,
+                           "evaluate_before": cfg.evaluate_before, "validation_rows": len(validation),
+                           "packing": getattr(data, "packing", cfg.packing)})
+        if trainer.is_world_process_zero():
+            self._say_what_runs(lever_lines)
+        self.started = self.task.before_training(trainer, cfg, prepared)
+        pieces = attach_pieces(trainer, cfg, recovery=cfg.oom_recovery, watchdog=cfg.watchdog != "off",
+                               telemetry={} if cfg.telemetry else None)
+        if trainer.is_world_process_zero():
+            for line in pieces.lines:
+                print(f"hf_gpu_train: {line}", flush=True)
+        self.before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume),  # at train begin (why: its module)
+                                             trained_rows=trained_rows(cfg, len(prepared.train), effective))
+        return None
+
+    def _say_what_runs(self, lever_lines: list[str]) -> None:
+        cfg, runtime, data = self.cfg, self.runtime, self.prepared.data
+        for line in self.launch_plan.lines if self.launch_plan else ():
+            print(f"hf_gpu_train: {line}", flush=True)
+        print(f"hf_gpu_train: {cfg.task}, {len(data.train)} train / {len(data.validation)} validation examples"
+              f"{f', {len(data.label_names)} classes' if data.label_names else ''}; {'CUDA' if runtime.on_cuda else 'CPU'} x{runtime.world_size}, "
+              f"{runtime.precision} ({runtime.precision_reason}); batch {cfg.per_device_train_batch_size} x {self.accumulation} "
+              f"x {runtime.world_size} = {self.effective}; workers {runtime.dataloader_workers}"
+              + (f"; resuming from {self.resume}" if self.resume else ""), flush=True)
+        for line in lever_lines:
+            print(f"hf_gpu_train: {line}", flush=True)
+
+    def train(self) -> None:
+        resume = self.resume
+        start = time.perf_counter()
+        self.first_step = int(json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]) if resume else 0
+        self.result = self.trainer.train(resume_from_checkpoint=resume)
+        self.train_seconds = time.perf_counter() - start - (self.before.seconds if self.before is not None else 0.0)
+
+    def finish(self) -> dict:
+        """The final evaluation, the model saved, the summary and the report, then the task's own outputs."""
+        from ..faults.disk_full import FINETUNE_WORDS, MERGED, saving_to
+        from .evaluate_before import read_baseline
+        from .fsdp import save_full_model
+        from .run_record import write_record
+
+        cfg, trainer, runtime, before, resume = self.cfg, self.trainer, self.runtime, self.before, self.resume
+        validation = self.prepared.validation
+        metrics = final_metrics(trainer, self.first_step)
+        trainer.save_state()  # trainer_state.json in output_dir: the logged losses, gradient norms and evaluations (the last too)
+        metrics = self.task.final_metrics(metrics)
+        trainer.save_metrics("eval", metrics)
+        save_full_model(trainer)
+        if trainer.is_world_process_zero():
+            summary = {"global_step": trainer.state.global_step, "train_seconds": round(self.train_seconds, 2),
+                       "train_samples_per_second": self.result.metrics.get("train_samples_per_second"),
+                       **{k: metrics[k] for k in SHOWN_METRICS if k in metrics}}
+            if before is not None:  # what the evaluation first took (inside train(), not in train_seconds)
+                summary["evaluate_before_seconds"] = round(before.seconds, 2)
+            if cfg.offload_activations:
+                from ..levers.activation_offload import offloaded_bytes
+
+                summary["offloaded_activation_bytes"] = offloaded_bytes(trainer.model)  # the last training forward's
+            if self.launch_plan is not None:
+                summary["plan"] = self.launch_plan.record(*measured_peak_memory(runtime))
+            (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
+            from ..report.writer import render_report
+
+            try:  # the run's story: metrics, curves, config, the plan next to what was measured
+                render_report(cfg.output_dir)
+            except Exception as error:  # noqa: BLE001 - a report that cannot be drawn must not cost the trained model
+                log.warning("report.md not written (%s: %s); `hf-gpu-train report %s` draws it again", type(error).__name__,
+                            error, cfg.output_dir)
+            print("hf_gpu_train: " + json.dumps({k: v for k, v in summary.items() if k != "plan"}), flush=True)
+            baseline = before.baseline if before is not None else read_baseline(cfg.output_dir) if resume else None
+            print(f"hf_gpu_train: {result_line(metrics, baseline, len(validation), cfg)}", flush=True)
+        self.task.after_training(trainer, cfg, self.prepared, runtime, self.started,
+                                 saving=lambda: saving_to(trainer, Path(cfg.output_dir), MERGED, FINETUNE_WORDS))
+        write_record(cfg.output_dir, self.identity, runtime.world_size, finished=True, global_step=trainer.state.global_step)
+        return metrics
+
+
+def finetune(cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch_plan=None) -> dict:
+    """Train and evaluate ``cfg``; ``launch_plan`` (an ``AppliedPlan``) is recorded in run_summary.json and the report."""
+    run = FinetuneRun(cfg, extra_callbacks, trainer_class, launch_plan)
+    finished = run.setup()
+    if finished is not None:
+        return finished
+    run.train()
+    return run.finish()
 
 
 def measured_peak_memory(runtime) -> tuple[int | None, str | None]:

@@ -16,6 +16,7 @@ from .fsdp import fsdp_checkpoints_activations, shard_on_cpu_too, wrap_repeated_
 from .metrics import compute_classification_metrics, logits_to_class_ids
 from .runtime import Runtime
 from .sampling import evaluate_in_dataset_order, group_by_length_over_the_global_batch
+from .tasks.base import Task, task_for
 
 
 def gradient_accumulation(cfg: FinetuneConfig, world_size: int) -> tuple[int, int]:
@@ -27,7 +28,8 @@ def gradient_accumulation(cfg: FinetuneConfig, world_size: int) -> tuple[int, in
     return steps, steps * per_step
 
 
-def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str, packed: bool = False) -> TrainingArguments:
+def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: Task | str, packed: bool = False) -> TrainingArguments:
+    task = task_for(task) if isinstance(task, str) else task
     accumulation, _ = gradient_accumulation(cfg, runtime.world_size)
     ampere = bool(runtime.gpus) and all(g.bf16_supported for g in runtime.gpus)
     kwargs = dict(
@@ -67,15 +69,16 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: str, packed:
     # transformers 5's activation_checkpointing (gradient_checkpointing); under FSDP the launch config's own flag does it
     # (the Trainer refuses both at once); which layers, and gradient clipping under optimizer_in_backward
     kwargs.update(lever_arguments(cfg, fsdp_checkpoints=fsdp_checkpoints_activations()))
-    if task == "text-classification" or (task == "causal-lm" and not packed):  # packed rows are all about max_length long
+    if task.groups_by_length(packed):  # packed rows are all about max_length long
         kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
     kwargs.update(cfg.extra)
     return TrainingArguments(**kwargs)
 
 
 def build_trainer(cfg, runtime, model, train, validation, collator, processing_class=None, callbacks=(), trainer_class=Trainer):
-    args = training_arguments(cfg, runtime, cfg.task, packed=getattr(collator, "packs_examples", False))
-    classifier = cfg.task != "causal-lm"  # a causal LM's evaluation is its loss (perplexity from it): no logits gathered
+    task = task_for(cfg.task)
+    args = training_arguments(cfg, runtime, task, packed=getattr(collator, "packs_examples", False))
+    classifier = task.classifier  # a causal LM's evaluation is its loss (perplexity from it): no logits gathered
     trainer = trainer_class(
         model=model,
         args=args,
@@ -96,8 +99,8 @@ def build_trainer(cfg, runtime, model, train, validation, collator, processing_c
     if classifier:
         trainer.model_accepts_loss_kwargs = False
     group_by_length_over_the_global_batch(trainer)  # the same global batches for any number of processes
-    if cfg.task == "text-classification":
-        evaluate_in_dataset_order(trainer)  # its validation set is longest first (text.longest_first): little padding
+    if task.evaluates_in_dataset_order:
+        evaluate_in_dataset_order(trainer)  # its validation set is sorted (text.longest_first): little padding
     shard_on_cpu_too(trainer)  # an FSDP launch config shards on CPU processes too (accelerate would run DDP)
     wrap_repeated_blocks(trainer)  # FSDP units are the transformer layers (accelerate's default double-shards BERT)
     return trainer

@@ -18,9 +18,9 @@ from ..errors import ConfigError
 from ..plan.training_shape import ATTENTION_KEPT, SELECTIVE_POLICIES
 
 
-def check_levers(cfg) -> None:
-    """The config's levers against each other and the task; what needs the runtime (precision, processes,
-    accumulation) is checked by ``apply_levers``."""
+def check_levers(cfg, images: bool) -> None:
+    """The config's levers against each other and the task (``images``: a timm model); what needs the runtime
+    (precision, processes, accumulation) is checked by ``apply_levers``."""
     from ..plan.training_shape import checkpoint_every
 
     try:
@@ -31,7 +31,7 @@ def check_levers(cfg) -> None:
         if not cfg.gradient_checkpointing:
             raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} chooses what gradient checkpointing keeps: add "
                               "gradient_checkpointing=true (or drop checkpoint_layers)")
-        if cfg.task == "image-classification":
+        if images:
             raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} is for transformers models; timm models checkpoint "
                               "every block (checkpoint_layers=all)")
         if cfg.checkpoint_layers in SELECTIVE_POLICIES and cfg.method == "qlora":

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
+from ..finetune.tasks.base import task_for
+
 AXES = ("micro_batch", "checkpointing", "offload", "workers", "precision", "packing", "compile")
 # Packing is asked for by name (--axes ...,packing): a step of N packed rows and a step of N padded examples train on
 # different batches (a packed row holds several examples), so the two layouts do not keep the run's effective batch.
@@ -272,7 +274,7 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     precision = {"fp8": "bf16"}.get(precision, precision)
     base = Candidate(micro_batch=start, accumulation=per_process // start, gradient_checkpointing=bool(v.get("gradient_checkpointing")),
                      dataloader_num_workers=_base_workers(v, inputs, notes), precision=precision,
-                     torch_compile=bool(v.get("torch_compile")), packing=v.get("packing") if inputs.task == "causal-lm" else None)
+                     torch_compile=bool(v.get("torch_compile")), packing=v.get("packing") if task_for(inputs.task).packs else None)
     base = replace(base, checkpoint_layers=str(v.get("checkpoint_layers") or "all") if base.gradient_checkpointing else "all",
                    offload_activations=bool(v.get("offload_activations")))
     checkpointing_open = open_axis("checkpointing", "gradient_checkpointing", "checkpoint_layers")
@@ -301,7 +303,7 @@ def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None]
     if inputs.memory_budget_bytes:
         notes.append(f"memory: a candidate fits when its measured peak is at most {inputs.memory_budget_bytes / 2**30:.2f} GiB "
                      "(--memory-budget-gib)" + ("" if inputs.on_cuda else ": the training process's peak resident memory on the CPU"))
-    metric = "tokens/s" if inputs.task != "image-classification" else "samples/s"
+    metric = task_for(inputs.task).throughput_unit
     return CandidateSpace(base=base, world_size=inputs.world_size, micro_batches=rungs, checkpointing=checkpointing,
                           workers=workers, precisions=precisions, compile=compile_options, packing=packing, metric=metric,
                           on_cuda=inputs.on_cuda, verdicts=verdicts, notes=tuple(notes), policies=policies, offload=offload,

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..errors import UsageError
+from ..finetune.tasks.base import task_for
 from . import test_hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
 from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space
@@ -119,7 +120,8 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
         plan = _for_machine(plan, profile)
     resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit, world_size=world)
     values = {**dataclasses.asdict(cfg), **resolution.values}
-    vision = cfg.task == "image-classification"
+    task = task_for(cfg.task)
+    vision = task.images
     seq_len, image_size = (None, cfg.image_size) if vision else (cfg.max_length, None)
 
     def memory_check(candidate_values: dict):
@@ -129,7 +131,7 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),
-                        layered=cfg.task != "image-classification", memory_budget_bytes=memory_budget_bytes,
+                        layered=not task.images, memory_budget_bytes=memory_budget_bytes,
                         planned_micro_batch=planned_micro, planned_workers=plan.value("dataloader_num_workers"), axes=axes)
     space = plan_space(inputs, memory_check if plan.memory is not None else None)
     if profile is None:

@@ -38,17 +38,10 @@ CASES = (TuneCase("text", "recipes/minilm_text_demo.yaml", ("global_batch_size=2
 def planner_model(root: Path, case: TuneCase) -> str:
     """The recipe's model as a directory (or timm name) for `hf-gpu-train config --model`."""
     from ..finetune.config import load_config
+    from ..finetune.tasks import task_for
 
     cfg = load_config(root / case.recipe, list(case.overrides))
-    if cfg.task == "causal-lm":
-        from ..finetune.causal_lm.model import model_path
-
-        return model_path(cfg)
-    if cfg.task == "text-classification":
-        from ..finetune.text import resolve_model_path
-
-        return resolve_model_path(cfg.model)
-    return cfg.model
+    return task_for(cfg.task).planner_model(cfg)
 
 
 def planner_errors(config_file: Path, script_args: list[str], profile=None) -> list[list[str]]:

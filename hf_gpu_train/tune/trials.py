@@ -27,6 +27,7 @@ import torch
 from ..callbacks.memory_probe import device_peak
 from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
+from ..finetune.tasks import task_for
 from ..levers.activation_offload import detach as detach_offloading
 from .candidates import Candidate
 from .lm_layouts import Layout, prepared_layout
@@ -98,19 +99,17 @@ class TrialSession:
         set_seed(cfg.seed)
         self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
         collator, self.notes = test_hooks.install(self.model, collator, environ)
-        if cfg.task == "causal-lm":
-            self._confirm_chunked_head()
+        self._confirm_model()
         self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
 
-    def _confirm_chunked_head(self) -> None:
-        """The chunked head checked as scripts/finetune.py checks it, on the device the trials train on (tune refuses
-        sharded launches: each process holds the whole model, which its first Trainer would move there anyway)."""
-        from ..finetune.causal_lm.prepare import confirm_chunked_head
-
+    def _confirm_model(self) -> None:
+        """The task's check of the model (a causal LM's chunked head) as scripts/finetune.py makes it, on the device the
+        trials train on (tune refuses sharded launches: each process holds the whole model, which its first Trainer
+        would move there anyway)."""
         quantized = getattr(self.model, "hf_device_map", None) or getattr(self.model, "is_loaded_in_4bit", False)
         if self.runtime.on_cuda and not quantized:
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
-        line = confirm_chunked_head(self.model, self.cfg, self.runtime.precision)
+        line = task_for(self.cfg.task).confirm_model(self.model, self.cfg, self.runtime.precision)
         if line:
             self.notes.append(line)
 
@@ -133,11 +132,11 @@ class TrialSession:
         from transformers import Trainer
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        from ..callbacks import attach_telemetry
+        from ..finetune.run import attach_pieces
         from ..finetune.runtime import resolve_runtime
         from ..finetune.trainer_factory import build_trainer
         from ..levers.from_config import apply_levers
-        from ..oom import OutOfMemoryAtMicroBatchOne, enable_oom_recovery
+        from ..oom import OutOfMemoryAtMicroBatchOne
         from .meter import TrialMeter
 
         layout = self.layout(candidate.packing)
@@ -161,10 +160,11 @@ class TrialSession:
                 apply_levers(trainer, cfg, runtime)
             except UsageError as error:  # a lever this setting rules out: the same config on every rank, before any step
                 raise ConfigError(str(error)) from None
-            # as scripts/finetune.py: no in-place recovery beside the optimizer in the backward (each micro-batch of a
-            # split step would step the parameters)
-            recovery = None if cfg.optimizer_in_backward else enable_oom_recovery(trainer)
-            telemetry = attach_telemetry(trainer, compact_console=False, write_report=False)
+            # the rules of scripts/finetune.py's run (no in-place recovery beside the optimizer in the backward); a
+            # trial always measures with recovery and telemetry, and has no watchdog (tune's own timeouts end it)
+            pieces = attach_pieces(trainer, cfg, recovery=True, watchdog=False,
+                                   telemetry={"compact_console": False, "write_report": False})
+            recovery, telemetry = pieces.recovery, pieces.telemetry
             for printer in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(printer)
             meter = TrialMeter(warmup_steps, measure_steps, telemetry, decide=measure_steps_for)

@@ -9,12 +9,8 @@ import pytest
 
 from hf_gpu_train.finetune.causal_lm.methods import apply_method, check_method, target_modules
 from hf_gpu_train.finetune.causal_lm.outputs import with_perplexity
-from hf_gpu_train.finetune.config import (
-    ADAPTER_LEARNING_RATE,
-    CAUSAL_LM_FULL_LEARNING_RATE,
-    ConfigError,
-    load_config,
-)
+from hf_gpu_train.finetune.config import ConfigError, load_config
+from hf_gpu_train.finetune.tasks.language_modeling import ADAPTER_LEARNING_RATE, CAUSAL_LM_FULL_LEARNING_RATE
 from tests.finetune.causal_lm.tiny import tiny_llama
 
 LM = ["task=causal-lm", "model=builtin:smollm2"]
