@@ -94,7 +94,7 @@ def stalls(config: str, tmp: str) -> None:
     for mode in ("collate", "collective"):
         out = Path(tmp) / f"stall-{mode}"
         start = time.monotonic()
-        run = launch(config, str(ROOT / "tests" / "training" / "hang_probe.py"), str(out), mode)
+        run = launch(config, str(ROOT / "tests" / "faults" / "hang_probe.py"), str(out), mode)
         ended = time.monotonic() - start
         folders = list(out.glob("hang-*"))
         report = json.loads((folders[0] / "summary.json").read_text()) if folders else {}
@@ -106,7 +106,7 @@ def stalls(config: str, tmp: str) -> None:
 def alone(config: str, tmp: str) -> None:
     out = Path(tmp) / "alone"
     start = time.monotonic()
-    run = launch(config, str(ROOT / "tests" / "training" / "hang_probe.py"), str(out), "alone")
+    run = launch(config, str(ROOT / "tests" / "faults" / "hang_probe.py"), str(out), "alone")
     ended = time.monotonic() - start
     mismatch = next((line for line in run.stderr.splitlines() if "RankMismatch:" in line), "(none)")
     print("3. rank 0 calls trainer.evaluate() alone at step 4 (rank 1 alone asked for a save and an evaluation at step 2)")
