@@ -1,8 +1,8 @@
 """One arm of oom_overhead.py or faults.py, launched on 2 gloo processes: ``scripts/finetune.py``'s ``finetune()`` as
 shipped (MiniLM on builtin:text, the default when its figures were measured), short, with the arm's key=value and nothing else different.
-A first ``recipe=PATH`` runs that recipe as shipped instead (no MiniLM pins).
+A first ``recipe=NAME_OR_PATH`` (a shipped recipe's name, or a file) runs that recipe as shipped instead (no MiniLM pins).
 
-    default_finetune_probe.py OUT NAME STEPS [recipe=PATH] [key=value ...]   (writes OUT/NAME.json: the steps/s)
+    default_finetune_probe.py OUT NAME STEPS [recipe=NAME_OR_PATH] [key=value ...]   (writes OUT/NAME.json: the steps/s)
 """
 
 import json
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
 from hf_gpu_train.finetune.config import load_config  # noqa: E402
-from hf_gpu_train.finetune.run import finetune  # noqa: E402
+from hf_gpu_train.finetune.run import finetune, parse_args  # noqa: E402
 from hf_gpu_train.process_group import leave_process_group  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
@@ -25,7 +25,8 @@ PINNED = ("dataset=builtin:text", "learning_rate=5e-5", "evaluate_before=false")
 out, name, steps, arm = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 recipe = arm.pop(0).split("=", 1)[1] if arm and arm[0].startswith("recipe=") else None
 shape = [] if recipe else ["per_device_train_batch_size=16", "max_length=64", *PINNED]
-cfg = load_config(recipe, [f"output_dir={out}/{name}", f"max_steps={steps}", "logging_steps=10", "eval_strategy=no",
+recipe, files = parse_args(["--config", recipe]) if recipe else (None, [])  # a shipped recipe's data files: absolute
+cfg = load_config(recipe, [*files, f"output_dir={out}/{name}", f"max_steps={steps}", "logging_steps=10", "eval_strategy=no",
                            "save_strategy=no", "telemetry=false", "resume=never", *shape, *arm])
 finetune(cfg)
 if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run summary

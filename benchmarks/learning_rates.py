@@ -9,7 +9,7 @@ macro F1 after training next to the untrained head's (``baseline_results.json``)
 
 - ``python-docs``: MiniLM-L6 (width 384) on the default run's real text (the default config: 3 epochs).
 - ``digits``: EfficientNet-Lite0 (ImageNet weights, BatchNorm) on scikit-learn's digits
-  (``recipes/efficientnet_lite0_digits.yaml`` with its learning rate removed).
+  (the shipped recipe ``efficientnet_lite0_digits`` with its learning rate removed).
 - ``shapes``: the same model on a second image set made here: 64x64 pictures of a circle, a square or a triangle of
   random size, position, rotation and colour on a noisy background of another colour (120 per class, seeded), written
   as an ``imagefolder:`` directory; 3 epochs at batch 32.

@@ -1,5 +1,5 @@
 """Memory levers (issue 19): peak memory and speed of each lever added in turn, torchtune-style, on the real
-SmolLM2-135M-Instruct (the recipe recipes/smollm2_lora_demo.yaml: its chat rows, packed into rows of max_length).
+SmolLM2-135M-Instruct (the shipped recipe smollm2_lora_demo: its chat rows, packed into rows of max_length).
 
 Levers, each added to the ones above (the order of hf_gpu_train/levers/table.py): the chunked LM head and loss
 (``chunked_lm_loss``), the optimizer step in the backward (``optimizer_in_backward``, full fine-tuning only), selective
@@ -103,12 +103,14 @@ def trl_at(tmp: Path, length: int, release: bool = False) -> dict:
 
     from hf_gpu_train.finetune.causal_lm import smollm2
     from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.run import parse_args
 
-    cfg = load_config("recipes/smollm2_lora_demo.yaml", [])
+    recipe, files = parse_args(["--config", "smollm2_lora_demo"])  # its data files: absolute paths
+    cfg = load_config(recipe, files)
     on_cuda = torch.cuda.is_available()
     options = {"packing": True, **({"activation_offloading": True} if on_cuda else {})}  # checkpointing: TRL's default
     spec = {"mode": "train", "arm": "trl", "out": str(tmp / f"trl-context-{length}"), "model_path": str(smollm2.ensure_converted()),
-            "train_file": str(cfg.train_file), "validation_file": str(cfg.validation_file), "recipe": "recipes/smollm2_lora_demo.yaml",
+            "train_file": str(cfg.train_file), "validation_file": str(cfg.validation_file), "recipe": recipe,
             "trl": dict(seed=cfg.seed, num_train_epochs=1, max_steps=1, learning_rate=cfg.learning_rate, lr_scheduler_type="linear",
                         warmup_ratio=0.0, weight_decay=cfg.weight_decay, max_length=length, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                         lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules, batch=1, options=options),

@@ -14,12 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
 from hf_gpu_train.finetune.config import load_config  # noqa: E402
-from hf_gpu_train.finetune.run import finetune  # noqa: E402
+from hf_gpu_train.finetune.run import finetune, parse_args  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 
 out, overrides = Path(sys.argv[1]), sys.argv[2:]
-cfg = load_config("recipes/smollm2_lora_demo.yaml", overrides)
+cfg = load_config(*parse_args(["--config", "smollm2_lora_demo", *overrides]))
 finetune(cfg)
 summary = json.loads((Path(cfg.output_dir) / "run_summary.json").read_text())
 import torch  # noqa: E402

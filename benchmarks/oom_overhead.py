@@ -37,7 +37,7 @@ def main() -> int:
     args = parser.parse_args()
     shape = []
     if args.model == "smollm2-full":
-        shape = [f"recipe={ROOT / 'recipes' / 'smollm2_lora_demo.yaml'}", "method=full", "learning_rate=1e-5",
+        shape = ["recipe=smollm2_lora_demo", "method=full", "learning_rate=1e-5",
                  f"max_length={args.max_length}", f"per_device_train_batch_size={args.batch}", "generation_samples=0",
                  "evaluate_before=false", "telemetry=true", "logging_steps=1"]  # telemetry (on as shipped) times each step
     results: dict[str, list[float]] = {"plain": [], "recovery": []}

@@ -1,10 +1,10 @@
 """Supervised fine-tuning, ours against TRL's ``SFTTrainer``: tokens/s, eval loss and peak memory, side by side.
 
 Same model (the converted SmolLM2-135M-Instruct directory of ``model=builtin:smollm2``), same rows (the demo's
-docstring chats, recipes/data/python_docs_chat), same LoRA (r, alpha, dropout, every linear layer but the head),
+docstring chats, hf_gpu_train/finetune/recipes/data/python_docs_chat), same LoRA (r, alpha, dropout, every linear layer but the head),
 max_length, epochs, learning rate, linear schedule with 10% warm-up, weight decay and optimizer (fused AdamW: ours
 sets it, transformers 5 defaults to it), same seed, same hardware, one process per arm. All from
-recipes/smollm2_lora_demo.yaml, which is what ours runs, every other default of ours on (packing, completion-only loss,
+the shipped recipe smollm2_lora_demo, which is what ours runs, every other default of ours on (packing, completion-only loss,
 telemetry, OOM recovery, evaluation and checkpoints on a timer, generation samples).
 
 Arms:
@@ -65,7 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RECIPE = "recipes/smollm2_lora_demo.yaml"
+RECIPE = "smollm2_lora_demo"  # a shipped recipe's name, or a file
 ARMS = ("ours", "trl", "trl-packing", "trl-packing-nockpt", "trl-lean", "ours-lean")
 NAMES = {
     "ours": "ours (scripts/finetune.py)",
@@ -94,7 +94,7 @@ def plan(args) -> dict:
     from hf_gpu_train.finetune.causal_lm.packing import best_fit_decreasing
     from hf_gpu_train.finetune.config import load_config_and_keys
 
-    cfg, _ = load_config_and_keys(args.recipe, shape_overrides(args) + ours_micro_batch(args))
+    cfg, _ = load_config_and_keys(args.recipe, args.recipe_files + shape_overrides(args) + ours_micro_batch(args))
     model_path = str(smollm2.ensure_converted(say)) if cfg.model == smollm2.BUILTIN_NAME else cfg.model
     rows = [json.loads(line) for line in Path(cfg.train_file).read_text().splitlines() if line.strip()]
     rows = rows[:args.rows] if args.rows else rows
@@ -156,7 +156,7 @@ def run_spec(spec: dict, work: Path, name: str) -> dict:
 
 def ours_job(args, train_file: Path) -> list[str]:
     """ours' key=value for the recipe: what the job is (the same for ours, ours-lean and tune), without output_dir."""
-    overrides = [f"train_file={train_file}", "generation_samples=0", *shape_overrides(args)]  # generation: outside train()
+    overrides = [*args.recipe_files, f"train_file={train_file}", "generation_samples=0", *shape_overrides(args)]  # generation: outside train()
     return overrides + ([f"max_steps={args.steps}"] if args.steps else [])
 
 
@@ -304,6 +304,9 @@ def main() -> int:
     parser.add_argument("--json", help="write every measure here")
     parser.add_argument("--keep", help="keep the runs (adapters, logs) in this directory instead of a temporary one")
     args = parser.parse_args()
+    from hf_gpu_train.finetune.run import parse_args as finetune_args
+
+    args.recipe, args.recipe_files = finetune_args(["--config", args.recipe])  # a name: the shipped file, its data files absolute
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

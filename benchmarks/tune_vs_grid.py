@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from hf_gpu_train.tune.candidates import Candidate  # noqa: E402
 from hf_gpu_train.tune.results import TrialResult, choose  # noqa: E402
-from hf_gpu_train.tune.test_hooks import OOM_ENV  # noqa: E402
+from tests.tune.hooks import environment as test_hooks  # noqa: E402
 
 
 def cli(*args: str, env: dict) -> tuple[subprocess.CompletedProcess, float]:
@@ -59,7 +59,7 @@ def tiny_model(folder: Path) -> str:
 
 
 def recipe_args(opts, folder: Path) -> list[str]:
-    args = ["--config", str(ROOT / "recipes/minilm_text_demo.yaml"), f"global_batch_size={opts.global_batch}",
+    args = ["--config", "minilm_text_demo", f"global_batch_size={opts.global_batch}",
             f"max_train_samples={opts.max_train_samples}", f"output_dir={folder / 'out'}",
             "dataset=builtin:text", "max_length=64", "learning_rate=5e-5"]  # the recipe as it was measured (docs/tune.md)
     if opts.tiny:
@@ -143,7 +143,7 @@ def main() -> int:
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tune_vs_grid_") as tmp:
         folder = Path(tmp)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), OOM_ENV: str(opts.oom_above)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **test_hooks(oom_above=opts.oom_above)}
         cli("config", "--machine", "cpu-only", "--num-processes", "1", "--output", str(folder / "cpu"), env=env)
         config = folder / "cpu.yaml"
         args = recipe_args(opts, folder)

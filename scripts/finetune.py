@@ -1,10 +1,11 @@
 """Fine-tune a classifier with the Hugging Face Trainer: timm or transformers, one CPU to many GPUs.
 
     python scripts/finetune.py                                   # MiniLM on the built-in text set
-    accelerate launch scripts/finetune.py --config recipes/minilm_text_demo.yaml learning_rate=3e-5
-    hf-gpu-train launch --config-file launch_configs/box.yaml scripts/finetune.py --config recipes/R.yaml
+    accelerate launch scripts/finetune.py --config minilm_text_demo learning_rate=3e-5
+    hf-gpu-train launch --config-file launch_configs/box.yaml scripts/finetune.py --config my_recipe.yaml
 
-The logic lives in hf_gpu_train.finetune; this file stays thin.
+--config: a shipped recipe's name (hf_gpu_train/finetune/recipes/) or a YAML file. The logic lives in
+hf_gpu_train.finetune; this file stays thin. From a pip install: `hf-gpu-train finetune` or `python -m hf_gpu_train.finetune`.
 """
 
 import sys

@@ -81,7 +81,7 @@ def check_finetune_per_gpu(steps: int = 100) -> bool:
         precision = "bf16" if gpu.bf16_supported else "fp16"
         with tempfile.TemporaryDirectory() as out:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu.uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-            cmd = [sys.executable, str(root / "scripts/finetune.py"), "--config", str(root / "recipes/minilm_text_demo.yaml"),
+            cmd = [sys.executable, str(root / "scripts/finetune.py"), "--config", "minilm_text_demo",
                    f"max_steps={steps}", f"precision={precision}", f"output_dir={out}", "eval_strategy=no", "save_strategy=no",
                    "per_device_train_batch_size=64"]
             start = time.perf_counter()
@@ -239,13 +239,13 @@ def check_fsdp() -> bool:
             return False
         print(made.stdout.splitlines()[0])
         config = f"{tmp}/fsdp.yaml"
-        text = _launch_finetune(config, Path(tmp) / "text", "--config", "recipes/minilm_text_demo.yaml", "max_steps=40",
+        text = _launch_finetune(config, Path(tmp) / "text", "--config", "minilm_text_demo", "max_steps=40",
                                 "save_strategy=steps", "save_steps=20", "eval_strategy=no")
         shards = sorted(p.name for p in (Path(tmp) / "text" / "checkpoint-20").rglob("*.distcp")) if text else []
         if text:
             print(f"text recipe: {text['global_step']} steps, {text['train_samples_per_second']:.1f} samples/s, "
                   f"accuracy {text.get('eval_accuracy', float('nan')):.4f}; checkpoint-20 shards: {shards}")
-        lm = _launch_finetune(config, Path(tmp) / "lm", "--config", "recipes/smollm2_lora_demo.yaml", "method=full",
+        lm = _launch_finetune(config, Path(tmp) / "lm", "--config", "smollm2_lora_demo", "method=full",
                               "max_steps=10", "save_strategy=no", "generation_samples=0")
         if lm:
             print(f"SmolLM2 full fine-tuning: {lm['global_step']} steps, eval loss {lm.get('eval_loss', float('nan')):.3f}")
@@ -273,7 +273,7 @@ def check_peft_memory() -> bool:
     for method in ("lora", "qlora"):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / method
-            run = subprocess.run([sys.executable, "scripts/finetune.py", "--config", "recipes/smollm2_lora_demo.yaml",
+            run = subprocess.run([sys.executable, "scripts/finetune.py", "--config", "smollm2_lora_demo",
                                   f"method={method}", "max_steps=6", "save_strategy=no", "eval_strategy=no", "generation_samples=0",
                                   "packing=false", "per_device_train_batch_size=4", f"output_dir={out}"],
                                  capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -328,7 +328,7 @@ def check_memory_levers(length: int = 2048, steps: int = 8) -> bool:
     for name, values in arms.items():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "arm"
-            run = subprocess.run([sys.executable, "scripts/finetune.py", "--config", "recipes/smollm2_lora_demo.yaml", "method=full",
+            run = subprocess.run([sys.executable, "scripts/finetune.py", "--config", "smollm2_lora_demo", "method=full",
                                   f"max_length={length}", f"max_steps={steps}", "save_strategy=no", "eval_strategy=no",
                                   "generation_samples=0", "per_device_train_batch_size=1", "logging_steps=1",
                                   "extra={max_grad_norm: 0}", *values, f"output_dir={out}"],
@@ -399,7 +399,7 @@ def check_deepspeed(steps: int = 8) -> bool:
     if not torch.cuda.is_available():
         print("no CUDA device: skipped")
         return True
-    run_args = ["--config", "recipes/smollm2_lora_demo.yaml", "method=full", f"max_steps={steps}", "logging_steps=1",
+    run_args = ["--config", "smollm2_lora_demo", "method=full", f"max_steps={steps}", "logging_steps=1",
                 "save_strategy=no", "eval_strategy=no", "generation_samples=0", "per_device_train_batch_size=2",
                 "global_batch_size=2", "dataloader_num_workers=0"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -335,21 +335,30 @@ def file_problems(option: str, value: str | None) -> list[str]:
 
         ok = value in reference_machine_names() or (ROOT / value).is_file()
         return [] if ok else [f"--machine {value}: neither a reference machine nor a file"]
+    if option == "--config" and "/" not in value and not value.endswith((".json", ".yml")):
+        from hf_gpu_train.finetune.recipe_names import shipped_names
+
+        ok = value.removesuffix(".yaml") in shipped_names() or (ROOT / value).is_file()
+        return [] if ok else [f"--config {value}: neither a shipped recipe nor a file"]
     return [] if (ROOT / value).is_file() else [f"{option} {value}: no such file"]
 
 
+# The fine-tuning entry points: the script of a clone, the module (python -m / accelerate launch -m) of an install.
+FINETUNE = ("scripts/finetune.py", "hf_gpu_train.finetune")
+
+
 def script_problems(words: tuple[str, ...]) -> list[str]:
-    """The script exists; for scripts/finetune.py, its --config recipe exists and every key=value is a config key."""
+    """The script exists; for the fine-tuning entry, its --config recipe exists and every key=value is a config key."""
     if not words or placeholder(words[0]):
         return []
     script, args = words[0], words[1:]
-    if not (ROOT / script).is_file():
+    if script not in FINETUNE and not (ROOT / script).is_file():
         return [f"{script}: no such script"]
     problems = []
     for i, arg in enumerate(args):
         if arg == "--config" and i + 1 < len(args):
             problems += file_problems("--config", args[i + 1])
-    if script == "scripts/finetune.py":
+    if script in FINETUNE:
         from hf_gpu_train.finetune.config import FinetuneConfig
 
         keys = {f.name for f in dataclasses.fields(FinetuneConfig)}
@@ -409,6 +418,8 @@ def command_problems(command: Command) -> list[str]:
         problems.append(said)
     if sub in ("launch", "tune"):
         problems += launch_problems(sub, list(words[2:]))
+    elif sub == "finetune":
+        problems += script_problems(("hf_gpu_train.finetune", *words[2:]))
     else:
         args = list(words[2:])
         for i, arg in enumerate(args[:-1]):
@@ -434,6 +445,8 @@ def other_command_problems(command: Command) -> list[str]:
         return [words[0]]
     tool = words[0].rsplit("/", 1)[-1]
     if re.fullmatch(r"python(3(\.\d+)?)?", tool):
+        if words[1:3] == ["-m", "hf_gpu_train.finetune"]:
+            return script_problems(tuple(words[2:]))
         return [] if len(words) < 2 or words[1].startswith("-") else script_problems(tuple(words[1:]))
     if tool == "pytest":
         return [f"{w}: no such test path" for w in words[1:] if w.startswith("tests/") and not (ROOT / w.split("::")[0]).exists()]

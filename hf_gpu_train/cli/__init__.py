@@ -12,18 +12,19 @@ import sys
 from ..closed_pipe import EXIT_CLOSED_PIPE, until_the_pipe_closes  # noqa: F401 (EXIT_CLOSED_PIPE: the status, see closed_pipe)
 from ..errors import UsageError
 
-SUBCOMMANDS = ("detect", "doctor", "machines", "config", "launch", "check-config", "plan-memory", "report", "tune")
+SUBCOMMANDS = ("detect", "doctor", "machines", "config", "finetune", "launch", "check-config", "plan-memory", "report", "tune")
 # One runnable example per subcommand, printed at the end of its --help (tests/cli/test_help.py parses each).
 EXAMPLES = {
     "detect": "hf-gpu-train detect --save box.json",
     "doctor": "hf-gpu-train doctor",
     "machines": "hf-gpu-train machines",
     "config": "hf-gpu-train config --machine 1x-h200 --model builtin:minilm --output launch_configs/h200",
-    "launch": "hf-gpu-train launch --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config recipes/minilm_text_demo.yaml",
+    "finetune": "hf-gpu-train finetune --config minilm_text_demo max_steps=20",
+    "launch": "hf-gpu-train launch --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config minilm_text_demo",
     "check-config": "hf-gpu-train check-config launch_configs/2x-rtx4090.yaml --machine 2x-rtx4090",
     "plan-memory": "hf-gpu-train plan-memory --machine 1x-h200 --params 8e9 --seq-len 4096",
     "report": "hf-gpu-train report outputs/minilm_text_demo",
-    "tune": "hf-gpu-train tune --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config recipes/minilm_text_demo.yaml",
+    "tune": "hf-gpu-train tune --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config minilm_text_demo",
 }
 
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hf-gpu-train",
-        description="Detect GPUs, check the stack, and plan fine-tuning runs for Hugging Face Trainer/Accelerate.",
+        description="Detect GPUs, check the stack, plan and run fine-tuning for Hugging Face Trainer/Accelerate.",
         formatter_class=_OneLineCommands,
         epilog="Each command's --help ends with an example; the documentation: docs/README.md of the source repository",
     )

@@ -81,6 +81,21 @@ def recipe_in(script_args: list[str]) -> str | None:
     return None
 
 
+def _as_the_run_reads(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """The recipe file and overrides the run will read (``finetune.run.parse_args``): a shipped recipe's name is its
+    file, its data files absolute paths; a recipe that cannot be found is left for the run to report."""
+    from ..errors import UsageError
+    from ..finetune.recipe_names import file_overrides, resolve_recipe
+
+    if recipe is None:
+        return None, overrides
+    try:
+        recipe = resolve_recipe(recipe)
+    except UsageError:
+        return recipe, overrides
+    return recipe, file_overrides(recipe, overrides) + overrides
+
+
 def _data(recipe: str | None, overrides: list[str]) -> dict | None:
     """The run's model and data files as the run will stamp them (None: its config cannot be read; the run says why)."""
     import dataclasses
@@ -101,8 +116,7 @@ def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict)
     launcher passes it to this run only (NAME.yaml's mixed_precision reaches every recipe)."""
     from ..plan.run_plan_file import accelerate_precision, tuned_keys_for
 
-    recipe = recipe_in(script_args)
-    overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
+    recipe, overrides = _as_the_run_reads(recipe_in(script_args), [a for a in script_args if "=" in a and not a.startswith("-")])
     # plan.value None: a plan made for another machine, no tuned precision here
     if plan is None or "mixed_precision" in settings or plan.value("precision") is None \
             or "precision" not in tuned_keys_for(plan, recipe, overrides):

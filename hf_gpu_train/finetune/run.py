@@ -25,16 +25,22 @@ from .tasks import Prepared, task_for
 log = logging.getLogger("hf_gpu_train.finetune")
 
 
-def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
+def parse_args(argv: list[str] | None, prog: str = "finetune.py") -> tuple[str | None, list[str]]:
+    """(recipe file, key=value overrides). ``--config`` takes a file or a shipped recipe's name (``recipe_names``); a
+    shipped recipe's data files, written relative to it, come first among the overrides as absolute paths."""
+    from .recipe_names import file_overrides, resolve_recipe, shipped_names
+
     parser = argparse.ArgumentParser(
-        prog="finetune.py",
+        prog=prog,
         description="Fine-tune a transformers or timm classifier. key=value overrides follow the YAML config.",
-        epilog="example: accelerate launch scripts/finetune.py --config recipes/minilm_text_demo.yaml learning_rate=3e-5",
+        epilog="example: accelerate launch -m hf_gpu_train.finetune --config minilm_text_demo learning_rate=3e-5",
     )
-    parser.add_argument("--config", help="YAML recipe (see recipes/)")
+    parser.add_argument("--config", metavar="NAME_OR_PATH",
+                        help=f"a YAML recipe file, or a shipped recipe's name: {', '.join(shipped_names())}")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. num_train_epochs=1")
     args = parser.parse_args(argv)
-    return args.config, args.overrides
+    recipe = resolve_recipe(args.config) if args.config is not None else None
+    return recipe, file_overrides(recipe, args.overrides) + list(args.overrides)
 
 
 def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
@@ -385,21 +391,23 @@ def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
     return peak, "rank 0: torch's peak reserved + what torch does not hold (CUDA context)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "finetune.py") -> int:
+    """The fine-tuning entry point: ``scripts/finetune.py``, ``python -m hf_gpu_train.finetune`` (``accelerate launch -m
+    hf_gpu_train.finetune``) and ``hf-gpu-train finetune``; ``prog`` names it in its usage line."""
     from ..closed_pipe import until_the_pipe_closes
     from ..fast_exit import end_quickly
 
     end_quickly()  # the interpreter's final collections after torch and transformers: seconds per rank (fast_exit.py)
-    return until_the_pipe_closes(lambda: _main(argv))
+    return until_the_pipe_closes(lambda: _main(argv, prog))
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, prog: str = "finetune.py") -> int:
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         from .launch_plan import apply_launch_plan
 
-        config_path, overrides = parse_args(argv)
+        config_path, overrides = parse_args(argv, prog)
         cfg, explicit = load_config_and_keys(config_path, overrides)
         # before torch: NCCL and CUDA read their variables once
         cfg, plan = apply_launch_plan(cfg, explicit, recipe=config_path, overrides=tuple(overrides),

@@ -2,6 +2,7 @@ import pytest
 import yaml
 
 from hf_gpu_train.finetune.config import ConfigError, FinetuneConfig, load_config, save_resolved
+from hf_gpu_train.finetune.recipe_names import RECIPES_DIR
 
 
 def test_defaults_live_in_one_place_and_validate():
@@ -54,7 +55,7 @@ def test_resolved_config_is_saved(tmp_path):
     assert yaml.safe_load(path.read_text())["learning_rate"] == 1e-4
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_recipe_loads_and_names_its_command(path):
     assert path.read_text().startswith("# ") and "finetune.py" in path.read_text().splitlines()[0]

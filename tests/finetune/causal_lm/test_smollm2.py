@@ -12,6 +12,7 @@ import pytest
 
 from hf_gpu_train.finetune.causal_lm import smollm2
 from hf_gpu_train.finetune.config import ConfigError
+from hf_gpu_train.finetune.recipe_names import RECIPES_DIR
 from hf_gpu_train.finetune.run import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -119,10 +120,10 @@ def test_the_demo_recipe_trains_smollm2_with_lora(converted, tmp_path, monkeypat
     monkeypatch.setenv("HF_GPU_TRAIN_CACHE", str(converted.parent))
     monkeypatch.chdir(ROOT)
     out = tmp_path / "demo"
-    assert main(["--config", "recipes/smollm2_lora_demo.yaml", "max_steps=1", "per_device_train_batch_size=1", "max_eval_samples=4",
+    assert main(["--config", "smollm2_lora_demo", "max_steps=1", "per_device_train_batch_size=1", "max_eval_samples=4",
                  "generation_samples=1", "generation_max_new_tokens=4", "telemetry=false", f"output_dir={out}"]) == 0
     said = capsys.readouterr().out
-    assert "messages data (messages) from recipes/data/python_docs_chat/train.jsonl" in said
+    assert f"messages data (messages) from {RECIPES_DIR / 'data/python_docs_chat/train.jsonl'}" in said
     assert "packing on: sdpa attention keeps packed examples apart (checked on this model)" in said
     assert (out / "adapter_model.safetensors").is_file()
     results = json.loads((out / "eval_results.json").read_text())

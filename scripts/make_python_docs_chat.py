@@ -1,11 +1,12 @@
-"""Build recipes/data/python_docs_chat/{train,validation}.jsonl: chat examples whose answers are real text.
+"""Build hf_gpu_train/finetune/recipes/data/python_docs_chat/{train,validation}.jsonl: chat examples whose answers
+are real text (the data of the shipped recipe smollm2_lora_demo).
 
 Each example asks what a function of Python's standard library does; the answer is the first paragraph of that
 function's own docstring (CPython, PSF license), so the assistant's words are real documentation written by people,
 not generated. The question wording rotates through a few phrasings. The files are committed: docstrings change
 between Python versions, and the demo must train on the same rows everywhere. Regenerate (and commit) with:
 
-    python recipes/data/make_python_docs_chat.py
+    python scripts/make_python_docs_chat.py
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def examples() -> list[dict]:
 def main() -> None:
     rows = examples()
     cut = round(len(rows) * (1 - VALIDATION_SHARE))
-    out = Path(__file__).parent / "python_docs_chat"
+    out = Path(__file__).resolve().parents[1] / "hf_gpu_train/finetune/recipes/data/python_docs_chat"
     out.mkdir(exist_ok=True)
     for split, part in (("train", rows[:cut]), ("validation", rows[cut:])):
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part))

@@ -1,0 +1,92 @@
+"""A pip-installed package fine-tunes: the wheel holds the shipped recipes and their data, and from a working directory
+outside the repository `hf-gpu-train finetune --config NAME` and `python -m hf_gpu_train.finetune --config NAME` train.
+
+The wheel is built from a copy of the package (the repository gets no build/), installed without dependencies into a
+fresh venv that sees the dev venv's third-party packages through a plain path line in a .pth file (a directory added
+that way has its own .pth files left unread: the editable install's finder stays out, so `hf_gpu_train` is the wheel's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hf_gpu_train.finetune.recipe_names import shipped_names
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+TINY = ["max_steps=2", "max_train_samples=16", "max_eval_samples=8", "per_device_train_batch_size=4",
+        "per_device_eval_batch_size=8", "max_length=32", "evaluate_before=false", "save_strategy=no"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, Path]:
+    """(the wheel, the fresh venv's bin directory)."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "hf_gpu_train", src / "hf_gpu_train", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "dist"),
+                    str(src)], check=True, cwd=root)
+    wheel = next((root / "dist").glob("hf_gpu_train-*.whl"))
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+                   check=True, cwd=root)
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                               capture_output=True, text=True).stdout.strip())
+    (site / "dev_venv_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return wheel, venv / "bin"
+
+
+def run_in(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_wheel_holds_every_shipped_recipe_and_its_data(installed):
+    wheel, _ = installed
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert shipped_names() and all(f"hf_gpu_train/finetune/recipes/{n}.yaml" in names for n in shipped_names())
+    assert {"hf_gpu_train/finetune/__main__.py", "hf_gpu_train/cli/finetune.py",
+            "hf_gpu_train/finetune/recipes/data/python_docs_chat/train.jsonl",
+            "hf_gpu_train/finetune/recipes/data/python_docs_chat/validation.jsonl"} <= names
+
+
+def test_the_installed_package_is_the_wheels_and_its_recipes_find_their_data(installed, tmp_path):
+    _, bin_dir = installed
+    found = run_in(tmp_path, [str(bin_dir / "python"), "-c", "import hf_gpu_train, sys; from hf_gpu_train.finetune.run import parse_args; "
+                              "from hf_gpu_train.finetune.config import load_config; recipe, overrides = parse_args(['--config', "
+                              "'smollm2_lora_demo']); cfg = load_config(recipe, overrides); print(hf_gpu_train.__file__); "
+                              "print(cfg.train_file); print(cfg.validation_file)"])
+    assert found.returncode == 0, found.stderr
+    package, *data = (Path(line) for line in found.stdout.split())
+    assert package.is_relative_to(bin_dir.parent) and not package.is_relative_to(ROOT)
+    assert data and all(f.is_file() and f.is_relative_to(package.parent / "finetune" / "recipes" / "data") for f in data)
+
+
+@pytest.mark.parametrize("how", ["hf-gpu-train finetune", "python -m hf_gpu_train.finetune"])
+def test_a_shipped_recipe_trains_from_any_directory(installed, tmp_path, how):
+    _, bin_dir = installed
+    command = [str(bin_dir / "hf-gpu-train"), "finetune"] if how.startswith("hf-gpu-train") else \
+        [str(bin_dir / "python"), "-m", "hf_gpu_train.finetune"]
+    done = run_in(tmp_path, [*command, "--config", "minilm_text_demo", *TINY, "output_dir=out"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["global_step"] == 2
+    assert "eval_accuracy" in json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    wrong = run_in(tmp_path, [*command, "--config", "minilm_txt_demo"])
+    assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0
+    assert "'minilm_txt_demo'" in wrong.stderr and "smollm2_lora_demo" in wrong.stderr and "nearest: minilm_text_demo" in wrong.stderr

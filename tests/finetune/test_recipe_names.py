@@ -1,0 +1,63 @@
+"""``--config NAME_OR_PATH``: a shipped recipe by its name, a file by its path, anything else one usage line that lists
+the shipped names; a shipped recipe's data files are found wherever the package is (finetune/recipe_names.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_gpu_train.errors import UsageError
+from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.recipe_names import RECIPES_DIR, shipped_names
+from hf_gpu_train.finetune.run import main, parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_names_are_the_recipes_in_the_package():
+    assert "minilm_text_demo" in shipped_names() and "smollm2_lora_demo" in shipped_names()
+    assert RECIPES_DIR == ROOT / "hf_gpu_train" / "finetune" / "recipes"
+
+
+@pytest.mark.parametrize("value", ["minilm_text_demo", "minilm_text_demo.yaml"])
+def test_a_name_is_the_shipped_recipe_from_any_directory(monkeypatch, tmp_path, value):
+    monkeypatch.chdir(tmp_path)
+    assert parse_args(["--config", value, "max_steps=2"]) == (str(RECIPES_DIR / "minilm_text_demo.yaml"), ["max_steps=2"])
+
+
+def test_a_file_that_exists_is_used_as_a_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "minilm_text_demo.yaml").write_text("task: text-classification\n")
+    assert parse_args(["--config", "minilm_text_demo.yaml"]) == ("minilm_text_demo.yaml", [])
+    assert parse_args([]) == (None, [])
+
+
+@pytest.mark.parametrize("value", ["minilm_txt_demo", "minilm_txt_demo.yaml", "somewhere/minilm_txt_demo.yaml"])
+def test_neither_a_file_nor_a_name_is_one_usage_line_with_the_names(monkeypatch, tmp_path, capsys, value):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as raised:
+        parse_args(["--config", value])
+    message = str(raised.value)
+    assert repr(value) in message and all(name in message for name in shipped_names())
+    assert message.endswith("nearest: minilm_text_demo") and "\n" not in message
+    assert main(["--config", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("finetune: error: --config") and "nearest: minilm_text_demo" in err
+
+
+def test_a_shipped_recipes_data_files_are_found_from_any_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    recipe, overrides = parse_args(["--config", "smollm2_lora_demo", "max_steps=1"])
+    cfg = load_config(recipe, overrides)
+    assert Path(cfg.train_file) == RECIPES_DIR / "data" / "python_docs_chat" / "train.jsonl" and Path(cfg.train_file).is_file()
+    assert Path(cfg.validation_file).is_file() and overrides[-1] == "max_steps=1" and cfg.max_steps == 1
+    recipe, overrides = parse_args(["--config", "smollm2_lora_demo", "train_file=mine.jsonl"])
+    assert load_config(recipe, overrides).train_file == "mine.jsonl"  # the command line's own file wins
+
+
+def test_the_old_recipes_path_of_a_clone_still_reads_the_shipped_recipe(monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipes/ at the repository root: a link to the package's folder
+    recipe, overrides = parse_args(["--config", "recipes/smollm2_lora_demo.yaml"])
+    assert recipe == "recipes/smollm2_lora_demo.yaml"
+    assert Path(load_config(recipe, overrides).train_file) == RECIPES_DIR / "data" / "python_docs_chat" / "train.jsonl"
