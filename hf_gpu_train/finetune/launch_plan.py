@@ -39,49 +39,45 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values.
     ``overrides``: the command line's key=value (with ``recipe``, the job tuned values are scoped to)."""
     from ..launch.launched_strategy import launched_strategy
-    from ..levers.from_config import planned_levers_that_hold, shape_levers
-    from ..plan.machine_match import detect_this_machine, scope_to_this_machine, unset_planned_variables
-    from ..plan.run_plan import (
-        APPLIED_KEYS,
-        apply_run_environment,
-        check_memory,
-        load_run_plan,
-        override_lines,
-        resolve_with_plan,
-    )
-    from ..plan.run_plan_file import data_stamps, tuned_keys_for
-    from .plan_scope import scope_to_this_run, strategy_difference
+    from ..levers.from_config import shape_levers
+    from ..plan.machine_match import detect_this_machine, unset_planned_variables
+    from ..plan.run_plan import apply_run_environment, check_memory, load_run_plan
+    from ..plan.scope import plan_fingerprint, scope
+    from .plan_scope import run_fingerprint
 
     environ = os.environ if environ is None else environ
-    plan = load_run_plan(environ)
-    if plan is None:
+    loaded = load_run_plan(environ)
+    if loaded is None:
         return cfg, None
-    not_applied: dict[str, tuple[object, str]] = {}  # key -> (the plan's value, why the run does not use it)
-    data = data_stamps(dataclasses.asdict(cfg))
-    planned, other_recipe = _noting(not_applied, plan, *tuned_for_this_recipe(plan, recipe, overrides, data),
-                                    "tuned for another recipe")
     here = detect_this_machine() if here is None else here
-    # before its variables reach this process
-    plan, other_machine = _noting(not_applied, planned, *scope_to_this_machine(planned, here), "made for another machine")
-    if plan is not planned:
-        other_machine += unset_planned_variables(planned, plan, environ)
-    lines = [f"launch plan {plan.path} ({plan.source})", *other_machine, *apply_run_environment(plan, environ).lines(),
-             *other_recipe]
-    # what tune measured for this job and the plan still holds (a plan made for another machine holds none of it)
-    tuned_here = frozenset(k for k in tuned_keys_for(plan, recipe, overrides, data) if plan.value(k) is not None)
-    # memory values made for another model, a longer sequence, or another strategy than this launch runs: not applied
-    # (values tuned for this recipe stay, unless the strategy differs)
-    launched = launched_strategy(environ, on_cpu=not here.gpus)
-    why = "made for another strategy" if strategy_difference(plan, launched) else "made for another model or shape"
-    plan, scoped = _noting(not_applied, plan, *scope_to_this_run(plan, cfg, tuned_here, launched), why)
-    tuned_here = frozenset(k for k in tuned_here if plan.value(k) is not None)  # measured under another strategy: gone
-    lines += scoped
-    if "precision" in tuned_here:
-        plan, scoped = _tuned_precision_over_the_yamls(plan)
-        lines += scoped
-    tuned = (tuned_here - command_line_keys) & explicit_keys
-    lines += [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
-              for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
+    # what this run is, compared once with what the plan was made for: the plan as this run may apply it
+    launched = launched_strategy(_with_the_plans_environment(loaded, environ), on_cpu=not here.gpus)
+    scoped = scope(loaded, run_fingerprint(cfg, plan_fingerprint(loaded), here, launched, recipe, overrides), here)
+    plan = scoped.plan
+    lines = [f"launch plan {plan.path} ({plan.source})", *scoped.lines["machine"]]
+    if scoped.differs("machine"):  # before its variables reach this process
+        lines += unset_planned_variables(loaded, plan, environ)
+    lines += [*apply_run_environment(plan, environ).lines(), *scoped.lines["recipe"], *scoped.lines["run"], *scoped.lines["tuned"]]
+    cfg, resolution, values, said = _resolved(cfg, plan, explicit_keys, (scoped.tuned - command_line_keys) & explicit_keys,
+                                              dict(scoped.not_applied))
+    lines += said
+    vision = task_for(cfg.task).images
+    memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
+                          method=cfg.method, lora_rank=cfg.lora_r, levers=shape_levers(cfg))
+    if memory is not None and memory.warning:
+        log.warning("hf_gpu_train: %s", memory.warning)
+    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here, launched)
+
+
+def _resolved(cfg: FinetuneConfig, plan, explicit_keys: frozenset, tuned: frozenset, not_applied: dict):
+    """(cfg, resolution, values, lines): the scoped plan's values resolved against the run's own (``explicit_keys`` win,
+    but not over ``tuned``: measured by tune for this recipe), the levers this run rules out dropped, and the two lines
+    "plan values applied" and "plan values not applied" (``not_applied``: key -> (the plan's value, why), so far)."""
+    from ..levers.from_config import planned_levers_that_hold
+    from ..plan.run_plan import APPLIED_KEYS, override_lines, resolve_with_plan
+
+    lines = [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
+             for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
     resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit_keys - tuned)
     values = dict(resolution.values)
     if values.get("precision") == "fp8":  # the plan allows it; this entry point trains in bf16 at most
@@ -102,56 +98,17 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
             not_applied.setdefault(o.key, (o.plan_value, {"config": "your config", "launch": "the launch command"}.get(
                 o.source, f"your {o.source}")))
     lines.append("plan values not applied: " + (", ".join(f"{k}={v} ({why})" for k, (v, why) in not_applied.items()) or "none"))
-    vision = task_for(cfg.task).images
-    memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
-                          method=cfg.method, lora_rank=cfg.lora_r, levers=shape_levers(cfg))
-    if memory is not None and memory.warning:
-        log.warning("hf_gpu_train: %s", memory.warning)
-    return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here, launched)
+    return cfg, resolution, values, lines
 
 
-def _noting(not_applied: dict, before, after, lines: list, why: str) -> tuple[object, list]:
-    """(after, lines): ``before`` scoped by one rule, each value the rule took away or replaced noted with ``why``."""
-    from ..plan.run_plan import APPLIED_KEYS
+def _with_the_plans_environment(plan, environ) -> dict:
+    """A copy of ``environ`` as the plan's environment will leave it: the launched strategy is read from it
+    (ACCELERATE_USE_CPU may come from NAME.env) before the plan, scoped, reaches this process."""
+    from ..plan.run_plan import apply_run_environment
 
-    for key in APPLIED_KEYS:
-        if before.value(key) is not None and before.value(key) != after.value(key):
-            not_applied.setdefault(key, (before.value(key), why))
-    return after, lines
-
-
-def tuned_for_this_recipe(plan, recipe, overrides=(), data=None) -> tuple[object, list[str]]:
-    """Values `hf-gpu-train tune` measured are scoped to the job (recipe text and command line) they were measured for:
-    any other job gets the plan as `hf-gpu-train config` wrote it, and one line says which values were left out and why."""
-    from ..plan.run_plan_file import TUNED, job_overrides, plan_before_tune, tuned_keys_for
-
-    measured = (plan.document or {}).get(TUNED)
-    if not isinstance(measured, dict) or not measured.get("keys") or tuned_keys_for(plan, recipe, overrides, data):
-        return plan, []
-    measured_for = (measured.get("recipe") or {}).get("path") or "a run without a recipe file"
-    keys = ", ".join(f"{k}={plan.value(k)}" for k in measured["keys"])
-
-    def job(recipe_name, keyed) -> str:
-        return f"{recipe_name}{''.join(f' {k}={v}' for k, v in keyed.items())}"
-
-    before = plan_before_tune(plan)
-    return before, [f"plan values hf-gpu-train tune measured for {job(measured_for, job_overrides(measured.get('overrides')))} "
-                    f"not applied ({keys}): this run trains {job(recipe or 'no recipe file', job_overrides(overrides))}, so "
-                    "the plan's values from before tune apply"]
-
-
-def _tuned_precision_over_the_yamls(plan) -> tuple[object, list[str]]:
-    """A precision tune measured for this recipe wins over NAME.yaml's own mixed_precision (which `accelerate launch`
-    exports to every run, and which tune no longer rewrites): only a --mixed_precision other than the YAML's is the
-    user's choice."""
-    from ..plan.run_plan_file import LaunchedAs, plan_before_tune
-
-    launched, yamls = plan.launched.mixed_precision, plan_before_tune(plan).value("precision")
-    if launched is None or launched != yamls or launched == plan.value("precision"):
-        return plan, []
-    return dataclasses.replace(plan, launched=LaunchedAs(plan.launched.num_processes, None, plan.launched.gpu_ids)), [
-        f"precision={plan.value('precision')} measured by hf-gpu-train tune for this recipe, over "
-        f"{plan.config_file.name if plan.config_file else 'the YAML'}'s mixed_precision ({launched})"]
+    trial = dict(environ)
+    apply_run_environment(plan, trial)
+    return trial
 
 
 def strategy_of_state(state) -> str | None:

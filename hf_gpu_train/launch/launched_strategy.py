@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-REPLICATED = ("single", "ddp")  # the whole model on every process: one process of a DDP plan is not another strategy
+# how a plan's strategy compares with a launched one belongs to the plan's fingerprint (plan/scope.py)
+from ..plan.scope import REPLICATED, planned_strategy, same_strategy, why_launched  # noqa: F401
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
@@ -67,27 +68,3 @@ def launched_strategy(environ: Mapping[str, str], on_cpu: bool = False) -> str:
         base = "fsdp-shard-grad-op" if reshard in ("false", "shard_grad_op", "2", "hybrid_shard_zero2", "5") else "fsdp"
         return base + ("-offload" if _flag(environ, "FSDP_OFFLOAD_PARAMS") else "")
     return "ddp" if several else "single"
-
-
-def planned_strategy(strategy: str | None) -> str | None:
-    """A plan's strategy in the words of ``launched_strategy`` (the CPU plans' cpu, cpu-ddp, cpu-fsdp)."""
-    return {"cpu": "single", "cpu-ddp": "ddp", "cpu-fsdp": "fsdp"}.get(strategy or "", strategy)
-
-
-def same_strategy(planned: str | None, launched: str | None) -> bool:
-    """Whether values sized for ``planned`` hold for ``launched`` (unknown: they do; single and ddp alike)."""
-    planned = planned_strategy(planned)
-    if planned is None or launched is None:
-        return True
-    return planned == launched or (planned in REPLICATED and launched in REPLICATED)
-
-
-def why_launched(launched: str, planned: str) -> str:
-    """What in the launch made it ``launched`` instead of ``planned``, for the run's one line."""
-    planned = planned_strategy(planned) or "?"
-    if planned.startswith("fsdp") and not launched.startswith("fsdp"):
-        return "accelerate was launched without ACCELERATE_USE_FSDP"
-    if planned.startswith("deepspeed") and not launched.startswith("deepspeed"):
-        return ("accelerate was launched without ACCELERATE_USE_DEEPSPEED" if launched in REPLICATED
-                else "accelerate was launched for FSDP")
-    return "the launch's FSDP or DeepSpeed settings are not the plan's"

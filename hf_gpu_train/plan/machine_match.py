@@ -16,11 +16,8 @@ from collections import Counter
 from collections.abc import Mapping
 
 from ..hardware.profile import HardwareProfile
-from .run_plan_file import APPLIED_KEYS, accelerate_precision, plan_before_tune
+from .run_plan_file import accelerate_precision, plan_before_tune
 
-# every value a run applies depends on the machine (precision and workers directly, the memory-derived ones on its
-# GPU memory)
-MACHINE_VALUES = APPLIED_KEYS
 # environment variables the planner derives from the machine (threads from its cores, NCCL from its topology,
 # devices from its GPUs); the others (ACCELERATE_USE_CPU, NCCL_DEBUG, ...) follow the launch config, not the box
 MACHINE_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_P2P_LEVEL", "NCCL_P2P_DISABLE",
@@ -60,19 +57,21 @@ def _holds(ours: list[tuple[str, int]], needed: list[tuple[str, int]]) -> bool:
     return True
 
 
-def differences(recorded: Mapping, here: HardwareProfile) -> list[str]:
-    """What differs between the machine a plan records and this one ([]: it holds here). This machine matches when
-    it has a GPU of the same model for every GPU the plan uses: a scheduler or a container that shows a job only its
-    own GPUs (Slurm's ConstrainDevices, docker --gpus) is still the machine the plan was made for."""
+def differences(recorded: Mapping, here: HardwareProfile | Mapping) -> list[str]:
+    """What differs between the machine a plan records and this one (its profile or its ``hardware_record``; []: it
+    holds here). This machine matches when it has a GPU of the same model for every GPU the plan uses: a scheduler or a
+    container that shows a job only its own GPUs (Slurm's ConstrainDevices, docker --gpus) is still the machine the
+    plan was made for."""
     def pairs(items):
         return [(str(g.get("name")), int(g.get("memory_bytes") or 0)) for g in items or ()]
 
+    here = here if isinstance(here, Mapping) else hardware_record(here)
     found = []
     whole, used = pairs(recorded.get("gpus")), pairs(recorded.get("used", recorded.get("gpus")))
-    ours = [(g.name, g.memory_total_bytes) for g in here.gpus]
+    ours = pairs(here.get("gpus"))
     if not _holds(ours, used) or (not whole and ours):
         found.append(f"GPUs {_gpus_text(used if used else whole)} -> {_gpus_text(ours)}")
-    cores, our_cores = recorded.get("cpu_cores"), here.host.logical_cores
+    cores, our_cores = recorded.get("cpu_cores"), here.get("cpu_cores")
     if cores and our_cores and int(cores) != our_cores:
         found.append(f"CPU cores {cores} -> {our_cores}")
     return found
@@ -85,53 +84,14 @@ def detect_this_machine() -> HardwareProfile:
     return detect()
 
 
-def _planned_variables(plan) -> dict[str, str]:
-    """The machine variables as the planner wrote them (NAME.env edited to another value is the user's: it stays)."""
-    return {e["name"]: str(e["value"]) for e in (plan.document or {}).get("environment", ()) if e.get("name") in MACHINE_VARIABLES}
-
-
-def _memory_here(memory, here: HardwareProfile):
-    """The plan's memory plan checked against this machine's GPU (its smallest free memory); None without a GPU."""
-    from dataclasses import replace
-
-    from .memory import usable_bytes
-
-    if memory is None or not here.gpus:
-        return None
-    free = min(g.memory_free_bytes for g in here.gpus)
-    return replace(memory, device_memory_bytes=free, usable_bytes=int(usable_bytes(free)), per="GPU", global_batch_target=None)
-
-
 def scope_to_this_machine(plan, here: HardwareProfile) -> tuple[object, list[str]]:
-    """(plan, lines): the plan as a run on ``here`` may apply it. On the hardware it records, unchanged. Elsewhere
-    its machine-derived values, variables, CPU binding and GPU ids are dropped (the recipe's own values and this
-    machine's defaults apply) and one line names what differs; the memory check then speaks of this machine's GPU.
-    A plan that records no hardware (written before it did) is applied as before, and the run says so."""
-    from dataclasses import replace
+    """(plan, lines): the plan as a run on ``here`` may apply it, the machine compared alone (``scope.scope``): on the
+    hardware it records, unchanged; elsewhere without its machine values, variables, CPU binding and GPU ids, and one
+    line names what differs. A plan that records no hardware (written before it did) is applied as before, and says so."""
+    from .scope import Fingerprint, scope
 
-    recorded = (plan.document or {}).get("hardware")
-    if plan.document is not None and not isinstance(recorded, Mapping):
-        return plan, [f"{plan.path.name} records no machine (written by an older hf-gpu-train): its machine values are "
-                      f"applied unchecked; regenerate it with `{plan.command}` to have them checked"]
-    if recorded is None:
-        return plan, []
-    found = differences(recorded, here)
-    if not found:
-        return plan, []
-    dropped = [f"{k}={plan.value(k)}" for k in MACHINE_VALUES if plan.value(k) is not None]
-    planned = _planned_variables(plan)
-    variables = [(k, v, r) for k, v, r in plan.environment if planned.get(k) == v]
-    dropped += [f"{k}={v}" for k, v, _ in variables]
-    if plan.cpu_binding is not None and plan.cpu_binding.cpus_by_process:
-        dropped.append("CPU binding")
-    scoped = replace(plan, values={k: v for k, v in plan.values.items() if k not in MACHINE_VALUES},
-                     environment=tuple(e for e in plan.environment if e not in variables), cpu_binding=None, gpu_ids=None,
-                     mig_instance=None, memory=_memory_here(plan.memory, here))
-    yaml = plan.config_file.name if plan.config_file else "the launch config"
-    return scoped, [f"plan made for another machine ({plan.machine}: {'; '.join(found)}): its machine values not applied "
-                    f"({', '.join(dropped) or 'none decided'}); the recipe's values and this machine's defaults apply "
-                    f"({yaml}'s own num_processes and gpu_ids reach accelerate as they are). Plan this machine with "
-                    "`hf-gpu-train config --output ...` here"]
+    scoped = scope(plan, Fingerprint(machine=hardware_record(here)), here)
+    return scoped.plan, list(scoped.lines["machine"])
 
 
 def unset_planned_variables(planned, scoped, environ) -> list[str]:

@@ -342,22 +342,43 @@ def job_overrides(overrides) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class Job:
+    """A job in tune's words: what it measured for (the plan's TUNED section, ``Job.measured``), or what a run is."""
+
+    recipe: Mapping | None  # recipe_identity (None: no recipe file)
+    overrides: Mapping  # job_overrides
+    data: Mapping | None = None  # data_stamps (None: not known)
+    named: str | None = None  # a run's recipe as it was given, for its lines
+
+    @classmethod
+    def measured(cls, tuned: Mapping) -> Job:
+        return cls(tuned.get("recipe"), job_overrides(tuned.get("overrides")), tuned.get("data"))
+
+    @classmethod
+    def of_run(cls, recipe: str | Path | None, overrides=(), data: Mapping | None = None) -> Job:
+        return cls(recipe_identity(recipe), job_overrides(overrides), data, None if recipe is None else str(recipe))
+
+    def measures(self, run: Job) -> bool:
+        """Whether ``run`` is this measured job: the same recipe text (wherever it is read from), or no recipe file for
+        both, the same command-line keys that change what trains, and (when the run's ``data`` is known) the same
+        model and data files."""
+        if run.data is not None and isinstance(self.data, Mapping) and json.loads(json.dumps(dict(run.data))) != dict(self.data):
+            return False  # the same recipe, but its files changed since (another train_file at the same path)
+        same_recipe = (self.recipe is None and run.recipe is None) or (
+            isinstance(self.recipe, Mapping) and run.recipe is not None and self.recipe.get("sha256") not in (None, "")
+            and self.recipe.get("sha256") == run.recipe.get("sha256"))
+        return same_recipe and dict(self.overrides) == dict(run.overrides)
+
+
 def tuned_keys_for(plan: RunPlan, recipe: str | Path | None, overrides=(), data: Mapping | None = None) -> frozenset[str]:
-    """The keys `hf-gpu-train tune` measured for this very job: the same recipe text (wherever it is read from), or no
-    recipe file for both, the same command-line keys that change what trains, and (``data``: ``data_stamps`` of the
-    run's config) the same model and data files. A run may let them win over the recipe file's own values (never
-    over its command line). Empty for any other job or an untuned plan."""
+    """The keys `hf-gpu-train tune` measured for this very job (``Job.measures``; ``data``: ``data_stamps`` of the run's
+    config). A run may let them win over the recipe file's own values (never over its command line). Empty for any
+    other job or an untuned plan."""
     tuned = (plan.document or {}).get(TUNED)
     if not isinstance(tuned, Mapping) or not tuned.get("keys"):
         return frozenset()
-    measured_on = tuned.get("data")
-    if data is not None and isinstance(measured_on, Mapping) and json.loads(json.dumps(dict(data))) != dict(measured_on):
-        return frozenset()  # the same recipe, but its files changed since (another train_file at the same path)
-    measured_for, this = tuned.get("recipe"), recipe_identity(recipe)
-    same_recipe = (measured_for is None and this is None) or (
-        isinstance(measured_for, Mapping) and this is not None and measured_for.get("sha256") not in (None, "")
-        and measured_for.get("sha256") == this.get("sha256"))
-    if not same_recipe or job_overrides(tuned.get("overrides")) != job_overrides(overrides):
+    if not Job.measured(tuned).measures(Job.of_run(recipe, overrides, data)):
         return frozenset()
     return frozenset(k for k in tuned.get("keys", ()) if k in APPLIED_KEYS)
 
