@@ -43,7 +43,8 @@ def module_name(path: Path, package: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path, package: Path, *, inside_functions_only: bool = False) -> list[tuple[int, str]]:
+def imported_modules(path: Path, package: Path, *, inside_functions_only: bool = False,
+                     top_level_only: bool = False) -> list[tuple[int, str]]:
     """(line, module path below the package) of every import in ``path``, at its top or inside a function: ``from .x
     import y`` and ``from .. import x`` (each name, which may be a module), ``import hf_gpu_train.x``, and
     ``importlib.import_module("hf_gpu_train.x")``."""
@@ -52,6 +53,8 @@ def imported_modules(path: Path, package: Path, *, inside_functions_only: bool =
     nodes = ast.walk(ast.parse(path.read_text()))
     if inside_functions_only:
         nodes = (n for f in function_nodes(path) for n in ast.walk(f))
+    elif top_level_only:
+        nodes = _top_level_imports(path)
     for node in nodes:
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -246,3 +249,94 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
+
+
+# What may stay inside a function: start-up time (`hf-gpu-train detect` and `--help` import no torch) and optional
+# dependencies. A third-party import, or a package module that imports one of these at its top (directly or through
+# other package modules), or a line marked `# lazy: why`. Everything else goes at the top of its module.
+HEAVY_THIRD_PARTY = frozenset({
+    "torch", "transformers", "accelerate", "timm", "datasets", "peft", "trl", "deepspeed", "evaluate", "bitsandbytes",
+    "liger_kernel", "cut_cross_entropy", "safetensors", "torchvision", "PIL", "numpy", "scipy", "sklearn", "pyarrow",
+    "huggingface_hub", "tokenizers", "gguf", "ray", "tensorboard", "efficientnet_pytorch", "pandas", "jinja2",
+})
+LAZY_MARK = re.compile(r"#\s*lazy:")
+
+
+def _top_level_imports(path: Path) -> list[ast.AST]:
+    functions = {id(n) for f in function_nodes(path) for n in ast.walk(f)}
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
+            and id(n) not in functions]
+
+
+def heavy_modules(package: Path) -> set[str]:
+    """Package modules that import a heavy third-party package when they are imported (directly or through other
+    package modules, the packages' __init__ included)."""
+    paths = {module_name(p, package): p for p in package.rglob("*.py")}
+    direct: dict[str, set[str]] = {}
+    heavy: set[str] = set()
+    for name, path in paths.items():
+        direct[name] = set()
+        for node in _top_level_imports(path):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            else:
+                tops = [(node.module or "").split(".")[0]] if not node.level else []
+            if any(t in HEAVY_THIRD_PARTY for t in tops):
+                heavy.add(name)
+        for _, target in imported_modules(path, package, top_level_only=True):
+            found = resolve(target, set(paths))
+            if found:
+                direct[name].add(found)
+                parts = found.split(".")
+                direct[name].update(".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k]) in paths)
+    changed = True
+    while changed:
+        changed = False
+        for name, targets in direct.items():
+            if name not in heavy and targets & heavy:
+                heavy.add(name)
+                changed = True
+    return heavy
+
+
+def must_be_at_top(node: ast.AST, path: Path, package: Path, heavy: set[str], lines: list[str]) -> bool:
+    """Whether an import found inside a function of ``path`` has no reason to be there."""
+    text = " ".join(lines[node.lineno - 1:node.end_lineno])
+    if LAZY_MARK.search(text) or (node.lineno > 1 and LAZY_MARK.search(lines[node.lineno - 2])):
+        return False
+    if isinstance(node, ast.Import):
+        tops = [a.name.split(".")[0] for a in node.names]
+        if any(t != "hf_gpu_train" and t not in sys.stdlib_module_names for t in tops):
+            return False
+        targets = [a.name.removeprefix("hf_gpu_train.") for a in node.names if a.name.startswith("hf_gpu_train")]
+    else:
+        top = (node.module or "").split(".")[0]
+        if not node.level and top != "hf_gpu_train":
+            return top in sys.stdlib_module_names
+        here = path.relative_to(package).parts[:-1]
+        if node.level:
+            base = [*here[:max(0, len(here) - (node.level - 1))], *(node.module.split(".") if node.module else [])]
+        else:
+            base = node.module.split(".")[1:]
+        targets = [".".join([*base, a.name]) for a in node.names]
+    modules = {module_name(p, package) for p in package.rglob("*.py")}
+    for target in targets:
+        found = resolve(target, modules)
+        if found is None:
+            continue
+        parts = found.split(".")
+        if any(".".join(parts[:k]) in heavy for k in range(1, len(parts) + 1)):
+            return False
+    return True
+
+
+def imports_that_belong_at_the_top(package: Path) -> list[str]:
+    heavy = heavy_modules(package)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for function in function_nodes(path):
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and must_be_at_top(node, path, package, heavy, lines):
+                    found.append(f"{path.relative_to(package)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
