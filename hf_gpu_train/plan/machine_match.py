@@ -12,69 +12,11 @@ No torch here: the run calls this before torch is imported (OpenMP and NCCL read
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping
-
 from ..hardware.profile import HardwareProfile
 from .run_plan_file import accelerate_precision, plan_before_tune
 
-# environment variables the planner derives from the machine (threads from its cores, NCCL from its topology,
-# devices from its GPUs); the others (ACCELERATE_USE_CPU, NCCL_DEBUG, ...) follow the launch config, not the box
-MACHINE_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_P2P_LEVEL", "NCCL_P2P_DISABLE",
-                     "NCCL_IB_DISABLE")
-MEMORY_TOLERANCE = 0.03  # drivers and ECC modes report a few percent apart for the same model
-
-
-def hardware_record(profile: HardwareProfile, used=None) -> dict:
-    """What NAME.plan.json records of the machine it was planned for: every GPU, the GPUs the plan uses (``used``:
-    GpuInfo, None: all), and the CPU cores."""
-    def gpus(items):
-        return [{"name": g.name, "memory_bytes": g.memory_total_bytes} for g in items]
-
-    return {"gpus": gpus(profile.gpus), "used": gpus(profile.gpus if used is None else used),
-            "cpu_cores": profile.host.logical_cores}
-
-
-def _gpus_text(gpus: list[tuple[str, int]]) -> str:
-    if not gpus:
-        return "no GPU"
-    counts = Counter(gpus)
-    return " + ".join(f"{n}x {name} ({memory / 2**30:.0f} GiB)" for (name, memory), n in counts.items())
-
-
-def _same_model(a: tuple[str, int], b: tuple[str, int]) -> bool:
-    return a[0] == b[0] and abs(a[1] - b[1]) <= MEMORY_TOLERANCE * max(a[1], b[1], 1)
-
-
-def _holds(ours: list[tuple[str, int]], needed: list[tuple[str, int]]) -> bool:
-    """Whether this machine's GPUs include one of the same model for every GPU the plan uses."""
-    free = list(ours)
-    for gpu in needed:
-        match = next((i for i, g in enumerate(free) if _same_model(g, gpu)), None)
-        if match is None:
-            return False
-        free.pop(match)
-    return True
-
-
-def differences(recorded: Mapping, here: HardwareProfile | Mapping) -> list[str]:
-    """What differs between the machine a plan records and this one (its profile or its ``hardware_record``; []: it
-    holds here). This machine matches when it has a GPU of the same model for every GPU the plan uses: a scheduler or a
-    container that shows a job only its own GPUs (Slurm's ConstrainDevices, docker --gpus) is still the machine the
-    plan was made for."""
-    def pairs(items):
-        return [(str(g.get("name")), int(g.get("memory_bytes") or 0)) for g in items or ()]
-
-    here = here if isinstance(here, Mapping) else hardware_record(here)
-    found = []
-    whole, used = pairs(recorded.get("gpus")), pairs(recorded.get("used", recorded.get("gpus")))
-    ours = pairs(here.get("gpus"))
-    if not _holds(ours, used) or (not whole and ours):
-        found.append(f"GPUs {_gpus_text(used if used else whole)} -> {_gpus_text(ours)}")
-    cores, our_cores = recorded.get("cpu_cores"), here.get("cpu_cores")
-    if cores and our_cores and int(cores) != our_cores:
-        found.append(f"CPU cores {cores} -> {our_cores}")
-    return found
+# the machine's record and its comparison are the machine dimension of the plan's fingerprint
+from .scope import MACHINE_VARIABLES, MEMORY_TOLERANCE, differences, hardware_record, scope_to_this_machine  # noqa: F401
 
 
 def detect_this_machine() -> HardwareProfile:
@@ -82,16 +24,6 @@ def detect_this_machine() -> HardwareProfile:
     from ..hardware.detect import detect
 
     return detect()
-
-
-def scope_to_this_machine(plan, here: HardwareProfile) -> tuple[object, list[str]]:
-    """(plan, lines): the plan as a run on ``here`` may apply it, the machine compared alone (``scope.scope``): on the
-    hardware it records, unchanged; elsewhere without its machine values, variables, CPU binding and GPU ids, and one
-    line names what differs. A plan that records no hardware (written before it did) is applied as before, and says so."""
-    from .scope import Fingerprint, scope
-
-    scoped = scope(plan, Fingerprint(machine=hardware_record(here)), here)
-    return scoped.plan, list(scoped.lines["machine"])
 
 
 def unset_planned_variables(planned, scoped, environ) -> list[str]:

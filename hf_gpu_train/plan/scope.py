@@ -12,7 +12,7 @@ takes away its own values, with its line:
                          for this job stay: they were measured on what it trains)
     strategy             the memory values, tuned ones included (tune measured under the plan's strategy)
 
-NAME.plan.json records each dimension where it always has: ``hardware`` (``machine_match.hardware_record``),
+NAME.plan.json records each dimension where it always has: ``hardware`` (``hardware_record``),
 ``memory.planned_for`` (model fingerprint, sequence length, image size, optimizer, precision, method),
 ``memory.strategy`` (``strategy`` without a memory plan) and ``tuned`` (tune's job); ``plan_fingerprint`` reads them
 into one ``Fingerprint``, and names the dimensions a plan written by an older hf-gpu-train does not record. No torch
@@ -22,12 +22,12 @@ here, nothing from finetune/: the run builds its own fingerprint (finetune/plan_
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..hardware.profile import HardwareProfile
-from .machine_match import MACHINE_VARIABLES, differences
 from .memory import STRATEGIES, usable_bytes
 from .model_spec import BUILTIN_MODELS, ModelSpec, model_fingerprint
 from .run_plan_file import APPLIED_KEYS, TUNED, Job, LaunchedAs, RunPlan, job_overrides, plan_before_tune
@@ -62,7 +62,7 @@ class Shape:
 class Fingerprint:
     """What a plan was made for, or what a run is. A run's None: not compared (not known to the caller)."""
 
-    machine: Mapping | None = None  # machine_match.hardware_record
+    machine: Mapping | None = None  # hardware_record
     model: ModelId | None = None
     shape: Shape | None = None
     method: str | None = None
@@ -91,6 +91,65 @@ class Scoped:
 
     def differs(self, dimension: str) -> bool:
         return any(d.dimension == dimension for d in self.differences)
+
+
+# environment variables the planner derives from the machine (threads from its cores, NCCL from its topology,
+# devices from its GPUs); the others (ACCELERATE_USE_CPU, NCCL_DEBUG, ...) follow the launch config, not the box
+MACHINE_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_P2P_LEVEL", "NCCL_P2P_DISABLE",
+                     "NCCL_IB_DISABLE")
+MEMORY_TOLERANCE = 0.03  # drivers and ECC modes report a few percent apart for the same model
+
+
+def hardware_record(profile: HardwareProfile, used=None) -> dict:
+    """What NAME.plan.json records of the machine it was planned for: every GPU, the GPUs the plan uses (``used``:
+    GpuInfo, None: all), and the CPU cores."""
+    def gpus(items):
+        return [{"name": g.name, "memory_bytes": g.memory_total_bytes} for g in items]
+
+    return {"gpus": gpus(profile.gpus), "used": gpus(profile.gpus if used is None else used),
+            "cpu_cores": profile.host.logical_cores}
+
+
+def _gpus_text(gpus: list[tuple[str, int]]) -> str:
+    if not gpus:
+        return "no GPU"
+    counts = Counter(gpus)
+    return " + ".join(f"{n}x {name} ({memory / 2**30:.0f} GiB)" for (name, memory), n in counts.items())
+
+
+def _same_model(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    return a[0] == b[0] and abs(a[1] - b[1]) <= MEMORY_TOLERANCE * max(a[1], b[1], 1)
+
+
+def _holds(ours: list[tuple[str, int]], needed: list[tuple[str, int]]) -> bool:
+    """Whether this machine's GPUs include one of the same model for every GPU the plan uses."""
+    free = list(ours)
+    for gpu in needed:
+        match = next((i for i, g in enumerate(free) if _same_model(g, gpu)), None)
+        if match is None:
+            return False
+        free.pop(match)
+    return True
+
+
+def differences(recorded: Mapping, here: HardwareProfile | Mapping) -> list[str]:
+    """What differs between the machine a plan records and this one (its profile or its ``hardware_record``; []: it
+    holds here). This machine matches when it has a GPU of the same model for every GPU the plan uses: a scheduler or a
+    container that shows a job only its own GPUs (Slurm's ConstrainDevices, docker --gpus) is still the machine the
+    plan was made for."""
+    def pairs(items):
+        return [(str(g.get("name")), int(g.get("memory_bytes") or 0)) for g in items or ()]
+
+    here = here if isinstance(here, Mapping) else hardware_record(here)
+    found = []
+    whole, used = pairs(recorded.get("gpus")), pairs(recorded.get("used", recorded.get("gpus")))
+    ours = pairs(here.get("gpus"))
+    if not _holds(ours, used) or (not whole and ours):
+        found.append(f"GPUs {_gpus_text(used if used else whole)} -> {_gpus_text(ours)}")
+    cores, our_cores = recorded.get("cpu_cores"), here.get("cpu_cores")
+    if cores and our_cores and int(cores) != our_cores:
+        found.append(f"CPU cores {cores} -> {our_cores}")
+    return found
 
 
 def canonical_name(name: str) -> str:
@@ -378,3 +437,11 @@ def scope(plan: RunPlan, run: Fingerprint, here: HardwareProfile | None = None) 
     if "precision" in tuned:
         lines["tuned"] = _tuned_precision_over_the_yamls(draft)
     return Scoped(draft.rewritten(), found, {k: tuple(v) for k, v in lines.items()}, dict(draft.not_applied), tuned)
+
+
+def scope_to_this_machine(plan, here: HardwareProfile) -> tuple[object, list[str]]:
+    """(plan, lines): the plan as a run on ``here`` may apply it, the machine compared alone (``scope.scope``): on the
+    hardware it records, unchanged; elsewhere without its machine values, variables, CPU binding and GPU ids, and one
+    line names what differs. A plan that records no hardware (written before it did) is applied as before, and says so."""
+    scoped = scope(plan, Fingerprint(machine=hardware_record(here)), here)
+    return scoped.plan, list(scoped.lines["machine"])
