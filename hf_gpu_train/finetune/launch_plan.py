@@ -19,7 +19,7 @@ log = logging.getLogger("hf_gpu_train.finetune")
 
 @dataclass(frozen=True)
 class AppliedPlan:
-    plan: object  # launch.run_plan_file.RunPlan
+    plan: object  # plan.run_plan_file.RunPlan
     resolution: object  # launch.plan_resolution.Resolution
     memory: object | None  # launch.plan_resolution.MemoryCheck
     lines: tuple[str, ...]  # what the run says about it first

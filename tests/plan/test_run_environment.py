@@ -45,7 +45,7 @@ def test_a_change_after_cuda_initialised_is_an_error_not_a_silent_no_op(monkeypa
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     assert read_too_late("CUDA_DEVICE_ORDER") == "CUDA is already initialised" and read_too_late("NCCL_P2P_DISABLE") is None
     with pytest.raises(RunPlanError, match=r"^the plan sets CUDA_DEVICE_ORDER=PCI_BUS_ID, but CUDA is already initialised, so it "
-                       r"would change nothing: call hf_gpu_train\.launch\.run_plan\.apply_run_environment first thing"):
+                       r"would change nothing: call hf_gpu_train\.plan\.run_plan\.apply_run_environment first thing"):
         apply_run_environment(plan({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}))
     assert apply_run_environment(plan({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}), {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}).applied == ()
     other = {}  # another process's environment (a child's, a test's): what this process already read does not matter
