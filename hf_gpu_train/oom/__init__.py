@@ -6,5 +6,7 @@ from .fault_injection import OOMFaultInjector
 from .loss_scaling import guard_loss_scaling
 from .recovery import InPlaceOOMRecovery, enable_oom_recovery
 from .remedies import OutOfMemoryAtMicroBatchOne
+from .trainer_state import register_trainer_state
 
-__all__ = ["InPlaceOOMRecovery", "OutOfMemoryAtMicroBatchOne", "enable_oom_recovery", "guard_loss_scaling", "OOMFaultInjector"]
+__all__ = ["InPlaceOOMRecovery", "OutOfMemoryAtMicroBatchOne", "enable_oom_recovery", "guard_loss_scaling", "OOMFaultInjector",
+           "register_trainer_state"]

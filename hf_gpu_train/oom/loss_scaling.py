@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from . import trainer_state as plain_state
+from . import trainer_state as restorable
 from .microbatch import label_counts
 
 log = logging.getLogger("hf_gpu_train.loss_scaling")
@@ -82,11 +82,11 @@ class LossScalingGuard:
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         # the probe runs the Trainer's own compute_loss: whatever it tallies (TRL files entropy and token accuracy
         # under "eval" while the model is in eval mode) is put back as it was, and the random state is not drawn from
-        tallies = plain_state.take(self.trainer)
+        tallies = restorable.take(self.trainer)
         try:
             found = loss_normalisation(self.compute_loss_unguarded, probed, inputs, num_items_in_batch)
         finally:
-            plain_state.put_back(self.trainer, tallies)
+            restorable.put_back(self.trainer, tallies)
         self.answer = agree_across_ranks(found, self.trainer.accelerator)
         unwrapped = self.trainer.accelerator.unwrap_model(model)
         if self.answer == MEAN and self.trainer.compute_loss_func is not None:

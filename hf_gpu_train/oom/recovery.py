@@ -20,8 +20,8 @@
    micro-batches; if the others are past every collective of the step they meet it at the ballot at the end and
    only reduce again; if they wait in a collective of the step, the ballot there tells every rank, and every rank
    computes the optimizer step again from its first micro-step in micro-batches of the same size (the Trainer's
-   plain-data tallies put back as they were), so all ranks issue the same collectives. Every rank then runs the
-   smallest micro-batch any rank needed. A rank that cannot fit one sample stops every rank with the remedies.
+   tallies, ``trainer_state.py``'s explicit list, put back as they were), so all ranks issue the same collectives.
+   Every rank then runs the smallest micro-batch any rank needed. A rank that cannot fit one sample stops every rank with the remedies.
 4. the batch divides into samples by its layout (``microbatch.layout_for``): rows, or chosen/rejected pairs for
    TRL's DPO (its loss pairs row i with row i + n).
 
@@ -47,7 +47,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..faults.collective_gate import agree_on_control
-from . import trainer_state as plain_state
+from . import trainer_state as restorable
 from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
 from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
 from .loss_scaling import (
@@ -159,7 +159,7 @@ class InPlaceOOMRecovery:
         self._fatal: str | None = None  # an OOM at micro-batch 1 on several processes, raised at the micro-step's ballot
         self.lockstep: Lockstep | None = None  # the ballots that keep every rank in the same collectives (several processes)
         self.restarts = 0  # steps every rank computed again because one rank ran out of memory inside a collective's reach
-        self._tallies: dict = {}  # the Trainer's plain-data attributes at the start of the optimizer step
+        self._tallies: dict = {}  # the Trainer's tallies (trainer_state.py) at the start of the optimizer step
         self.stepped_aside: str | None = None  # why recovery is off for this Trainer, said before training
         self._chunk_tallies: dict = {}  # the same, at the start of the micro-batch that runs now
 
@@ -279,7 +279,7 @@ class InPlaceOOMRecovery:
             self._earlier, self._fatal = [], None
             if self.weighting is None and self._probes < PROBE_TRIES:
                 self._decide_weighting(model, inputs, num_items_in_batch)
-            self._tallies = plain_state.take(self.trainer)  # what a restarted step must not count twice
+            self._tallies = restorable.take(self.trainer)  # what a restarted step must not count twice
         reducer = self._reducer_for(model)
         distributed = self._distributed(model)
         lock = self._lockstep_for(reducer) if distributed else None
@@ -334,11 +334,11 @@ class InPlaceOOMRecovery:
                 else:
                     if polluted:  # the step again from its first micro-step: the Trainer's tallies as they were then
                         self._drop_gradients(model)
-                        plain_state.put_back(self.trainer, self._tallies)
+                        restorable.put_back(self.trainer, self._tallies)
                         CHUNKS.void_all()
                         done, total, replay = 0, None, list(self._earlier)
                     else:  # the failed micro-batch runs again: what it tallied before failing (in backward) is put back
-                        plain_state.put_back(self.trainer, self._chunk_tallies)
+                        restorable.put_back(self.trainer, self._chunk_tallies)
                     self._shrink(micro, size, failure, "train")
                     round_failed = True
                     if lock:  # the other ranks may be inside a collective of this step: they learn at the next ballot
@@ -389,7 +389,7 @@ class InPlaceOOMRecovery:
         lock.pending_failure = False
         self._adopt(outcome.micro_batch, size)  # the loop tells the next ballots from the state
         model.zero_grad(set_to_none=True)
-        plain_state.put_back(self.trainer, self._tallies)
+        restorable.put_back(self.trainer, self._tallies)
         CHUNKS.void_all()
         self.restarts += 1
         if self._earlier:
@@ -408,7 +408,7 @@ class InPlaceOOMRecovery:
         if arm:
             self.reducer.arm()
         CHUNKS.begin_chunk()
-        self._chunk_tallies = plain_state.take(self.trainer)  # put back if this micro-batch fails (it runs again)
+        self._chunk_tallies = restorable.take(self.trainer)  # put back if this micro-batch fails (it runs again)
         self.share = share
         if distributed:
             model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
@@ -445,7 +445,7 @@ class InPlaceOOMRecovery:
         # a loss normalised by num_items_in_batch is scaled by 1 at every call whatever the probe finds
         self._probes += 1
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        tallies = plain_state.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
+        tallies = restorable.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
         try:
             found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=_probe_tolerance(t, probed))
         except Exception as error:  # one process: two samples without gradients did not fit; the next step asks again
@@ -454,7 +454,7 @@ class InPlaceOOMRecovery:
             found = UNDECIDED
             self._free_memory()
         finally:
-            plain_state.put_back(t, tallies)
+            restorable.put_back(t, tallies)
         found = agree_on_weighting(found, t.accelerator)
         # until it is known, the labels' shape weighs an OOM of these steps: labelled tokens for token labels (exact too
         # when the batch cannot tell because every sample has as many), rows otherwise
@@ -586,7 +586,7 @@ class InPlaceOOMRecovery:
             return self._prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         size = self.layout.size(inputs)
         lock = self._lockstep_for(self._reducer_for(model)) if self._distributed(model) else None
-        tallies = plain_state.take(self.trainer) if lock else {}
+        tallies = restorable.take(self.trainer) if lock else {}
         global_items = None  # the item count of the whole batch over every rank, once this step has gathered it
         fatal = None
         while True:
@@ -637,7 +637,7 @@ class InPlaceOOMRecovery:
                 break
             lock.pending_failure = False
             self._adopt_eval(restart.micro_batch)
-            plain_state.put_back(self.trainer, tallies)
+            restorable.put_back(self.trainer, tallies)
             global_items = None  # every rank computes the step again, and gathers the item count again
         raise OutOfMemoryAtMicroBatchOne(f"evaluation does not fit even one sample ({fatal}): use bf16/fp16, a "
                                          "shorter max_length or a smaller image_size")

@@ -67,6 +67,8 @@ def subclass_with_collectives():
     from transformers import Trainer
 
     class CollectiveTrainer(Trainer):
+        hf_gpu_train_state = ("calls", "tokens_seen")  # its own tallies: put back when a step runs again
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.calls = 0
