@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from hf_gpu_train.tune.candidates import Candidate  # noqa: E402
 from hf_gpu_train.tune.results import TrialResult, choose  # noqa: E402
-from tests.tune.hooks import environment as test_hooks  # noqa: E402
+from tests.tune.hooks import environment as hook_environment  # noqa: E402
 
 
 def cli(*args: str, env: dict) -> tuple[subprocess.CompletedProcess, float]:
@@ -143,7 +143,7 @@ def main() -> int:
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tune_vs_grid_") as tmp:
         folder = Path(tmp)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **test_hooks(oom_above=opts.oom_above)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **hook_environment(oom_above=opts.oom_above)}
         cli("config", "--machine", "cpu-only", "--num-processes", "1", "--output", str(folder / "cpu"), env=env)
         config = folder / "cpu.yaml"
         args = recipe_args(opts, folder)

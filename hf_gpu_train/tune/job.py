@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from ..errors import UsageError
 from ..finetune.tasks.base import task_for
-from . import test_hooks
+from . import hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
 from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space
 
@@ -93,6 +93,8 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     from ..plan.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
+    if hooks.problem(environ):
+        raise TuneError(hooks.problem(environ))
     path = Path(config_file)
     if not path.is_file():
         raise TuneError(f"--config-file {path} does not exist: write one with `hf-gpu-train config --output ...`")
@@ -142,7 +144,8 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     key = cache_key({"machine": machine_fingerprint(profile), "software": software_fingerprint(),
                      "launch": {"world_size": world, "gpu_ids": launch_settings.get("gpu_ids") or plan.gpu_ids,
                                 "environment": sorted((k, v) for k, v, _ in plan.environment)},
-                     "job": identity, "effective_batch": space.effective_batch, "test": test_hooks.active(environ)})
+                     "job": identity, "effective_batch": space.effective_batch,
+                     "test": hooks.cache_key_part(environ)})  # a trial hook and its settings ({} without one)
     return TuneJob(config_file=path, plan=plan, recipe=recipe, overrides=tuple(overrides), recipe_keys=recipe_keys, fixed=fixed,
                    values=values, world_size=world, space=space, cache_key=key, identity=identity,
                    machine=profile.name or profile.host.hostname, notes=tuple(scoped))

@@ -88,7 +88,7 @@ class TrialSession:
 
         from ..finetune.run import prepare
         from ..finetune.runtime import resolve_runtime
-        from . import test_hooks
+        from . import hooks
 
         environ = os.environ if environ is None else environ
         self.cfg = cfg
@@ -98,7 +98,7 @@ class TrialSession:
         self.rank, self.world_size = state.process_index, state.num_processes
         set_seed(cfg.seed)
         self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
-        collator, self.notes = test_hooks.install(self.model, collator, environ)
+        collator, self.notes = hooks.install(self.model, collator, environ)
         self._confirm_model()
         self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
 
@@ -118,12 +118,12 @@ class TrialSession:
         if packing is None or packing == self.cfg.packing:
             return self.layouts[None]
         if packing not in self.layouts:
-            from . import test_hooks
+            from . import hooks
             from .lm_layouts import build_layout
 
             built = build_layout(packing, self.cfg, self.model, self.processing_class, self.data, self.runtime.on_cuda)
             if built.collator is not None:
-                built = replace(built, collator=test_hooks.install(None, built.collator, os.environ, collate_only=True)[0])
+                built = replace(built, collator=hooks.install(None, built.collator, os.environ)[0])
             self.layouts[packing] = built
         return self.layouts[packing]
 

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from hf_gpu_train.tune.results import TrialResult
-from hf_gpu_train.tune.test_hooks import OOM_ENV, SLOW_COLLATE_ENV
 from tests.launching import ROOT, cpu_config
 from tests.scaling.finetune_cases import text_case
+from tests.tune.hooks import environment as hook_environment
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_tune_finds_the_largest_micro_batch_under_the_limit_and_the_faster_worke
 
     case = text_case_with_rows(tmp_path, 320)
     config = cpu_config(tmp_path, processes=2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), OOM_ENV: "5", SLOW_COLLATE_ENV: "0.4"}  # loading dominates: 2 workers win by far more than any noise
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **hook_environment(oom_above=5, collate_sleep_s=0.4)}  # loading dominates: 2 workers win by far more than any noise
     run, _ = tune(config, case, env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "model and data loaded in" in run.stdout and "on 2 process(es)" in run.stdout

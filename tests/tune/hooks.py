@@ -1,7 +1,7 @@
-"""For tests and the CPU benchmark only: a memory limit and a slow data loader on a machine that has neither.
-
-A CPU has no device memory to run out of, so the tests give the trial processes one through the environment of
-`hf-gpu-train tune` (the launch passes it to every process):
+"""For tests and the CPU benchmark: a memory limit and a slow data loader on a machine that has neither, given to the
+trial processes of `hf-gpu-train tune` through its extension point (``hf_gpu_train/tune/hooks.py``):
+``HF_GPU_TRAIN_TUNE_HOOKS=tests.tune.hooks:install`` (``environment(...)`` below sets it, with the settings), and the
+repository's root on ``PYTHONPATH``. A CPU has no device memory to run out of, so the tests give the trials one:
 
 - ``HF_GPU_TRAIN_TUNE_TEST_OOM_ABOVE=N``: the repository's ``OOMFaultInjector(max_batch=N)`` on the model: every
   training forward of more than N samples raises a real ``torch.OutOfMemoryError``, which the in-place OOM
@@ -9,8 +9,8 @@ A CPU has no device memory to run out of, so the tests give the trial processes 
 - ``HF_GPU_TRAIN_TUNE_TEST_COLLATE_SLEEP_S=S``: the collate function sleeps S seconds per batch, so loading in the
   main process is measurably slower than loading in worker processes.
 
-Both values are part of the measurement cache's key, so a test's measurements are never a user's. Not for users:
-on a GPU the memory is real.
+Both values are part of the measurement cache's key (every ``HF_GPU_TRAIN_TUNE_*`` variable is, with a hook), so a
+test's measurements are never a user's.
 """
 
 from __future__ import annotations
@@ -18,13 +18,21 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from hf_gpu_train.tune.hooks import HOOKS_ENV
+
+HOOK = "tests.tune.hooks:install"
 OOM_ENV = "HF_GPU_TRAIN_TUNE_TEST_OOM_ABOVE"
 SLOW_COLLATE_ENV = "HF_GPU_TRAIN_TUNE_TEST_COLLATE_SLEEP_S"
-ENVIRONMENT = (OOM_ENV, SLOW_COLLATE_ENV)
 
 
-def active(environ: Mapping[str, str]) -> dict[str, str]:
-    return {k: environ[k] for k in ENVIRONMENT if environ.get(k)}
+def environment(oom_above: int | None = None, collate_sleep_s: float | None = None) -> dict[str, str]:
+    """The variables that install this hook with these settings, for a tune command's environment."""
+    env = {HOOKS_ENV: HOOK}
+    if oom_above is not None:
+        env[OOM_ENV] = str(oom_above)
+    if collate_sleep_s is not None:
+        env[SLOW_COLLATE_ENV] = str(collate_sleep_s)
+    return env
 
 
 class SlowCollate:
@@ -45,12 +53,12 @@ class SlowCollate:
         return getattr(self.collate, name)
 
 
-def install(model, collator, environ: Mapping[str, str], collate_only: bool = False) -> tuple[object, list[str]]:
-    """(the collator to use, what was installed) for the variables set in ``environ``; ``collate_only``: leave the
-    model alone (it has its injector already)."""
+def install(model, collator, environ: Mapping[str, str]) -> tuple[object, list[str]]:
+    """(the collator to use, what was installed) for the variables set in ``environ``; ``model`` None: only a collator
+    is being built (the model has its injector already)."""
     notes = []
-    if environ.get(OOM_ENV) and not collate_only:
-        from ..oom import OOMFaultInjector
+    if environ.get(OOM_ENV) and model is not None:
+        from hf_gpu_train.oom import OOMFaultInjector
 
         limit = int(environ[OOM_ENV])
         OOMFaultInjector(max_batch=limit).install(model)
