@@ -83,7 +83,7 @@ class PeakRSS:
 
 def _outside_torch() -> int:
     """What the device holds beyond torch's reservation (the CUDA context, other processes): what tune's measured peak
-    adds to torch's peak reserved (callbacks/memory_probe.device_peak)."""
+    adds to torch's peak reserved (callbacks/devices.device_peak)."""
     import torch
 
     free, total = torch.cuda.mem_get_info()

@@ -6,7 +6,7 @@ from transformers import TrainerCallback
 
 from ..errors import UsageError
 from ..hardware.backend import NvmlBackend
-from .gpu_lookup import model_device
+from .devices import model_device
 
 
 class TrainingOnCpuByAccident(UsageError):

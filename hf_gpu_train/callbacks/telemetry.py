@@ -7,7 +7,7 @@ One line in anyone's Trainer::
     attach_telemetry(trainer)          # before trainer.train()
 
 The hooks are thin: they take timestamps and call the pure functions in ``window.py``,
-``throughput.py`` and ``verdicts.py``; the ``logs`` dict given to callbacks is never mutated (metrics go
+``flops.py`` and ``verdicts.py``; the ``logs`` dict given to callbacks is never mutated (metrics go
 out through the public ``Trainer.log``, so TensorBoard and every ``report_to`` sink get them).
 
 What it costs per step: two timestamps, and forward hooks that add the batch's token count into a
@@ -35,13 +35,17 @@ from transformers import Trainer, TrainerCallback
 
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.peaks import peak_flops
-from .flops import attention_flops_per_token_per_position, counted_flops_per_sample, dense_flops_per_token
+from .devices import cuda_memory, model_device, nvml_handles_for, torch_bus_id
+from .flops import (
+    ModelFlops,
+    attention_flops_per_token_per_position,
+    counted_flops_per_sample,
+    dense_flops_per_token,
+    window_throughput,
+)
 from .forward_timer import ForwardTimer
-from .gpu_lookup import model_device, nvml_handles_for, torch_bus_id
-from .memory_probe import cuda_memory
 from .ranks import gather_ranks
 from .sampler import DeviceSampler
-from .throughput import ModelFlops, window_throughput
 from .tokens import TokenCounter
 from .verdicts import Verdict, WindowStats, judge, speed_trend
 from .window import LoopTimer, deciding_window, is_full_window, summarize_samples

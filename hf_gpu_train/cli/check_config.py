@@ -21,8 +21,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..launch.render import env_path_for, parse_env
-    from ..plan.lint import ERROR, Finding, lint
-    from ..plan.lint_plan import plan_findings
+    from ..plan.lint import ERROR, Finding, lint, plan_findings
     from ..plan.run_plan_file import plan_path_for
 
     path = Path(args.config_file)

@@ -35,7 +35,7 @@ def _devices(args) -> tuple[int, int, str, object]:
     """(memory per process in bytes, GPU count, what they are, the first GPU or None) from --gpu-memory-gib or the
     machine."""
     from ..errors import UsageError
-    from ..plan.gpu_selection import select_devices
+    from ..plan.gpus import select_devices
 
     if args.gpu_memory_gib:
         return int(args.gpu_memory_gib * 2**30), args.gpus or 1, "GPU(s)", None

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from ..hardware.backend import normalize_bus_id
 from ..hardware.profile import GpuInfo, HardwareProfile
-from .check import FAIL, PASS, SKIP, Check
+from .checks import FAIL, PASS, SKIP, Check
 
 
 @dataclass(frozen=True)

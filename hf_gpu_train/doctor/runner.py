@@ -5,11 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..hardware.profile import HardwareProfile, SoftwareInfo
-from .check import FAIL, Check, skipped
-from .gpu_checks import check_driver, gpu_checks
-from .host_checks import check_disk, check_shm
+from .checks import FAIL, Check, check_disk, check_driver, check_shm, gpu_checks, skipped, stack_checks
 from .live_checks import TorchProbe, p2p_copy_checks, small_win_checks
-from .stack_checks import stack_checks
 
 LIVE_ONLY = "live check: run `hf-gpu-train doctor` on the machine itself"
 

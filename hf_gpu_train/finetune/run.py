@@ -385,7 +385,7 @@ def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
         return None, None
     import torch
 
-    from ..callbacks.memory_probe import device_peak
+    from ..callbacks.devices import device_peak
 
     peak, _ = device_peak(torch.device("cuda", torch.cuda.current_device()))
     return peak, "rank 0: torch's peak reserved + what torch does not hold (CUDA context)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..doctor.stack_checks import torch_install_command
+from ..doctor.checks import torch_install_command
 from ..hardware.detect import detect
 from ..hardware.profile import GpuInfo, HardwareProfile
 from ..plan.decisions import PlanError, accelerate_uses_cpu, decide_precision

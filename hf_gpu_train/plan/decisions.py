@@ -9,7 +9,7 @@ import importlib.util
 
 from ..errors import PlanError
 from ..hardware.profile import GpuInfo, GpuPair, HardwareProfile
-from .gpu_selection import DEFAULT_BUSY_THRESHOLD_BYTES, select_devices
+from .gpus import DEFAULT_BUSY_THRESHOLD_BYTES, select_devices
 
 __all__ = ["PlanError", "DEFAULT_BUSY_THRESHOLD_BYTES", "accelerate_uses_cpu", "check_homogeneous", "decide_precision",
            "nccl_environment", "nccl_path", "p2p_level_cutoff", "select_gpus"]
@@ -61,7 +61,7 @@ def decide_precision(gpus: tuple[GpuInfo, ...], requested: str = "auto", fp8_bac
     return "fp16", f"GPU {g.index} ({g.name}, compute capability {g.capability_str}) has no bf16: fp16 with loss scaling"
 
 
-# -- GPU selection (gpu_selection.py decides; these keep the whole-GPU view for callers) -----------
+# -- GPU selection (gpus.py decides; these keep the whole-GPU view for callers) -----------
 
 def select_gpus(
     profile: HardwareProfile,

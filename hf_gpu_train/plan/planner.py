@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..hardware.profile import GpuInfo, HardwareProfile, MigInstance
-from .cpu_binding import CpuBinding, decide_cpu_binding
+from .cpu_binding import CpuBinding, dataloader_workers, decide_cpu_binding, thread_budget
 from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, PlanError, check_homogeneous, decide_precision, nccl_environment
-from .gpu_selection import select_devices
+from .gpus import select_devices
 from .machine_match import hardware_record
 from .memory import MemoryPlan, TrainingShape
 from .model_spec import ModelSpec
-from .threads import dataloader_workers, thread_budget
 
 STRATEGY_CHOICES = ("auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 DEFAULT_PORT = 29500

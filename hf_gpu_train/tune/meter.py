@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers import TrainerCallback
 
-from ..callbacks.gpu_lookup import model_device
+from ..callbacks.devices import model_device
 from ..callbacks.tokens import TokenCounter
 
 

@@ -1,5 +1,5 @@
 """The peak resident memory of a CPU trial: what `tune --memory-budget-gib` holds a candidate to on a machine
-without a GPU (on a GPU, torch's peak reserved: ``callbacks.memory_probe.device_peak``).
+without a GPU (on a GPU, torch's peak reserved: ``callbacks.devices.device_peak``).
 
 The trials of a launch share one process, so the operating system's own high-water mark (``ru_maxrss``) only ever
 grows: a thread samples the resident set while the trial runs instead. Before it starts, memory the C allocator kept

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from ..callbacks.memory_probe import device_peak
+from ..callbacks.devices import device_peak
 from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
 from ..finetune.tasks import task_for

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_gpu_train.callbacks import forward_timer as forward_timer_module
+from hf_gpu_train.callbacks.flops import ModelFlops, window_throughput
 from hf_gpu_train.callbacks.forward_timer import ForwardTimer
-from hf_gpu_train.callbacks.throughput import ModelFlops, window_throughput
 from hf_gpu_train.callbacks.tokens import TokenCounter
 from hf_gpu_train.callbacks.window import deciding_window
 

@@ -3,12 +3,20 @@ from dataclasses import replace
 import pytest
 
 from hf_gpu_train.doctor import FAIL, PASS, SKIP, WARN, exit_code, run_checks
-from hf_gpu_train.doctor.gpu_checks import check_idle_throttling, check_other_processes
-from hf_gpu_train.doctor.host_checks import check_disk, check_shm
+from hf_gpu_train.doctor.checks import (
+    check_cuda_compat,
+    check_cudnn_nccl,
+    check_disk,
+    check_gpu_models,
+    check_idle_throttling,
+    check_mig,
+    check_nvlink_p2p,
+    check_other_processes,
+    check_shm,
+    check_torch,
+    torch_install_command,
+)
 from hf_gpu_train.doctor.live_checks import ProbeResult, p2p_copy_checks, small_win_checks
-from hf_gpu_train.doctor.mig_checks import check_mig
-from hf_gpu_train.doctor.stack_checks import check_cuda_compat, check_cudnn_nccl, check_torch, torch_install_command
-from hf_gpu_train.doctor.topology_checks import check_gpu_models, check_nvlink_p2p
 from hf_gpu_train.hardware.profile import SoftwareInfo
 
 GOOD_SW = SoftwareInfo(python_version="3.11.7", torch_version="2.5.1+cu124", torch_cuda_build="12.4", cudnn_version=90100,

@@ -210,7 +210,7 @@ def _islands_box(count, island):
 
 
 def test_search_is_exhaustive_up_to_the_bound_and_greedy_beyond():
-    from hf_gpu_train.plan.gpu_subset import best_subset
+    from hf_gpu_train.plan.gpus import best_subset
 
     box = _islands_box(16, 4)
     chosen, why = best_subset(box, list(box.gpus[1:]), 4)  # GPU 0 taken: the island 4-7, not 1,2,3 plus one
@@ -226,7 +226,7 @@ def test_bridged_pairs_do_not_pull_a_subset_across_the_cpu_interconnect(machine)
     the two bridged pairs on two sockets (SYS), whose links would count for more in a plain NVLink total."""
     import dataclasses
 
-    from hf_gpu_train.plan.gpu_selection import select_devices
+    from hf_gpu_train.plan.gpus import select_devices
 
     box = machine("8x-a100-pcie-switches")
     bridged = {(0, 1), (4, 5)}

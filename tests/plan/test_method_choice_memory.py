@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from hf_gpu_train.plan.gpu_selection import select_devices
+from hf_gpu_train.plan.gpus import select_devices
 from hf_gpu_train.plan.memory import GIB, TrainingShape, usable_bytes
 from hf_gpu_train.plan.method_choice import recommend_method, useful_micro_batch
 from hf_gpu_train.plan.model_spec import ModelSpec, from_config
