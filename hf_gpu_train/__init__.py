@@ -3,6 +3,7 @@
 Hardware detection and the doctor never import torch at import time; the Trainer pieces
 (``attach_telemetry``, ``enable_oom_recovery``, ``load_config``) are imported on first use.
 """
+import importlib
 
 __version__ = "0.1.0"
 
@@ -26,7 +27,6 @@ __all__ = ["__version__", "detect", "load_machine", "HardwareProfile", "GpuInfo"
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
 
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)

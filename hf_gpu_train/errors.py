@@ -1,4 +1,6 @@
 """Errors the user can fix. The CLI prints their message (no traceback) and exits 2."""
+import os
+import sys
 
 
 class UsageError(Exception):
@@ -12,8 +14,6 @@ USAGE_ERROR_FILE_ENV = "HF_GPU_TRAIN_USAGE_ERROR_FILE"
 
 def report_usage_error(message: str, environ=None) -> None:
     """Print the one line a user needs, and leave it for `hf-gpu-train launch` when it started this process."""
-    import os
-    import sys
 
     environ = os.environ if environ is None else environ
     print(message, file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ no more communication, near the end of main: the entry points do it after a run 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import NoReturn
 
@@ -32,7 +33,6 @@ def leave_process_group() -> bool:
 def launch_attempt() -> str:
     """This launch and its restart (torchelastic's), for keys in the rendezvous store: a restarted launch keeps the
     store, and must not read the keys of its earlier attempt."""
-    import os
 
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 

@@ -67,3 +67,24 @@ def test_every_spelling_of_an_import_is_seen(tmp_path):
                       "def f():\n    import importlib\n    return importlib.import_module('hf_gpu_train.oom.recovery')\n")
     assert [t for _, t in imported_modules(module, package)] == ["callbacks", "finetune.run.main", "report.sub.sibling",
                                                                   "tune.search", "cli.main", "oom.recovery"]
+
+
+def test_imports_are_at_the_top_unless_start_up_needs_them_lazy():
+    """An import inside a function is for start-up time (`hf-gpu-train detect` and `--help` import no torch) or an
+    optional dependency: a third-party package, or a package module that imports a heavy one at its top; anything
+    else is marked ``# lazy: why`` or goes at the top of its module (``must_be_at_top`` in scripts/code_metrics.py)."""
+    found = METRICS.imports_that_belong_at_the_top(ROOT / "hf_gpu_train")
+    assert not found, "\n".join(found)
+
+
+def test_the_import_rule_tells_a_needed_lazy_import_from_a_needless_one(tmp_path):
+    package = tmp_path / "hf_gpu_train"
+    (package / "plan").mkdir(parents=True)
+    (package / "plan" / "__init__.py").write_text("")
+    (package / "plan" / "heavy.py").write_text("import torch\n")
+    (package / "plan" / "light.py").write_text("import json\n")
+    (package / "plan" / "user.py").write_text(
+        "def f():\n    import json\n    import torch\n    from . import heavy\n    from .light import json as j\n"
+        "    from .light import json as k  # lazy: a reason\n")
+    assert METRICS.imports_that_belong_at_the_top(package) == ["plan/user.py:2: import json",
+                                                               "plan/user.py:5: from .light import json as j"]

@@ -6,6 +6,8 @@ from transformers import TrainerCallback
 
 from ..errors import UsageError
 from ..hardware.backend import NvmlBackend
+from ..hardware.detect import detect
+from ..hardware.host import HostInfo
 from .devices import model_device
 
 
@@ -24,8 +26,6 @@ class CpuByAccidentGuard(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.allow_cpu or model_device(model).type != "cpu":
             return control
-        from ..hardware.detect import detect
-        from ..hardware.host import HostInfo
 
         profile = detect(self.backend, host=HostInfo(hostname="-")) if self.backend else detect()
         if profile.gpus:

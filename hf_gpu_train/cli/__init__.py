@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import sys
 
+from .. import __version__
 from ..closed_pipe import EXIT_CLOSED_PIPE, until_the_pipe_closes  # noqa: F401 (EXIT_CLOSED_PIPE: the status, see closed_pipe)
 from ..errors import UsageError
+from ..fast_exit import end_quickly
 
 SUBCOMMANDS = ("detect", "doctor", "machines", "config", "finetune", "launch", "check-config", "plan-memory", "report", "tune")
 # One runnable example per subcommand, printed at the end of its --help (tests/cli/test_help.py parses each).
@@ -46,13 +49,11 @@ class _OneLineCommands(argparse.RawDescriptionHelpFormatter):
 
 
 def _columns() -> int:
-    import shutil
 
     return shutil.get_terminal_size((100, 24)).columns
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog="hf-gpu-train",
@@ -89,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry_point() -> None:
-    from ..fast_exit import end_quickly
 
     end_quickly()
     sys.exit(main())

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import UsageError
 from .common import add_machine_argument, resolve_profile
 
 
@@ -19,7 +20,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
     from ..launch.render import env_path_for, parse_env
     from ..plan.lint import ERROR, Finding, lint, plan_findings
     from ..plan.run_plan_file import plan_path_for

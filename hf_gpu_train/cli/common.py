@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 
+from ..hardware.detect import detect
 from ..hardware.profile import HardwareProfile
+from ..hardware.snapshot import load_machine
 
 
 def add_machine_argument(parser: argparse.ArgumentParser) -> None:
@@ -21,10 +23,8 @@ def add_machine_argument(parser: argparse.ArgumentParser) -> None:
 def resolve_profile(args: argparse.Namespace) -> tuple[HardwareProfile, bool]:
     """(profile, live): the snapshot named by --machine, or this machine detected now."""
     if getattr(args, "machine", None):
-        from ..hardware.snapshot import load_machine
 
         return load_machine(args.machine), False
-    from ..hardware.detect import detect
 
     return detect(), True
 

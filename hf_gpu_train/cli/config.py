@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
+from ..hardware.snapshot import load_machine
+from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
+from ..textfmt import table
 from .common import add_machine_argument, resolve_profile
 
 
@@ -82,12 +85,9 @@ def port_in_use(port: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hardware.snapshot import load_machine
     from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
-    from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
     from ..plan.document import no_memory_plan, render_plan_json
     from ..plan.planner import PlanOptions, make_plan
-    from ..textfmt import table
 
     profile, live = resolve_profile(args)
     options = PlanOptions(

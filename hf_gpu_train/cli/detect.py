@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..hardware.profile import HardwareProfile
+from ..hardware.snapshot import save, to_json
+from ..hardware.topology import LEGEND, p2p_summary, topology_matrix
 from ..textfmt import gib, table
 from .common import add_machine_argument, resolve_profile
 
@@ -35,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
 
         profile = replace(profile, software=detect_software())
     if args.save:
-        from ..hardware.snapshot import save
 
         path = save(profile, args.save)
         if not args.json:
@@ -43,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
     if picture is not None:
         _write_picture(profile, picture, args.topology_svg)
     if args.json:
-        from ..hardware.snapshot import to_json
 
         print(to_json(profile), end="")
     else:
@@ -66,7 +66,7 @@ def _picture_target(value: str) -> Path:
 
 
 def _write_picture(profile: HardwareProfile, path: Path, value: str) -> None:
-    from ..report.topology_picture import save_topology_svg
+    from ..report.topology_picture import save_topology_svg  # lazy: looked up when called, so a replacement (a test's) is seen
 
     try:
         save_topology_svg(profile, path)
@@ -75,7 +75,6 @@ def _write_picture(profile: HardwareProfile, path: Path, value: str) -> None:
 
 
 def render(profile: HardwareProfile, live: bool = True) -> str:
-    from ..hardware.topology import LEGEND, p2p_summary, topology_matrix
 
     h = profile.host
     source = "this machine" if live else f"snapshot {profile.display_name}"

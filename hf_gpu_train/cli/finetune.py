@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from ..finetune.recipe_names import RECIPES_DIR, shipped_names
+from ..process_group import leave_process_group
+
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from ..finetune.recipe_names import RECIPES_DIR, shipped_names
 
     p = subparsers.add_parser(
         "finetune", help="fine-tune with a shipped recipe or your own, in this one process",
@@ -26,7 +28,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..finetune.run import main
-    from ..process_group import leave_process_group
 
     code = main([*(["--config", args.config] if args.config is not None else []), *args.overrides],
                 prog="hf-gpu-train finetune")

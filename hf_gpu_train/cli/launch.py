@@ -9,15 +9,22 @@ the plan, and the training processes see it too (``RunPlan.launch_overrides``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import USAGE_ERROR_FILE_ENV, UsageError
+from ..finetune.recipe_names import file_overrides, resolve_recipe
+from ..launch.rank_report import HANG_EXIT_CODE, PROGRESS_DIR_ENV, failure_line, read_hang_report, read_progress, root_cause
+from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+from ..plan.cpu_binding import TASKSET
+from . import example
 
 USAGE = "hf-gpu-train launch [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT [SCRIPT_ARGS ...]"
 DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS` with FILE's .env (written by `hf-gpu-train "
@@ -60,7 +67,6 @@ def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[st
 
 def _binding(plan, settings: dict) -> tuple[frozenset[int] | None, str | None]:
     """A taskset binding applied to this launcher is inherited by accelerate and every process it starts."""
-    from ..plan.cpu_binding import TASKSET
     from ..plan.run_environment import binding_target
 
     if plan is None or plan.cpu_binding is None or plan.cpu_binding.method != TASKSET or not hasattr(os, "sched_getaffinity"):
@@ -84,8 +90,6 @@ def recipe_in(script_args: list[str]) -> str | None:
 def _as_the_run_reads(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """The recipe file and overrides the run will read (``finetune.run.parse_args``): a shipped recipe's name is its
     file, its data files absolute paths; a recipe that cannot be found is left for the run to report."""
-    from ..errors import UsageError
-    from ..finetune.recipe_names import file_overrides, resolve_recipe
 
     if recipe is None:
         return None, overrides
@@ -98,9 +102,7 @@ def _as_the_run_reads(recipe: str | None, overrides: list[str]) -> tuple[str | N
 
 def _data(recipe: str | None, overrides: list[str]) -> dict | None:
     """The run's model and data files as the run will stamp them (None: its config cannot be read; the run says why)."""
-    import dataclasses
 
-    from ..errors import UsageError
     from ..finetune.config import load_config_and_keys
     from ..plan.run_plan_file import data_stamps
 
@@ -158,7 +160,6 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
     them without its machine variables (threads, NCCL topology, devices) and CPU binding."""
     import yaml
 
-    from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
     from ..plan.machine_match import detect_this_machine, scope_to_this_machine
     from ..plan.run_plan_file import PLAN_ENV, env_path_for, generating_command, parse_env, plan_path_for, read_run_plan
 
@@ -224,10 +225,8 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plan.accelerate_argv import split_launch_argv
 
     if split_launch_argv(args.argv).has(*HELP_FLAGS):
-        from . import example
 
         print(f"usage: {USAGE}\n\n{DESCRIPTION}\n\n{example('launch')}")
         return 0
@@ -247,17 +246,7 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
     (torchrun's ChildFailedError traceback and report box, accelerate's CalledProcessError) are dropped, everything else
     (another rank's own traceback) still reaches stderr; the one line is shown, and the exit code is 2, as for one
     process."""
-    import tempfile
 
-    from ..errors import USAGE_ERROR_FILE_ENV
-    from ..launch.rank_report import (
-        HANG_EXIT_CODE,
-        PROGRESS_DIR_ENV,
-        failure_line,
-        read_hang_report,
-        read_progress,
-        root_cause,
-    )
 
     with tempfile.TemporaryDirectory(prefix="hf_gpu_train_launch_") as folder:
         marker = Path(folder) / "usage_error.txt"

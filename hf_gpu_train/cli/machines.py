@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..hardware.snapshot import load_machine, reference_machine_names
 from ..textfmt import table
 
 
@@ -13,7 +14,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hardware.snapshot import load_machine, reference_machine_names
 
     rows = [["Name", "GPUs", "Description"]]
     for name in reference_machine_names():

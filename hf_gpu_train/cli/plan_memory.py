@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import math
+from dataclasses import replace
 
+from ..errors import UsageError
+from ..hardware.peaks import peak_flops
+from ..plan.gpus import select_devices
+from ..textfmt import table
 from .common import add_machine_argument, resolve_profile
 from .config import add_planner_arguments, model_spec_from_args
 
@@ -34,8 +40,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _devices(args) -> tuple[int, int, str, object]:
     """(memory per process in bytes, GPU count, what they are, the first GPU or None) from --gpu-memory-gib or the
     machine."""
-    from ..errors import UsageError
-    from ..plan.gpus import select_devices
 
     if args.gpu_memory_gib:
         return int(args.gpu_memory_gib * 2**30), args.gpus or 1, "GPU(s)", None
@@ -49,7 +53,6 @@ def _devices(args) -> tuple[int, int, str, object]:
 
 
 def _check(args, spec) -> None:
-    from ..errors import UsageError
     from ..plan.model_spec import adapter_shape, quantized_params
 
     if args.lora_rank < 1:
@@ -60,7 +63,6 @@ def _check(args, spec) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
     from ..plan.memory import TrainingShape
 
     spec = model_spec_from_args(args)
@@ -87,13 +89,10 @@ def run(args: argparse.Namespace) -> int:
 def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     """The per-lever table and the recommended set (levers/table.py), on the plan's strategy; 0 when the
     recommended set fits, 1 when nothing does."""
-    import math
 
-    from ..hardware.peaks import peak_flops
     from ..levers.plan import host_room_per_process
     from ..levers.table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
     from ..plan.method_choice import useful_micro_batch
-    from ..textfmt import table
 
     per_gpu = math.ceil(args.global_batch / count)
     useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (lever_plan.py)
@@ -144,10 +143,8 @@ def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
 
 def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:
     """(exit status, the strategy the levers are planned on: the plan's, or the last tried when nothing fits)"""
-    from dataclasses import replace
 
     from ..plan.memory import STRATEGIES, estimate, largest_micro_batch, plan_memory
-    from ..textfmt import table
 
     rows = [["Strategy", "Fixed (GiB)", "Act./sample (GiB)", "Max micro-batch", "With checkpointing"]]
     if shape.method == "full":
@@ -185,7 +182,6 @@ def _print_plan(plan, count, global_batch, memory) -> None:
 def _run_auto(args, spec, shape, memory, count) -> int:
     from ..plan.memory import BREAKDOWN_ROWS, usable_bytes
     from ..plan.method_choice import recommend_method
-    from ..textfmt import table
 
     rec = recommend_method(spec, memory, count, shape, args.global_batch, prefer_full=args.prefer_full)
     shown = [c for c in rec.candidates if c.available]

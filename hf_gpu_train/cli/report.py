@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import UsageError
+from ..report.story import LOG_HISTORY, read_history
+from ..report.writer import JSONL, load_run, render_report, render_terminal_summary, telemetry_recorded
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("report", help="redraw a run's report.md (metrics, curves, config, plan, telemetry)",
@@ -17,9 +21,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..report.story import LOG_HISTORY, read_history
-    from ..report.writer import JSONL, load_run, render_report, render_terminal_summary, telemetry_recorded
 
     out = Path(args.output_dir)
     if not out.is_dir():

@@ -21,6 +21,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import UsageError
+from ..hardware.snapshot import load_machine
+from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
+from ..plan.accelerate_argv import SWITCHES as ACCELERATE_SWITCHES
+from ..textfmt import table
+from . import example
 
 USAGE = ("hf-gpu-train tune [--budget-s S] [--fresh] [--axes A,B] [--machine SNAPSHOT | --dry-run] [ACCELERATE_OPTIONS] "
          "--config-file NAME.yaml scripts/finetune.py --config RECIPE.yaml [key=value ...]")
@@ -61,7 +66,6 @@ VALUED = ("--budget-s", "--axes", "--machine", "--warmup-steps", "--measure-step
 
 def split_tune_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(tune's own options, everything else): tune's options are taken from anywhere before the script."""
-    from ..plan.accelerate_argv import SWITCHES as ACCELERATE_SWITCHES
 
     own: list[str] = []
     rest: list[str] = []
@@ -104,7 +108,6 @@ def _axes(text: str) -> tuple[str, ...]:
 
 
 def print_space(job) -> None:
-    from ..textfmt import table
 
     s = job.space
     print(f"Candidates for {job.config_file.name} on {job.machine}: {s.world_size} process(es), effective batch "
@@ -148,13 +151,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     own_argv, rest = split_tune_argv(args.argv)
     if any(t in ("-h", "--help") for t in own_argv + rest[:1]):
-        from . import example
 
         own_parser().print_help()
         print(f"\n{example('tune')}")
         return 0
     opts = own_parser().parse_args(own_argv)
-    from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
     from ..tune.job import load_job
 
     parsed = split_launch_argv(rest)
@@ -163,7 +164,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--config-file NAME.yaml and the training script are required: {USAGE}")
     profile = None
     if opts.machine:
-        from ..hardware.snapshot import load_machine
 
         profile = load_machine(opts.machine)
     if opts.memory_budget_gib is not None and opts.memory_budget_gib <= 0:
@@ -215,7 +215,6 @@ def _tune(job, opts, options: list[str], started: float) -> int:
 
 
 def _write_and_print(job, opts, results, notes, choice, spent, startup_s, started) -> int:
-    from ..textfmt import table
     from ..tune.plot import write_plot
     from ..tune.tune_report import RunFacts, render_report, report_paths, trial_rows, write_report
     from ..tune.writeback import write_winner

@@ -24,6 +24,8 @@ import itertools
 import json
 import time
 
+from ..process_group import rendezvous_store
+
 FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop", "should_epoch_stop")
 STOP_FLAGS = ("should_training_stop", "should_epoch_stop")
 _KEY = "hf_gpu_train/gate"
@@ -226,7 +228,6 @@ class EntryGate:
 
     def _connect(self):
         if self._store is None:
-            from ..process_group import rendezvous_store
 
             self._store = rendezvous_store()
         return self._store

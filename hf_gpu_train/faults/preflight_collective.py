@@ -30,6 +30,7 @@ import time
 from datetime import timedelta
 
 from ..errors import UsageError
+from ..process_group import launch_attempt
 
 DEFAULT_TIMEOUT_S = 60.0
 _KEY = "hf_gpu_train/preflight"
@@ -79,7 +80,6 @@ def check_ranks_join(seconds: float) -> None:
     except (RuntimeError, TimeoutError) as error:  # DistNetworkError / DistStoreError are RuntimeErrors
         raise PreflightError(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous at {host}:{port} within "
                              f"{connect_s:.0f} s ({str(error).splitlines()[0]}): {network_fix()}") from None
-    from ..process_group import launch_attempt
 
     prefix = f"{_KEY}/{launch_attempt()}/joined"
     store.set(f"{prefix}/{rank}", socket.gethostname())

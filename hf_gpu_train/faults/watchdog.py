@@ -25,11 +25,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
+from ..process_group import rendezvous_store
 
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
@@ -153,7 +155,6 @@ def _rank() -> tuple[int, int]:
 
 def _store():
     """A private connection to the store the process group was made with (None: one process, or no store)."""
-    from ..process_group import rendezvous_store
 
     return rendezvous_store()
 
@@ -389,7 +390,6 @@ def _flight_record(folder: Path, rank: int) -> None:
 
 
 def _timedelta(seconds: float):
-    from datetime import timedelta
 
     return timedelta(seconds=seconds)
 

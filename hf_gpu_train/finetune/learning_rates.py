@@ -28,6 +28,8 @@ Causal LMs and runs from scratch get theirs in the config (``finetune/config.py`
 
 from __future__ import annotations
 
+from collections import Counter
+
 FINETUNE_LEARNING_RATE = 5e-5  # BERT-base and ViT fine-tuning: the reference the families are measured against
 BATCHNORM_LEARNING_RATE = 1e-3
 REFERENCE_WIDTH = 768  # BERT-base's hidden size, at which a text encoder gets FINETUNE_LEARNING_RATE
@@ -54,7 +56,6 @@ def normalised_by_batchnorm(model) -> bool:
 
 def _norm_kinds(model) -> str:
     """The normalisation layers' class names, most frequent first (what the printed reason names)."""
-    from collections import Counter
 
     counts = Counter(type(m).__name__ for m in _norm_layers(model))
     return ", ".join(name for name, _ in counts.most_common(3))

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import hashlib
+import importlib.metadata as metadata
 import itertools
 import json
 import os
@@ -40,8 +42,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
+from .. import __version__
+from ..process_group import launch_attempt, rendezvous_store
 from .config import ConfigError, FinetuneConfig
 
 MARKER = "prepared.json"
@@ -97,9 +102,7 @@ def tokenizer_stamps(model_path: str | None, tokenizer=None) -> list:
 
 
 def _versions() -> dict:
-    import importlib.metadata as metadata
 
-    from .. import __version__
 
     found = {"hf_gpu_train": __version__}
     for name in ("transformers", "tokenizers", "datasets"):
@@ -169,7 +172,6 @@ def prepare_once(key: str, build: Callable[[], Prepared]) -> Prepared:
     rendezvous store, never in a collective."""
     if world_size() < 2:
         return build()
-    import fcntl
 
     folder = cache_dir() / key
     try:
@@ -205,9 +207,7 @@ _waits = itertools.count()
 def wait_for_every_rank(key: str | None = None) -> None:
     """Every rank posts that its data is ready and waits for all (``HF_GPU_TRAIN_PREPARE_TIMEOUT`` seconds, default
     a day: preparing a large dataset may take hours, and a rank that dies ends the launch anyway)."""
-    from datetime import timedelta
 
-    from ..process_group import launch_attempt, rendezvous_store
 
     store = rendezvous_store()
     if store is None:

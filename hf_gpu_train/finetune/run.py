@@ -10,6 +10,8 @@ command reads ``parse_args`` before any training process exists; what the run ne
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -17,9 +19,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..closed_pipe import until_the_pipe_closes
 from ..errors import UsageError, report_usage_error
+from ..fast_exit import end_quickly
+from ..faults.checkpoint_marker import resume_point
+from ..plan.decisions import accelerate_uses_cpu
+from ..report.writer import render_report
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
 from .metrics import SHOWN_METRICS
+from .recipe_names import file_overrides, resolve_recipe, shipped_names
 from .tasks import Prepared, task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
@@ -28,7 +36,6 @@ log = logging.getLogger("hf_gpu_train.finetune")
 def parse_args(argv: list[str] | None, prog: str = "finetune.py") -> tuple[str | None, list[str]]:
     """(recipe file, key=value overrides). ``--config`` takes a file or a shipped recipe's name (``recipe_names``); a
     shipped recipe's data files, written relative to it, come first among the overrides as absolute paths."""
-    from .recipe_names import file_overrides, resolve_recipe, shipped_names
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -44,7 +51,6 @@ def parse_args(argv: list[str] | None, prog: str = "finetune.py") -> tuple[str |
 
 
 def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
-    from ..faults.checkpoint_marker import resume_point
     from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
 
     out = Path(cfg.output_dir)
@@ -86,7 +92,6 @@ def prepare(cfg: FinetuneConfig, runtime):
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
-    from ..plan.decisions import accelerate_uses_cpu
     from .intervals import interval_callbacks
 
     # the completion marker (with the label map) comes with guard_saves in finetune()
@@ -119,8 +124,6 @@ OWNED_BY_CONFIG = {
 def check_extra_arguments(cfg: FinetuneConfig) -> None:
     """``extra`` goes to TrainingArguments as it is: a typo must fail here, named, not as a TypeError traceback after
     the model has loaded."""
-    import dataclasses
-    import difflib
 
     from transformers import TrainingArguments
 
@@ -353,7 +356,6 @@ class FinetuneRun:
             if self.launch_plan is not None:
                 summary["plan"] = self.launch_plan.record(*measured_peak_memory(runtime))
             (Path(cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
-            from ..report.writer import render_report
 
             try:  # the run's story: metrics, curves, config, the plan next to what was measured
                 render_report(cfg.output_dir)
@@ -394,8 +396,6 @@ def measured_peak_memory(runtime) -> tuple[int | None, str | None]:
 def main(argv: list[str] | None = None, prog: str = "finetune.py") -> int:
     """The fine-tuning entry point: ``scripts/finetune.py``, ``python -m hf_gpu_train.finetune`` (``accelerate launch -m
     hf_gpu_train.finetune``) and ``hf-gpu-train finetune``; ``prog`` names it in its usage line."""
-    from ..closed_pipe import until_the_pipe_closes
-    from ..fast_exit import end_quickly
 
     end_quickly()  # the interpreter's final collections after torch and transformers: seconds per rank (fast_exit.py)
     return until_the_pipe_closes(lambda: _main(argv, prog))

@@ -12,6 +12,7 @@ from typing import Any
 
 from .backend import INIT_FAILURE_CAUSES, NvmlBackend, NvmlFailure, safe_query
 from .host import detect_host
+from .nvml import PynvmlBackend
 from .profile import (
     P2P_STATUS_NAMES,
     TOPOLOGY_LEVELS,
@@ -32,7 +33,6 @@ def cuda_version_string(value: int | None) -> str | None:
 
 
 def default_backend() -> NvmlBackend:
-    from .nvml import PynvmlBackend
 
     return PynvmlBackend()
 

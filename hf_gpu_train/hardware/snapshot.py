@@ -12,6 +12,7 @@ import json
 import re
 import types
 import typing
+from difflib import get_close_matches
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,6 @@ def load_machine(file_or_name: str) -> HardwareProfile:
         return load(path)
     if file_or_name in reference_machine_names():
         return _load_reference(file_or_name)
-    from difflib import get_close_matches
 
     close = get_close_matches(file_or_name, reference_machine_names(), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""

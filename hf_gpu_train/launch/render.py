@@ -15,8 +15,10 @@ from pathlib import Path
 import yaml
 
 from .. import __version__
+from ..plan.deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, accelerate_keys, deepspeed_path_for
 from ..plan.planner import LaunchPlan
 from ..plan.run_plan_file import GENERATED_MARK, PLAN_ENV, env_path_for, parse_env, plan_path_for
+from .accelerate_env import launch_environment
 
 __all__ = ["accelerate_command", "env_path_for", "launch_command", "parse_env", "render_env", "render_sbatch", "render_yaml",
            "torchrun_command"]
@@ -24,7 +26,6 @@ __all__ = ["accelerate_command", "env_path_for", "launch_command", "parse_env", 
 
 def render_yaml(plan: LaunchPlan, command: str, deepspeed_path: str | Path | None = None) -> str:
     """The accelerate YAML; ``deepspeed_path``: where NAME.deepspeed.json is written, for a plan that needs one."""
-    from ..plan.deepspeed_config import accelerate_keys
 
     header = [
         f"# accelerate config for {plan.machine}, {GENERATED_MARK} {__version__}",
@@ -73,8 +74,6 @@ def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", conf
     """torchrun reads no accelerate config: the environment, where the plan is (HF_GPU_TRAIN_PLAN, given
     ``config_path``), and the variables `accelerate launch` would export for the YAML (its strategy: FSDP or DeepSpeed
     and their settings, then the precision; accelerate_env.py) go on the command line."""
-    from ..plan.deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, accelerate_keys, deepspeed_path_for
-    from .accelerate_env import launch_environment
 
     acc = plan.accelerate
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_dict.items())

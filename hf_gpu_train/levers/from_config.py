@@ -12,16 +12,17 @@ This module imports no torch at the top: ``check_levers`` runs in config validat
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
-from ..errors import ConfigError
-from ..plan.training_shape import ATTENTION_KEPT, SELECTIVE_POLICIES
+from ..errors import ConfigError, UsageError
+from ..plan.training_shape import ATTENTION_KEPT, SELECTIVE_POLICIES, checkpoint_every
+from .release_memory import release_on_cuda
 
 
 def check_levers(cfg, images: bool) -> None:
     """The config's levers against each other and the task (``images``: a timm model); what needs the runtime
     (precision, processes, accumulation) is checked by ``apply_levers``."""
-    from ..plan.training_shape import checkpoint_every
 
     try:
         checkpoint_every(cfg.checkpoint_layers)
@@ -70,7 +71,6 @@ def training_arguments(cfg, fsdp_checkpoints: bool) -> dict:
     arguments), selective checkpointing is enabled on the model (``apply_levers``) since its policy is a function;
     optimizer_in_backward turns gradient clipping off (``check_levers`` refused an explicit one): the Trainer's default
     clips at 1.0, so that lever is exact against a run without clipping, and says so when it starts."""
-    from ..plan.training_shape import checkpoint_every
 
     if fsdp_checkpoints and cfg.checkpoint_layers != "all":
         raise ConfigError(f"checkpoint_layers={cfg.checkpoint_layers!r} with the launch config's fsdp_activation_checkpointing: "
@@ -93,11 +93,9 @@ class CudaRelease(NamedTuple):
 def release_memory_before_cuda(cfg, environ=None) -> CudaRelease | None:
     """``release_memory`` on CUDA: the allocator setting goes into the environment before anything asks torch about
     CUDA (resolving the runtime does: torch reads the setting once, when CUDA starts). None without release_memory."""
-    import os
 
     if not cfg.release_memory:
         return None
-    from .release_memory import release_on_cuda
 
     environ = os.environ if environ is None else environ
     ours = not environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -108,11 +106,10 @@ def release_memory(cfg, runtime, cuda: CudaRelease | None, environ=None) -> list
     """``release_memory``: the allocator gives freed memory back at once (levers/release_memory.py); before the model
     loads. ``cuda``: what ``release_memory_before_cuda`` did; on the CPU a setting it made is taken back (nothing reads
     it) and glibc's thresholds are fixed instead. The lines to print."""
-    import os
 
     if not cfg.release_memory:
         return []
-    from .release_memory import release_on_the_cpu
+    from .release_memory import release_on_the_cpu  # lazy: looked up when called, so a replacement (a test's) is seen
 
     if runtime.on_cuda:
         return [cuda.line] if cuda else []
@@ -124,9 +121,7 @@ def release_memory(cfg, runtime, cuda: CudaRelease | None, environ=None) -> list
 
 def apply_levers(trainer, cfg, runtime) -> list[str]:
     """The levers on a built Trainer; the lines to print (what each does here, or why it stepped aside)."""
-    import os
 
-    from ..plan.training_shape import checkpoint_every
 
     lines = []
     if cfg.gradient_checkpointing and cfg.checkpoint_layers in SELECTIVE_POLICIES:
@@ -141,7 +136,6 @@ def apply_levers(trainer, cfg, runtime) -> list[str]:
         lines.append(f"checkpointing: {cfg.checkpoint_layers} (one layer in {checkpoint_every(cfg.checkpoint_layers)} checkpointed, the others "
                      "keep their activations)")
     if cfg.offload_activations:
-        from ..errors import UsageError
         from . import activation_offload
 
         if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):

@@ -22,6 +22,9 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..errors import UsageError
+from ..plan.training_shape import ATTENTION_KEPT
+
 _ATEN = torch.ops.aten
 
 
@@ -81,8 +84,6 @@ def checkpoint_kwargs(policy: str = "selective") -> dict:
 def enable(model, policy: str = "selective") -> None:
     """Selective checkpointing (``policy``: a key of ``POLICIES``) on every checkpointable layer of a transformers model
     (or a peft model around one); a UsageError naming the fix for a model it cannot serve."""
-    from ..errors import UsageError
-    from ..plan.training_shape import ATTENTION_KEPT
 
     target = model
     if not hasattr(target, "activation_checkpointing_enable") and hasattr(target, "get_base_model"):

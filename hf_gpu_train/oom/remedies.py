@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UsageError
+from ..plan.training_shape import TrainingShape
 
 
 class OutOfMemoryAtMicroBatchOne(UsageError):
@@ -33,7 +34,6 @@ def remedies(args, model, inputs, failure: str | None) -> str:
 def planner_estimate(args, model, inputs) -> str | None:
     from ..plan.memory import estimate
     from ..plan.model_spec import ModelSpec, from_config
-    from ..plan.training_shape import TrainingShape
 
     try:
         inner = getattr(model, "module", model)

@@ -15,6 +15,7 @@ The run itself says the same in its first lines; check-config says it before a j
 from __future__ import annotations
 
 import difflib
+import json
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -218,7 +219,6 @@ WARNING = "warning"
 
 def plan_findings(plan_path: Path, profile: HardwareProfile) -> list[tuple[str, str]]:
     """(level, message) for the plan beside a config; [] when there is none or nothing to say."""
-    import json
 
     try:
         doc = json.loads(plan_path.read_text())

@@ -12,6 +12,7 @@ No torch here: the run calls this before torch is imported (OpenMP and NCCL read
 
 from __future__ import annotations
 
+from ..hardware.detect import detect
 from ..hardware.profile import HardwareProfile
 from .run_plan_file import accelerate_precision, plan_before_tune
 
@@ -21,7 +22,6 @@ from .scope import MACHINE_VARIABLES, MEMORY_TOLERANCE, differences, hardware_re
 
 def detect_this_machine() -> HardwareProfile:
     """This machine as `hf-gpu-train detect` sees it (NVML and /proc; no torch)."""
-    from ..hardware.detect import detect
 
     return detect()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..builtin_models import minilm_path
 from ..errors import UsageError
 
 
@@ -291,7 +292,6 @@ def resolve_model(name_or_path: str, image_size: int = 224) -> ModelSpec:
     """``timm/NAME`` or a timm model name -> timm; ``builtin:minilm`` -> the shipped MiniLM's config; anything
     else -> a Hugging Face config (local directory or hub id)."""
     if name_or_path == "builtin:minilm":
-        from ..builtin_models import minilm_path
 
         return from_hf_config(minilm_path())
     name_or_path = BUILTIN_MODELS.get(name_or_path, name_or_path)

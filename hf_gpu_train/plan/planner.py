@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..hardware.peaks import peak_flops
 from ..hardware.profile import GpuInfo, HardwareProfile, MigInstance
 from .cpu_binding import CpuBinding, dataloader_workers, decide_cpu_binding, thread_budget
 from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, PlanError, check_homogeneous, decide_precision, nccl_environment
+from .deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, deepspeed_file_for
 from .gpus import select_devices
 from .machine_match import hardware_record
 from .memory import MemoryPlan, TrainingShape
@@ -125,7 +127,6 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: Gp
         candidates = ("ddp",) if multi else ("single",)
     if options.model is None:
         return None, candidates[0]
-    from ..hardware.peaks import peak_flops
     from ..levers.plan import plan_with_levers
     from ..levers.table import pcie_bytes_per_second
 
@@ -279,7 +280,6 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
         mode = "parameters resharded after forward (ZeRO-3-like)" if base == "fsdp" else "parameters kept between forward and backward (ZeRO-2-like, less traffic)"
         settings.append(Setting("distributed_type", "FSDP", f"FSDP2, {mode}" + (", parameters offloaded to CPU (last resort)" if offload else "") + ": " + why))
     else:
-        from .deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, deepspeed_file_for
 
         stage = 3 if base == "deepspeed-zero3" else 2
         acc["distributed_type"] = "DEEPSPEED"

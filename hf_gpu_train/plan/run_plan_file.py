@@ -7,10 +7,13 @@ file; this module parses it and says, in the error, which file is wrong and how 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,7 +54,6 @@ def env_path_for(config_path: str | Path) -> Path:
 
 def parse_env(text: str) -> dict[str, str]:
     """The variables of a .env file (``KEY=value`` lines, shell-quoted values, comments)."""
-    import shlex
 
     env = {}
     for raw in text.splitlines():
@@ -279,7 +281,6 @@ def plan_from_env_file(config_file: Path, command: str, source: str, environ: Ma
 def plan_before_tune(plan: RunPlan) -> RunPlan:
     """The plan as `hf-gpu-train config` wrote it: the values tune replaced put back (tune starts from them, so a
     rerun asks for what the first run asked, whatever that run wrote)."""
-    from dataclasses import replace
 
     replaced = ((plan.document or {}).get(TUNED) or {}).get("replaced") or {}
     if not replaced:
@@ -290,7 +291,6 @@ def plan_before_tune(plan: RunPlan) -> RunPlan:
 
 def recipe_identity(recipe: str | Path | None) -> dict | None:
     """The recipe file a tuned plan was measured for: its absolute path and a hash of its text (None: no recipe)."""
-    import hashlib
 
     if recipe is None:
         return None
@@ -387,7 +387,6 @@ def write_measured_values(path: str | Path, values: Mapping[str, PlanValue], tun
     """Replace some of NAME.plan.json's values (each with its reason) and record what measured them under
     ``TUNED``, with the values they replaced (``TUNED.replaced``: the plan's own, from before the first tune, kept
     across later tunes); everything else in the document stays as it was. The caller keeps a backup first."""
-    import os
 
     path = Path(path)
     try:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..builtin_models import minilm_path
 from ..hardware.profile import HardwareProfile
 from .memory import STRATEGIES, usable_bytes
 from .model_spec import BUILTIN_MODELS, ModelSpec, model_fingerprint
@@ -156,7 +157,6 @@ def canonical_name(name: str) -> str:
     """One name per model: the builtin names as the planner resolves them, timm names with their prefix, local
     directories as absolute paths."""
     if name == "builtin:minilm":
-        from ..builtin_models import minilm_path
 
         name = minilm_path()
     name = BUILTIN_MODELS.get(name, name)

@@ -12,6 +12,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from .generations import generations_section
+from .plots import draw_all
+from .story import LOG_HISTORY, read_json_object, story
+
 JSONL = "telemetry.jsonl"
 SUMMARY = "telemetry_summary.json"
 REPORT = "report.md"
@@ -37,7 +41,6 @@ def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu
 def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log_history: list | None = None) -> Path:
     """``verdict``: the run's last (anything with ``to_dict()``: callbacks/verdicts.Verdict), or None. ``log_history``:
     the Trainer's, written beside (``story.LOG_HISTORY``) for the loss curves of a Trainer that never saves its state."""
-    from .story import LOG_HISTORY
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,9 +96,6 @@ def render_report(output_dir) -> list[Path]:
     """(Re)draw report.md and its charts from the files already in output_dir: the run's story (final metrics, loss,
     learning rate and gradient norm against steps, the resolved config: story.py), the launch plan applied and not
     applied, the telemetry summary and panels when telemetry recorded the run, the generations of a causal LM."""
-    from .generations import generations_section
-    from .plots import draw_all
-    from .story import read_json_object, story
 
     out = Path(output_dir)
     told, story_plots = story(out)

@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 from ..errors import UsageError
 from ..finetune.tasks.base import task_for
+from ..hardware.detect import detect
+from ..plan.decisions import accelerate_uses_cpu
 from . import hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
 from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space
@@ -65,7 +67,6 @@ def world_size_of(plan, launch_settings: Mapping[str, object]) -> int:
 
 
 def _on_cuda(plan, profile) -> bool:
-    from ..plan.decisions import accelerate_uses_cpu
 
     if profile is not None:
         return bool(profile.gpus)
@@ -137,7 +138,6 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
                         planned_micro_batch=planned_micro, planned_workers=plan.value("dataloader_num_workers"), axes=axes)
     space = plan_space(inputs, memory_check if plan.memory is not None else None)
     if profile is None:
-        from ..hardware.detect import detect
 
         profile = detect()
     identity = job_identity(values)

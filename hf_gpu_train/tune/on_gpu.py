@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..textfmt import table
+
 GIB = 2**30
 
 
@@ -69,7 +71,6 @@ def _hf(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def check_case(root: Path, case: TuneCase, budget_s: float | None = None) -> bool:
-    from ..textfmt import table
 
     print(f"\n--- tune: {case.name} ({case.recipe}) ---", flush=True)
     if not (root / case.recipe).is_file():

@@ -29,6 +29,7 @@ from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
 from ..finetune.tasks import task_for
 from ..levers.activation_offload import detach as detach_offloading
+from . import hooks
 from .candidates import Candidate
 from .lm_layouts import Layout, prepared_layout
 from .resident_memory import PeakResident
@@ -88,7 +89,6 @@ class TrialSession:
 
         from ..finetune.run import prepare
         from ..finetune.runtime import resolve_runtime
-        from . import hooks
 
         environ = os.environ if environ is None else environ
         self.cfg = cfg
@@ -118,7 +118,6 @@ class TrialSession:
         if packing is None or packing == self.cfg.packing:
             return self.layouts[None]
         if packing not in self.layouts:
-            from . import hooks
             from .lm_layouts import build_layout
 
             built = build_layout(packing, self.cfg, self.model, self.processing_class, self.data, self.runtime.on_cuda)

@@ -12,12 +12,14 @@ with the unwrapped model; skipped under FSDP and DeepSpeed, where every process 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...report.generations import GENERATIONS
+from ...report.writer import render_report
 from .chat import render
 from .data import CHAT, TEXT, CausalLMData
 
@@ -66,7 +68,6 @@ def pick_prompts(data: CausalLMData, tokenizer, cfg) -> list[Prompt]:
 
 def generate(model, tokenizer, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
     """Greedy answers to ``prompts`` in one left-padded batch."""
-    import copy
 
     import torch
 
@@ -129,7 +130,6 @@ class GenerationSamples:
         path.write_text(json.dumps({"max_new_tokens": self.cfg.generation_max_new_tokens, "decoding": "greedy",
                                     "samples": records}, indent=2, ensure_ascii=False))
         if (out / "report.md").is_file():  # telemetry wrote a report: draw it again with this section
-            from ...report.writer import render_report
 
             render_report(out)
         return path

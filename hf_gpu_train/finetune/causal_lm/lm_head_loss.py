@@ -24,11 +24,15 @@ they are: ``support`` says why.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
 
 from ...plan.model_spec import lm_head_extras  # what the config adds beyond hidden @ W.T: the chunked path would not be exact
+from ...plan.training_shape import chunk_rows
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # rows at a time when the vocabulary is unknown; else launch.training_shape.chunk_rows(vocabulary)
@@ -138,7 +142,6 @@ def linear_cross_entropy(hidden, weight, bias, targets, scale, chunk: int = DEFA
 
 def kernel_problem(kernel: str, on_cuda: bool) -> str | None:
     """Why ``kernel`` cannot run here (None: it can)."""
-    import importlib
 
     module, package = KERNELS[kernel]
     if not on_cuda:
@@ -186,7 +189,6 @@ PROBED_ATTENTION = ("sdpa", "eager")  # the probe runs these: flash-attn needs 1
 
 def _autocast_for(precision: str | None, device: torch.device):
     """The run's autocast on ``device`` (bf16/fp16), for a probe that runs the model as training runs it."""
-    import contextlib
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "")
     if dtype is None or device.type not in ("cuda", "cpu"):
@@ -263,14 +265,12 @@ def install(model, chunk: int | None = None, precision: str | None = None, kerne
     a key of ``KERNELS``; the caller checked it can run); returns the verdict. ``probe``: run ``head_probe`` now, where
     the model is; scripts/finetune.py installs without it and calls ``confirm`` once the Trainer has placed the model
     where it trains."""
-    import functools
 
     verdict = support(model, precision)
     base = causal_lm_of(model)
     if verdict.supported and kernel == "cce" and base.get_output_embeddings().bias is not None:
         verdict = Support(False, "its output head has a bias, which Cut Cross-Entropy does not take")
     if chunk is None and verdict.supported:  # the planner's rows: plan/activations.py counts one chunk's logits
-        from ...plan.training_shape import chunk_rows
 
         chunk = chunk_rows(base.get_output_embeddings().weight.shape[0])
     if verdict.supported and probe:

@@ -19,6 +19,7 @@ import spec, never imported.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -71,7 +72,6 @@ def check_available() -> None:
 
 def ensure_converted(say=print) -> Path:
     """The converted model directory, converting it first if no process did yet."""
-    import fcntl
 
     target = converted_dir()
     if is_converted(target):

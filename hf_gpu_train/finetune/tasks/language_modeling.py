@@ -4,6 +4,8 @@ samples before and after training and the adapter merged at the end. The machine
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ...errors import ConfigError
 from .base import Prepared, Task, register_task
 
@@ -24,7 +26,6 @@ class CausalLM(Task):
     rows_word = "rows"
 
     def check_config(self, cfg) -> None:
-        from pathlib import Path
 
         def bad(key: str, fix: str) -> ConfigError:
             return ConfigError(f"{key}={getattr(cfg, key)!r}: {fix}")
