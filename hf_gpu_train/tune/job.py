@@ -46,10 +46,10 @@ class TuneJob:
 
 
 def parse_script_args(script: str, script_args: list[str]) -> tuple[str | None, list[str]]:
-    """``--config recipe.yaml key=value ...`` of scripts/finetune.py."""
+    """``--config recipe.yaml key=value ...`` of scripts/finetune.py (or ``-m hf_gpu_train.finetune``, the same run)."""
     from ..finetune.run import parse_args
 
-    if Path(script).name != "finetune.py" and script != "hf_gpu_train.finetune.run":
+    if Path(script).name != "finetune.py" and script not in ("hf_gpu_train.finetune", "hf_gpu_train.finetune.run"):
         raise TuneError(f"{script}: tune measures hf_gpu_train's fine-tuning (scripts/finetune.py and its recipe); for "
                         "another training script, tune the same recipe through scripts/finetune.py")
     try:

@@ -63,3 +63,12 @@ def test_a_config_without_its_plan_says_how_to_get_one(tmp_path, capsys):
     capsys.readouterr()
     assert main(["tune", "--config-file", str(tmp_path / "cpu.yaml"), "scripts/finetune.py"]) == 2
     assert "cpu.plan.json does not exist: tune writes its winner into the plan" in capsys.readouterr().err
+
+
+def test_the_installed_entry_point_is_the_same_script_to_tune():
+    from hf_gpu_train.tune.job import TuneError, parse_script_args
+
+    for script in ("scripts/finetune.py", "hf_gpu_train.finetune", "hf_gpu_train.finetune.run"):
+        assert parse_script_args(script, ["--config", "minilm_text_demo", "max_steps=3"])[1] == ["max_steps=3"]
+    with pytest.raises(TuneError, match="train.py: tune measures"):
+        parse_script_args("train.py", [])
