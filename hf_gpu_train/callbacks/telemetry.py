@@ -16,7 +16,7 @@ device sync reads the counters and one collective gathers the ranks' summaries (
 
 That gather is entered on a decision every rank shares, never on a flag one rank set alone: a callback may set
 ``control.should_log`` from what only its rank sees. So the control flags are agreed across the ranks after each step
-(``training/collective_gate.agree_on_control``, the same the watchdog uses, installed once: one all-reduce of 5
+(``faults/collective_gate.agree_on_control``, the same the watchdog uses, installed once: one all-reduce of 5
 integers on the CPU per step, left out where every callback sets its flags alike on every rank), and telemetry emits
 right after that agreement, where the Trainer then logs its loss: every rank gathers, or none. A Trainer without that step (not transformers') gathers only at the logging schedule's
 steps, which every rank computes alike, and logs any other step's figures from its own rank.

@@ -6,7 +6,7 @@ elementwise work between them (norms, SiLU, the gate product, casts, rotary embe
 torch's selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, the
 policy torchtitan calls "op-level SAC"): the recompute costs a few percent of the step, not the forward's third,
 and the layer keeps about half of what it would without checkpointing (for a Llama layer the dropped part is the
-norms' outputs and the MLP's SiLU and gate product, ``launch/activations.selective_layer_bytes_per_token``).
+norms' outputs and the MLP's SiLU and gate product, ``plan/activations.selective_layer_bytes_per_token``).
 
 Exact: the recomputed ops are deterministic given their inputs, and the checkpoint restores the RNG state for
 dropout, so losses and gradients equal those of a run without checkpointing (tests/levers/test_memory_levers.py).
@@ -58,7 +58,7 @@ def keep_attention_and_narrowing_matmuls(ctx, op, *args, **kwargs) -> Checkpoint
     """The lean policy: save attention's outputs and those of the matmuls that narrow the stream (the key and value
     projections under grouped attention, the MLP's down projection, LoRA's A), recompute the rest (the query, output,
     gate and up projections, and the elementwise work). About a quarter of what the matmul policy keeps, for
-    recomputing the widening half of the forward's matmuls (launch/activations.lean_kept_bytes_per_token)."""
+    recomputing the widening half of the forward's matmuls (plan/activations.lean_kept_bytes_per_token)."""
     if op in SAVED_OPS and (op not in MATMULS or narrows(op, args)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

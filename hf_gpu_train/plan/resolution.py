@@ -99,7 +99,7 @@ def check_memory(plan: RunPlan, values: Mapping[str, object], world_size: int | 
                  levers: Mapping[str, object] | None = None) -> MemoryCheck | None:
     """Re-run the planner (``plan/memory.py``) for the plan's model with the run's micro-batch, checkpointing,
     precision, process count, sequence length and image size (None: the plan's), and the run's memory levers
-    (``levers``: ``TrainingShape`` fields, ``finetune.memory_levers.shape_levers``: the chunked head, which layers
+    (``levers``: ``TrainingShape`` fields, ``levers.from_config.shape_levers``: the chunked head, which layers
     checkpointing covers, offloading, the optimizer in the backward). None when the plan has no memory plan (no
     --model). ``warning`` names the values, the estimate against the usable memory, and what fits."""
     m = plan.memory

@@ -53,7 +53,7 @@ class TrainingShape:
 
 
 SELECTIVE_POLICIES = ("selective", "selective-lean")
-# attention implementations whose kernels the selective policies keep (training/selective_checkpoint.SAVED_OPS: SDPA's
+# attention implementations whose kernels the selective policies keep (levers/selective_checkpoint.SAVED_OPS: SDPA's
 # aten kernels; eager attention is matmuls and a softmax). flash-attn's and flex attention's kernels are other ops,
 # which the policies would recompute, the one thing they exist not to recompute, while the planner counts them as kept.
 ATTENTION_KEPT = ("sdpa", "eager")

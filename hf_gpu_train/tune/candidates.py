@@ -208,7 +208,7 @@ class TuneInputs:
 
 def runnable(candidate: Candidate, base: Candidate, optimizer_in_backward: bool = False) -> str | None:
     """Why the run would refuse this candidate's combination (finetune/memory_levers.check_levers, and
-    training/optimizer_in_backward.attach for a run that steps in the backward), or None."""
+    levers/optimizer_in_backward.attach for a run that steps in the backward), or None."""
     if candidate.torch_compile and candidate.offload_activations:
         return "torch.compile beside activation offloading (its hooks would sit inside the compiled forward)"
     if optimizer_in_backward and candidate.accumulation > 1:
