@@ -14,7 +14,8 @@ named here, ``put_back`` restores them. The names are known, not guessed:
   back on one rank only made that rank gather item counts the others did not: a hang).
 - A Trainer subclass's own tallies, which no list can know: name them in a class attribute,
   ``hf_gpu_train_state = ("my_counter", ...)`` (read over the class's MRO), or register them once for every Trainer,
-  ``hf_gpu_train.oom.register_trainer_state("my_counter", ...)``.
+  ``hf_gpu_train.oom.register_trainer_state("my_counter", ...)``. An attribute nobody named that the undone work
+  changed (a number, a string, a container's length) is not put back, and a warning names it with that fix.
 
 ``tests/oom/test_trainer_state.py`` runs a training step of the plain Trainer and of TRL's trainers and fails, naming
 it, on any attribute the step changed that is in neither list: a tally a new transformers or TRL adds is added here,
@@ -141,10 +142,37 @@ def _copy(value):
     return copy.deepcopy(value, memo)
 
 
-def take(obj) -> dict:
+class Saved(dict):
+    """What ``take`` copied, by name, and a cheap look at every attribute nobody named (``unnamed``: a number or a
+    string by its value, a container by its length), for ``put_back`` to say which of them a re-run changed."""
+
+    unnamed: dict
+
+
+def _glance(value):
+    if isinstance(value, PLAIN):
+        return value
+    if isinstance(value, (Mapping, list, tuple, set, frozenset, collections.deque)):
+        return (type(value).__name__, len(value))
+    return None
+
+
+def _unnamed(obj, named) -> dict:
+    found = {}
+    for name, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+        if name in named or name in NOT_RESTORED or name.startswith("_hf_gpu_train"):
+            continue
+        glance = _glance(value)
+        if glance is not None:
+            found[name] = glance
+    return found
+
+
+def take(obj) -> Saved:
     """A copy of each attribute of ``obj`` named by ``names_for(obj)`` that ``obj`` has."""
-    saved = {}
-    for name in names_for(obj):
+    saved = Saved()
+    named = names_for(obj)
+    for name in named:
         try:
             value = inspect.getattr_static(obj, name)  # no property or other descriptor is run
         except AttributeError:
@@ -156,10 +184,28 @@ def take(obj) -> dict:
             log.warning("hf_gpu_train: %s.%s is named as Trainer state to put back after a re-run, but holds a %s, which "
                         "is not copied (numbers, strings, tensors and containers of them are)", type(obj).__name__, name,
                         type(value).__name__)
+    saved.unnamed = _unnamed(obj, named)
     return saved
 
 
+def _say_what_changed_unnamed(obj, before: dict) -> None:
+    """One warning per attribute nobody named that the work being undone changed: it is not put back (a switch must
+    not be, and no list can tell a tally from a switch), so a tally of a Trainer subclass would count that work twice,
+    and the warning says how to name it."""
+    for name, glance in _unnamed(obj, names_for(obj)).items():
+        if name in before and before[name] != glance and (type(obj), name) not in _warned:
+            _warned.add((type(obj), name))
+            log.warning("hf_gpu_train: %s.%s changed in work that is done again (a step restarted after an out-of-memory "
+                        "error, or the loss probe) and is not put back: if it is a tally, it counts that work twice. Name it "
+                        "as Trainer state: %s = (%r,) on the class, or hf_gpu_train.oom.register_trainer_state(%r)",
+                        type(obj).__name__, name, CLASS_ATTRIBUTE, name, name)
+
+
 def put_back(obj, saved: dict) -> None:
-    """Every attribute ``take`` copied gets its copied value again (a fresh copy, so ``saved`` can be reused)."""
+    """Every attribute ``take`` copied gets its copied value again (a fresh copy, so ``saved`` can be reused); an
+    attribute nobody named that changed since is said, once."""
     for name, value in saved.items():
         setattr(obj, name, _copy(value))
+    unnamed = getattr(saved, "unnamed", None)
+    if unnamed:
+        _say_what_changed_unnamed(obj, unnamed)

@@ -210,6 +210,23 @@ def test_a_registered_attribute_is_put_back_after_an_oom_in_backward(tmp_path, m
     assert recovered.samples_unregistered == 24  # not named anywhere: counted twice, as the list is explicit
 
 
+def test_an_unnamed_attribute_the_undone_work_changed_is_said_once_with_the_fix(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(trainer_state, "_registered", {})
+    monkeypatch.setattr(trainer_state, "_warned", set())
+    register_trainer_state("samples_registered")
+    with caplog.at_level(logging.WARNING, logger="hf_gpu_train.oom"):
+        counted(tmp_path, "recovered", OOMFaultInjector(max_batch=4, phase="backward"))
+    said = [r.getMessage() for r in caplog.records if "changed in work that is done again" in r.getMessage()]
+    assert len(said) == 1 and "CountingTrainer.samples_unregistered" in said[0]
+    assert "hf_gpu_train_state = ('samples_unregistered',)" in said[0]
+    assert "register_trainer_state('samples_unregistered')" in said[0]
+    caplog.clear()
+    monkeypatch.setattr(trainer_state, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="hf_gpu_train.oom"):
+        counted(tmp_path, "clean")  # no OOM: nothing is done again, nothing to say
+    assert not [r for r in caplog.records if "changed in work that is done again" in r.getMessage()]
+
+
 def test_register_trainer_state_refuses_the_loops_switches_and_non_names(monkeypatch):
     monkeypatch.setattr(trainer_state, "_registered", {})
     with pytest.raises(ValueError, match="hang"):
