@@ -25,7 +25,7 @@ PINNED = ("dataset=builtin:text", "learning_rate=5e-5", "evaluate_before=false")
 out, name, steps, arm = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 recipe = arm.pop(0).split("=", 1)[1] if arm and arm[0].startswith("recipe=") else None
 shape = [] if recipe else ["per_device_train_batch_size=16", "max_length=64", *PINNED]
-recipe, files = parse_args(["--config", recipe]) if recipe else (None, [])  # a shipped recipe's data files: absolute
+recipe, files = parse_args(["--config", recipe]) if recipe else (None, [])  # a name -> the shipped recipe
 cfg = load_config(recipe, [*files, f"output_dir={out}/{name}", f"max_steps={steps}", "logging_steps=10", "eval_strategy=no",
                            "save_strategy=no", "telemetry=false", "resume=never", *shape, *arm])
 finetune(cfg)

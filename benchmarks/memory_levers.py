@@ -105,7 +105,7 @@ def trl_at(tmp: Path, length: int, release: bool = False) -> dict:
     from hf_gpu_train.finetune.config import load_config
     from hf_gpu_train.finetune.run import parse_args
 
-    recipe, files = parse_args(["--config", "smollm2_lora_demo"])  # its data files: absolute paths
+    recipe, files = parse_args(["--config", "smollm2_lora_demo"])  # the shipped recipe (its data files: the config loader finds them)
     cfg = load_config(recipe, files)
     on_cuda = torch.cuda.is_available()
     options = {"packing": True, **({"activation_offloading": True} if on_cuda else {})}  # checkpointing: TRL's default

@@ -25,9 +25,10 @@ LAYERS: dict[str, int] = {
     "hardware": 1,
     "doctor": 2,
     "plan": 2, "levers": 2,  # the planner plans the levers; a lever reads the planner's shape of a step
+    # from a plan to processes, and what runs inside anyone's Trainer; none of them needs the planner to know it
     "launch": 3, "oom": 3, "faults": 3,
+    "report": 3,  # renders files a run left: never reaches back into the callbacks that write them
     "callbacks": 4,
-    "report": 4,
     "finetune": 5,
     "tune": 6,
     "cli": 7,

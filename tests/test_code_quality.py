@@ -58,6 +58,17 @@ def test_a_circle_and_an_upward_import_are_seen(tmp_path):
     assert METRICS.upward_imports(package) == ["plan/a.py:1 imports finetune.b"]
 
 
+def test_the_layers_keep_the_report_below_the_callbacks_and_the_planner_below_what_runs(tmp_path):
+    package = tmp_path / "hf_gpu_train"
+    for folder in ("report", "callbacks", "plan", "oom", "faults", "levers"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "report" / "r.py").write_text("from ..callbacks import telemetry\n")
+    (package / "plan" / "p.py").write_text("from ..oom import recovery\nfrom ..faults import watchdog\nfrom ..levers import table\n")
+    assert METRICS.upward_imports(package) == ["plan/p.py:1 imports oom", "plan/p.py:2 imports faults",
+                                               "report/r.py:1 imports callbacks"]
+
+
 def test_every_spelling_of_an_import_is_seen(tmp_path):
     package = tmp_path / "hf_gpu_train"
     (package / "report" / "sub").mkdir(parents=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
-from ..finetune.recipe_names import file_overrides, resolve_recipe
+from ..finetune.recipe_names import resolve_recipe
 from ..launch.rank_report import HANG_EXIT_CODE, PROGRESS_DIR_ENV, failure_line, read_hang_report, read_progress, root_cause
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
@@ -89,7 +89,7 @@ def recipe_in(script_args: list[str]) -> str | None:
 
 def _as_the_run_reads(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """The recipe file and overrides the run will read (``finetune.run.parse_args``): a shipped recipe's name is its
-    file, its data files absolute paths; a recipe that cannot be found is left for the run to report."""
+    file; a recipe that cannot be found is left for the run to report."""
 
     if recipe is None:
         return None, overrides
@@ -97,7 +97,7 @@ def _as_the_run_reads(recipe: str | None, overrides: list[str]) -> tuple[str | N
         recipe = resolve_recipe(recipe)
     except UsageError:
         return recipe, overrides
-    return recipe, file_overrides(recipe, overrides) + overrides
+    return recipe, overrides
 
 
 def _data(recipe: str | None, overrides: list[str]) -> dict | None:

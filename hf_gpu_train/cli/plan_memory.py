@@ -95,7 +95,7 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     from ..plan.method_choice import useful_micro_batch
 
     per_gpu = math.ceil(args.global_batch / count)
-    useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (lever_plan.py)
+    useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (levers/plan.py)
     peak = peak_flops(getattr(gpu, "name", None), args.precision) if gpu is not None else None
     pcie = pcie_bytes_per_second(getattr(gpu, "pcie_link_gen", None), getattr(gpu, "pcie_link_width", None))
     # offloading bounded by the host's RAM as `config` bounds it, so both commands recommend the same levers
@@ -126,7 +126,7 @@ def _host_ram(args) -> int | None:
 
 
 def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
-    """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (lever_plan.py)."""
+    """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (levers/plan.py)."""
     from ..levers.plan import last_resort_plan
 
     ram = _host_ram(args)

@@ -19,6 +19,7 @@ import yaml
 
 from ..errors import ConfigError, UsageError  # noqa: F401 (ConfigError: the finetune names it from here)
 from .learning_rates import FINETUNE_LEARNING_RATE  # noqa: F401 - the reference rate, imported from here by callers
+from .recipe_names import shipped_files
 from .tasks.base import task_for
 
 METHODS = ("auto", "full", "lora", "qlora")  # auto: the task's first method (lora for causal-lm, full for the classifiers)
@@ -307,6 +308,7 @@ def read_config_values(path: str | Path | None, overrides: list[str] | tuple[str
             if key not in _FIELDS:
                 raise _unknown(key)
             values[key] = _coerce(key, raw)
+        values.update(shipped_files(path, values))  # a shipped recipe's data, wherever the package is installed
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-").replace("-", "_")

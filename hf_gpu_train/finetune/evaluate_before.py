@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .metrics import SHOWN_METRICS
+from .run_record import SHOWN_METRICS
 from .tasks.base import task_for
 
 BASELINE = "baseline_results.json"

@@ -20,8 +20,8 @@ log = logging.getLogger("hf_gpu_train.finetune")
 @dataclass(frozen=True)
 class AppliedPlan:
     plan: object  # plan.run_plan_file.RunPlan
-    resolution: object  # launch.plan_resolution.Resolution
-    memory: object | None  # launch.plan_resolution.MemoryCheck
+    resolution: object  # plan.resolution.Resolution
+    memory: object | None  # plan.resolution.MemoryCheck
     lines: tuple[str, ...]  # what the run says about it first
     here: object | None = None  # hardware.profile.HardwareProfile: this machine, detected once for the plan and the run
     launched_strategy: str | None = None  # what the launch runs (launch/launched_strategy.py), read before the values applied

@@ -45,7 +45,3 @@ def logits_to_class_ids(logits, labels):
     if isinstance(logits, tuple):
         logits = logits[0]
     return logits.argmax(dim=-1)
-
-
-# The metrics a run prints at its end (and the evaluation before training keeps), with their names in words.
-SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}

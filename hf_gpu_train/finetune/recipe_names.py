@@ -3,8 +3,9 @@
 A value that is an existing file is that file. Otherwise a bare name (``minilm_text_demo``, or ``minilm_text_demo.yaml``:
 no path separator) is the shipped recipe of that name. Anything else is a usage error naming the value, the shipped
 names and the nearest one. The shipped recipes' data files are written relative to the recipe itself (``data/...``);
-``file_overrides`` turns them into absolute paths, so a shipped recipe trains from any working directory after a
-``pip install`` (a recipe of your own keeps its paths as written: relative to the working directory).
+the config loader reads them as absolute paths (``shipped_files``), so a shipped recipe trains from any working
+directory after a ``pip install`` (a recipe of your own keeps its paths as written: relative to the working
+directory); a run's record names them as a clone does (``portable``: ``recipes/data/...``).
 
 No torch here: ``hf-gpu-train finetune --help`` lists the names.
 """
@@ -54,23 +55,23 @@ def resolve_recipe(value: str) -> str:
     raise UsageError(f"--config {value!r}: {what}; the shipped recipes: {', '.join(names)}{hint}")
 
 
-def file_overrides(recipe: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """``key=/absolute/path`` for each data file a shipped recipe names relative to itself (a key the command line
-    sets is left to it); [] for any other recipe."""
-    if recipe is None or not is_shipped(recipe):
-        return []
-    import yaml
-
-    try:
-        values = yaml.safe_load(Path(recipe).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return []  # read again, and reported, by the config
-    given = {item.partition("=")[0].strip().lstrip("-").replace("-", "_") for item in overrides}
-    found = []
+def shipped_files(recipe: str | Path, values: dict) -> dict:
+    """For a shipped recipe, each data file it names relative to itself as the absolute path beside it (what the config
+    loader reads, from any working directory); {} for any other recipe, whose paths stay as written."""
+    if not is_shipped(recipe):
+        return {}
+    found = {}
     for key in FILE_KEYS:
-        value = values.get(key) if isinstance(values, dict) else None
-        if isinstance(value, str) and key not in given and not Path(value).expanduser().is_absolute():
-            beside = RECIPES_DIR / value
-            if beside.exists():
-                found.append(f"{key}={beside}")
+        value = values.get(key)
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute() and (RECIPES_DIR / value).exists():
+            found[key] = str(RECIPES_DIR / value)
     return found
+
+
+def portable(value: str) -> str:
+    """A path inside the shipped recipes' folder as ``recipes/REL`` (how a clone names it), so a run's record does not
+    depend on where the package is installed; any other value as it is."""
+    try:
+        return f"recipes/{Path(value).resolve().relative_to(RECIPES_DIR)}"
+    except (ValueError, OSError):
+        return value

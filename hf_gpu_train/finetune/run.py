@@ -26,8 +26,8 @@ from ..faults.checkpoint_marker import resume_point
 from ..plan.decisions import accelerate_uses_cpu
 from ..report.writer import render_report
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
-from .metrics import SHOWN_METRICS
-from .recipe_names import file_overrides, resolve_recipe, shipped_names
+from .recipe_names import resolve_recipe, shipped_names
+from .run_record import SHOWN_METRICS
 from .tasks import Prepared, task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
@@ -35,7 +35,7 @@ log = logging.getLogger("hf_gpu_train.finetune")
 
 def parse_args(argv: list[str] | None, prog: str = "finetune.py") -> tuple[str | None, list[str]]:
     """(recipe file, key=value overrides). ``--config`` takes a file or a shipped recipe's name (``recipe_names``); a
-    shipped recipe's data files, written relative to it, come first among the overrides as absolute paths."""
+    shipped recipe's data files, written relative to it, are found by the config loader."""
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None, prog: str = "finetune.py") -> tuple[str |
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. num_train_epochs=1")
     args = parser.parse_args(argv)
     recipe = resolve_recipe(args.config) if args.config is not None else None
-    return recipe, file_overrides(recipe, args.overrides) + list(args.overrides)
+    return recipe, list(args.overrides)
 
 
 def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
@@ -303,9 +303,8 @@ class FinetuneRun:
         self.started = self.task.before_training(trainer, cfg, prepared)
         pieces = attach_pieces(trainer, cfg, recovery=cfg.oom_recovery, watchdog=cfg.watchdog != "off",
                                telemetry={} if cfg.telemetry else None)
-        if trainer.is_world_process_zero():
-            for line in pieces.lines:
-                print(f"hf_gpu_train: {line}", flush=True)
+        for line in pieces.lines:  # on every rank: each says what it left off
+            print(f"hf_gpu_train: {line}", flush=True)
         self.before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume),  # at train begin (why: its module)
                                              trained_rows=trained_rows(cfg, len(prepared.train), effective))
         return None

@@ -26,6 +26,7 @@ import yaml
 
 from .checkpoints import checkpoints, is_main_process
 from .config import ConfigError, FinetuneConfig
+from .recipe_names import FILE_KEYS, portable
 
 log = logging.getLogger("hf_gpu_train.finetune")
 RECORD = "hf_gpu_train_run.json"
@@ -39,6 +40,9 @@ OUTPUT_ONLY = frozenset({
 # Resolved only once the model is built (finetune/learning_rates.py): None before that means "not known yet", and is
 # not compared; the run compares again, and records the number, after the model loads.
 RESOLVED_WITH_THE_MODEL = ("learning_rate",)
+
+# The metrics a run prints at its end and records (the evaluation before training keeps the same), in words.
+SHOWN_METRICS = {"eval_accuracy": "accuracy", "eval_f1": "macro F1", "eval_loss": "eval loss", "eval_perplexity": "perplexity"}
 
 
 EVALUATION = ("max_eval_samples",)  # keys that change the reported results, not the model
@@ -54,6 +58,7 @@ class RunIdentity:
     @classmethod
     def of(cls, cfg: FinetuneConfig, precision: str, effective_batch: int) -> RunIdentity:
         values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in OUTPUT_ONLY}
+        values.update({k: portable(values[k]) for k in FILE_KEYS if isinstance(values.get(k), str)})  # not the install's path
         return cls(training=json.loads(json.dumps(values, default=str)), precision=precision, effective_batch=effective_batch,
                    evaluation={k: getattr(cfg, k) for k in EVALUATION})
 

@@ -15,7 +15,8 @@ named here, ``put_back`` restores them. The names are known, not guessed:
 - A Trainer subclass's own tallies, which no list can know: name them in a class attribute,
   ``hf_gpu_train_state = ("my_counter", ...)`` (read over the class's MRO), or register them once for every Trainer,
   ``hf_gpu_train.oom.register_trainer_state("my_counter", ...)``. An attribute nobody named that the undone work
-  changed (a number, a string, a container's length) is not put back, and a warning names it with that fix.
+  changed (a number, a string, a container's leaves or the sum of its numbers) is not put back, and a warning names
+  it with that fix.
 
 ``tests/oom/test_trainer_state.py`` runs a training step of the plain Trainer and of TRL's trainers and fails, naming
 it, on any attribute the step changed that is in neither list: a tally a new transformers or TRL adds is added here,
@@ -150,11 +151,30 @@ class Saved(dict):
 
 
 def _glance(value):
+    """What a change of ``value`` would show: a number or a string itself; a container (nested ones too: TRL's
+    ``{"train": defaultdict(list)}``, a Counter) by its type, its count of leaves and the sum of its numbers, so an
+    append and an increment both show; None for anything else, or a container larger than a tally's."""
     if isinstance(value, PLAIN):
         return value
-    if isinstance(value, (Mapping, list, tuple, set, frozenset, collections.deque)):
-        return (type(value).__name__, len(value))
-    return None
+    if not isinstance(value, (Mapping, list, tuple, set, frozenset, collections.deque)):
+        return None
+    leaves = [0, 0.0]
+    budget = [MAX_ITEMS]
+
+    def walk(item) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
+        if isinstance(item, Mapping):
+            return all(walk(v) for v in item.values())
+        if isinstance(item, (list, tuple, set, frozenset, collections.deque)):
+            return all(walk(v) for v in item)
+        leaves[0] += 1
+        if isinstance(item, (int, float)) and item == item:  # NaN would never equal itself
+            leaves[1] += float(item)
+        return True
+
+    return (type(value).__name__, *leaves) if walk(value) else None
 
 
 def _unnamed(obj, named) -> dict:

@@ -189,7 +189,7 @@ class MemoryPlan:
     gpu_memory_bytes: int
     reasons: tuple[str, ...] = ()
     candidates: tuple[tuple[str, bool, int], ...] = field(default=())  # (strategy, checkpointing, max micro-batch)
-    # the memory levers the plan counts (lever_plan.LEVER_KEYS -> FinetuneConfig value; None: the run's own), their
+    # the memory levers the plan counts (levers/plan.LEVER_KEYS -> FinetuneConfig value; None: the run's own), their
     # names, and the host memory the plan puts there (offloaded activations, an offloading strategy's states), bytes
     levers: tuple[tuple[str, object], ...] = ()
     lever_names: tuple[str, ...] = ()

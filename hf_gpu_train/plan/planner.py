@@ -109,7 +109,7 @@ def _cpu_processes(profile: HardwareProfile, options: PlanOptions) -> tuple[int,
 def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: GpuInfo | None = None,
                  host_ram_bytes: int | None = None, per_machine: int = 1) -> tuple[MemoryPlan | None, str]:
     """(memory plan, strategy) for the GPU case; ``memory`` is what one process can use (a MIG instance's
-    share when it runs on one, never the whole GPU's). The memory levers and the last resort: lever_plan.py."""
+    share when it runs on one, never the whole GPU's). The memory levers and the last resort: levers/plan.py."""
     multi = world_size > 1
     if options.strategy == "single" or (options.strategy == "auto" and not multi):
         candidates = ("single",)

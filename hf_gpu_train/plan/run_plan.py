@@ -15,8 +15,8 @@ first thing (before torch.cuda, torch.distributed, Accelerator or TrainingArgume
         summary["plan"] = plan_record(plan, resolution, check, measured_peak_bytes, "torch max_memory_reserved")
 
 See each function's docstring; the module layout: ``run_plan_file`` (the file and its dataclasses),
-``plan_discovery`` (where the plan is), ``run_environment`` (environment and CPU binding),
-``plan_resolution`` (values, overrides, memory check, record).
+``discovery`` (where the plan is), ``run_environment`` (environment and CPU binding),
+``resolution`` (values, overrides, memory check, record).
 """
 
 from __future__ import annotations

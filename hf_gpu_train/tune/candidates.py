@@ -207,7 +207,7 @@ class TuneInputs:
 
 
 def runnable(candidate: Candidate, base: Candidate, optimizer_in_backward: bool = False) -> str | None:
-    """Why the run would refuse this candidate's combination (finetune/memory_levers.check_levers, and
+    """Why the run would refuse this candidate's combination (levers/from_config.check_levers, and
     levers/optimizer_in_backward.attach for a run that steps in the backward), or None."""
     if candidate.torch_compile and candidate.offload_activations:
         return "torch.compile beside activation offloading (its hooks would sit inside the compiled forward)"
@@ -244,7 +244,7 @@ def _options(first, others, open_axis: bool) -> tuple:
 
 def plan_space(inputs: TuneInputs, memory_check: Callable[[dict], object | None] | None = None) -> CandidateSpace:
     """The candidates for ``inputs``. ``memory_check(values)`` is the planner for a dict of FinetuneConfig values
-    (``plan_resolution.check_memory`` bound to the plan: an object with ``fits``, ``estimate_bytes`` and
+    (``plan.resolution.check_memory`` bound to the plan: an object with ``fits``, ``estimate_bytes`` and
     ``usable_bytes``, or None without a memory plan)."""
     v, fixed, notes = inputs.values, inputs.fixed, []
 

@@ -27,7 +27,7 @@ import torch
 from ..callbacks.devices import device_peak
 from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
-from ..finetune.tasks import task_for
+from ..finetune.tasks import Task, task_for
 from ..levers.activation_offload import detach as detach_offloading
 from . import hooks
 from .candidates import Candidate
@@ -99,7 +99,8 @@ class TrialSession:
         set_seed(cfg.seed)
         self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
         collator, self.notes = hooks.install(self.model, collator, environ)
-        self._confirm_model()
+        if type(task_for(cfg.task)).confirm_model is not Task.confirm_model:  # a task that checks its model (causal LM)
+            self._confirm_model()
         self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
 
     def _confirm_model(self) -> None:

@@ -61,3 +61,18 @@ def test_the_old_recipes_path_of_a_clone_still_reads_the_shipped_recipe(monkeypa
     recipe, overrides = parse_args(["--config", "recipes/smollm2_lora_demo.yaml"])
     assert recipe == "recipes/smollm2_lora_demo.yaml"
     assert Path(load_config(recipe, overrides).train_file) == RECIPES_DIR / "data" / "python_docs_chat" / "train.jsonl"
+
+
+def test_the_config_loader_itself_finds_a_shipped_recipes_data_and_the_record_does_not_name_the_install(
+        monkeypatch, tmp_path):
+    from hf_gpu_train.finetune.recipe_names import shipped_path
+    from hf_gpu_train.finetune.run_record import RunIdentity
+
+    monkeypatch.chdir(tmp_path)  # not the repository: nothing relative to here
+    cfg = load_config(shipped_path("smollm2_lora_demo"))  # no parse_args: hf_gpu_train.load_config(recipe) as a user would
+    assert Path(cfg.train_file) == RECIPES_DIR / "data" / "python_docs_chat" / "train.jsonl"
+    identity = RunIdentity.of(cfg, "fp32", 8)
+    assert identity.training["train_file"] == "recipes/data/python_docs_chat/train.jsonl"  # as a clone names it
+    mine = tmp_path / "recipe.yaml"
+    mine.write_text("task: causal-lm\nmodel: builtin:smollm2\ntrain_file: data/python_docs_chat/train.jsonl\n")
+    assert load_config(mine).train_file == "data/python_docs_chat/train.jsonl"  # your recipe: read from where you are
