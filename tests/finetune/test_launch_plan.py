@@ -109,3 +109,22 @@ def test_tuned_packing_reaches_the_run_and_the_recipe_is_known_by_its_text_where
     cfg, keys = load_config_and_keys(elsewhere, ["packing=true"])
     kept, _ = apply_launch_plan(cfg, keys, environ=environ, recipe=elsewhere, command_line_keys=frozenset({"packing"}))
     assert kept.packing is True  # the command line wins over a tuned value
+
+
+def test_the_run_reads_its_config_and_plan_before_numpy_or_torch_is_imported():
+    """OMP_NUM_THREADS and the NCCL variables from the plan count only if they are set before numpy (OpenBLAS sizes
+    its pool once) and torch are imported: scripts/finetune.py reads the config and applies the plan first."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from hf_gpu_train.finetune.run import parse_args\n"
+            "from hf_gpu_train.finetune.config import load_config_and_keys\n"
+            "from hf_gpu_train.finetune.launch_plan import apply_launch_plan\n"
+            "recipe, overrides = parse_args(['--config', 'minilm_text_demo'])\n"
+            "cfg, keys = load_config_and_keys(recipe, overrides)\n"
+            "apply_launch_plan(cfg, keys, environ={})\n"
+            "print([m for m in ('numpy', 'torch', 'transformers') if m in sys.modules])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
