@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "cli": 7,
 }
 
-TASK_BRANCH = re.compile(r"\btask\s*[!=]=|[!=]=\s*task\b|\btask\s+(?:not\s+)?in\s")
+TASK_BRANCH = re.compile(r"\btask\s*[!=]=|[!=]=\s*task\b|\btask\s+(?:not\s+)?in\s|[\"']task[\"']\]?\)?\s*[!=]=")
 
 
 def module_name(path: Path, package: Path) -> str:
