@@ -90,3 +90,24 @@ def test_a_shipped_recipe_trains_from_any_directory(installed, tmp_path, how):
     wrong = run_in(tmp_path, [*command, "--config", "minilm_txt_demo"])
     assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0
     assert "'minilm_txt_demo'" in wrong.stderr and "smollm2_lora_demo" in wrong.stderr and "nearest: minilm_text_demo" in wrong.stderr
+
+
+@pytest.mark.parametrize("how", ["accelerate launch -m", "hf-gpu-train launch -m"])
+def test_two_processes_train_the_installed_entry_point(installed, tmp_path, how):
+    """The launch a user of the wheel writes: a CPU launch config of 2 processes (real gloo DDP), then the module."""
+    from tests.launching import free_port
+
+    _, bin_dir = installed
+    made = run_in(tmp_path, [str(bin_dir / "hf-gpu-train"), "config", "--machine", "cpu-only", "--num-processes", "2",
+                             "--main-process-port", str(free_port()), "--output", str(tmp_path / "cpu")])
+    assert made.returncode == 0, made.stderr
+    module = ["-m", "hf_gpu_train.finetune", "--config", "minilm_text_demo", *TINY, "output_dir=out"]
+    if how.startswith("accelerate"):  # the printed plain-accelerate line, with this venv's accelerate
+        command = ["bash", "-c", f"set -a; . {tmp_path / 'cpu.env'}; set +a; exec {bin_dir / 'python'} -m accelerate.commands.launch "
+                                 f"--config_file {tmp_path / 'cpu.yaml'} " + " ".join(module)]
+    else:
+        command = [str(bin_dir / "hf-gpu-train"), "launch", "--config-file", str(tmp_path / "cpu.yaml"), *module]
+    done = run_in(tmp_path, command)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "CPU x2" in done.stdout  # one run of 2 processes, not two runs of one
+    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["global_step"] == 2
