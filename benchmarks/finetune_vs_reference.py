@@ -68,13 +68,14 @@ def main() -> int:
     print(f"{'':<40} {'wall s':>8} {'accuracy':>9} {'macro F1':>9}  (medians)")
     names = {"ours": "scripts/finetune.py, defaults (2 pinned)", "plain": "plain Trainer (dynamic padding, grouped)",
              "static": "run_classification style (static pad)"}
+    runs = {arm: rows for arm, rows in runs.items() if rows}  # --static-rounds 0: no static arm
     for arm, rows in runs.items():
         print(f"{names[arm]:<40} {statistics.median(r['wall_seconds'] for r in rows):>8.1f} "
               f"{statistics.median(r['eval_accuracy'] for r in rows):>9.4f} {statistics.median(r['eval_f1'] for r in rows):>9.4f}")
     for arm, rows in runs.items():
         print(f"  {arm} wall s per round: {[round(r['wall_seconds'], 1) for r in rows]}")
     for anchor in ("plain", "static"):
-        ratios = [o["wall_seconds"] / a["wall_seconds"] for o, a in zip(runs["ours"], runs[anchor])]
+        ratios = [o["wall_seconds"] / a["wall_seconds"] for o, a in zip(runs["ours"], runs.get(anchor, []))]
         if not ratios:
             continue
         print(f"wall time ours / {names[anchor]}: {statistics.median(ratios):.3f} (per round {[round(x, 3) for x in ratios]})"
