@@ -221,35 +221,49 @@ class FinetuneRun:
     def setup(self) -> dict | None:
         """Everything before the first step. The results of the finished run when ``output_dir`` already holds this
         run, finished (nothing is trained then), else None."""
-        from transformers import Trainer, set_seed
+        finished = self._resolve()
+        if finished is None:
+            finished = self._load()
+        if finished is not None:
+            return finished
+        self._assemble()
+        return None
 
-        from ..faults.disk_full import FINETUNE_WORDS, guard_saves
-        from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
-        from .agreement import check_ranks_agree
-        from .checkpoints import is_main_process, label_map_writer, write_label_map
-        from .deepspeed_env import deepspeed_optimizer_line, hold_zero3_init
-        from .evaluate_before import attach_evaluate_before, trained_rows
-        from .fsdp import fsdp_requested
-        from .launch_plan import confirm_launched_strategy
-        from .run_record import RunIdentity, back_up_config, check_previous_run, read_previous, write_record
+    def _resolve(self) -> dict | None:
+        """What is cheap and needs no model: the config's own checks, the runtime, the record of an earlier run."""
+        from ..levers.from_config import release_memory, release_memory_before_cuda
+        from .deepspeed_env import deepspeed_optimizer_line
+        from .run_record import RunIdentity, check_previous_run, read_previous
         from .runtime import resolve_runtime
-        from .trainer_factory import build_trainer, gradient_accumulation
+        from .trainer_factory import gradient_accumulation
 
         cfg, launch_plan = self.cfg, self.launch_plan
         check_output_dir(cfg)
         check_extra_arguments(cfg)
-        deepspeed_optimizer = deepspeed_optimizer_line(cfg)  # a usage error here, before anything loads
+        self.deepspeed_optimizer = deepspeed_optimizer_line(cfg)  # a usage error here, before anything loads
         cuda_release = release_memory_before_cuda(cfg)  # before anything starts CUDA: resolving the runtime asks it
         self.runtime = runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
-        released = release_memory(cfg, runtime, cuda_release)  # before the model loads
+        self.released = release_memory(cfg, runtime, cuda_release)  # before the model loads
         if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
             # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
             os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
-        self.accumulation, self.effective = accumulation, effective = gradient_accumulation(cfg, runtime.world_size)
-        identity = RunIdentity.of(cfg, runtime.precision, effective)
-        previous = read_previous(cfg.output_dir)
-        if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
-            return _report_finished(cfg, previous.results)
+        self.accumulation, self.effective = gradient_accumulation(cfg, runtime.world_size)
+        self.identity = RunIdentity.of(cfg, runtime.precision, self.effective)
+        self.previous = read_previous(cfg.output_dir)
+        if check_previous_run(cfg, self.identity, self.previous, runtime.world_size) == "finished":
+            return _report_finished(cfg, self.previous.results)
+        return None
+
+    def _load(self) -> dict | None:
+        """Every rank joined, then the task's model and data, the resume point and the run's records."""
+        from transformers import set_seed
+
+        from .checkpoints import is_main_process, write_label_map
+        from .deepspeed_env import hold_zero3_init
+        from .fsdp import fsdp_requested
+        from .run_record import RunIdentity, back_up_config, check_previous_run, write_record
+
+        cfg, runtime, previous = self.cfg, self.runtime, self.previous
         set_seed(cfg.seed)
         if runtime.world_size > 1 or fsdp_requested():
             # every rank joined and the collectives work, in seconds, before the model and data load. The process group
@@ -259,39 +273,56 @@ class FinetuneRun:
 
             preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
                       backend=cfg.extra.get("ddp_backend"))
-        zero3_init = hold_zero3_init(runtime.precision)  # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py)
-        self.prepared = prepared = Prepared(*prepare(cfg, runtime))
-        data, validation = prepared.data, prepared.validation
-        if identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
-            identity = RunIdentity.of(cfg, runtime.precision, effective)
-            if check_previous_run(cfg, identity, previous, runtime.world_size) == "finished":
+        # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py); held until the Trainer holds the config
+        self.zero3_init = hold_zero3_init(runtime.precision)
+        self.prepared = Prepared(*prepare(cfg, runtime))
+        data = self.prepared.data
+        if self.identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
+            self.identity = RunIdentity.of(cfg, runtime.precision, self.effective)
+            if check_previous_run(cfg, self.identity, previous, runtime.world_size) == "finished":
                 return _report_finished(cfg, previous.results)
-        self.identity = identity
-        self.resume = resume = _resume_point(cfg, data.label_names, previous.finished)
+        self.resume = _resume_point(cfg, data.label_names, previous.finished)
         back_up_config(cfg.output_dir, cfg)
         if is_main_process():
             save_resolved(cfg, cfg.output_dir)
         write_label_map(cfg.output_dir, data.label_names)
-        write_record(cfg.output_dir, identity, runtime.world_size)
-        if cfg.global_batch_size and effective != cfg.global_batch_size:
+        write_record(cfg.output_dir, self.identity, runtime.world_size)
+        if cfg.global_batch_size and self.effective != cfg.global_batch_size:
             log.warning("global_batch_size=%d is not a multiple of %d x %d process(es): effective batch %d",
-                        cfg.global_batch_size, cfg.per_device_train_batch_size, runtime.world_size, effective)
+                        cfg.global_batch_size, cfg.per_device_train_batch_size, runtime.world_size, self.effective)
+        return None
+
+    def _assemble(self) -> None:
+        """The Trainer and every piece on it, by the rules that hold in anyone's Trainer (``attach_pieces``)."""
+        from transformers import Trainer
+
+        from ..faults.disk_full import FINETUNE_WORDS, guard_saves
+        from ..levers.from_config import apply_levers
+        from .agreement import check_ranks_agree
+        from .checkpoints import label_map_writer
+        from .evaluate_before import attach_evaluate_before, trained_rows
+        from .launch_plan import confirm_launched_strategy
+        from .trainer_factory import build_trainer
+
+        cfg, runtime, prepared = self.cfg, self.runtime, self.prepared
+        data, validation = prepared.data, prepared.validation
         self.trainer = trainer = build_trainer(
             cfg, runtime, prepared.model, prepared.train, validation, prepared.collator, prepared.processing_class,
             callbacks=default_callbacks(cfg, data.label_names) + self.extra_callbacks,
             trainer_class=self.trainer_class or Trainer)
-        del zero3_init  # the Trainer's arguments hold DeepSpeed's config from here
-        strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # the plan was scoped for what runs
+        self.zero3_init = None  # the Trainer's arguments hold DeepSpeed's config from here
+        strategy_line = confirm_launched_strategy(self.launch_plan, trainer.accelerator.state)  # scoped for what runs
         # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
         # rank wrote it; a resume never takes a half-written one
         guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(data.label_names))
         # selective checkpointing, offloading, optimizer in backward
-        lever_lines = released + apply_levers(trainer, cfg, runtime) + ([deepspeed_optimizer] if deepspeed_optimizer else [])
+        lever_lines = self.released + apply_levers(trainer, cfg, runtime)
+        lever_lines += [self.deepspeed_optimizer] if self.deepspeed_optimizer else []
         lever_lines += [strategy_line] if strategy_line else []
         model_line = self.task.confirm_model(trainer.model, cfg, runtime.precision)  # where the Trainer placed it
         lever_lines += [model_line] if model_line else []
         check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size,
-                           "gradient_accumulation_steps": accumulation, "effective_batch": effective,
+                           "gradient_accumulation_steps": self.accumulation, "effective_batch": self.effective,
                            "precision": runtime.precision, "method": cfg.method,
                            "gradient_checkpointing": cfg.gradient_checkpointing, "checkpoint_layers": cfg.checkpoint_layers,
                            "offload_activations": cfg.offload_activations, "optimizer_in_backward": cfg.optimizer_in_backward,
@@ -305,9 +336,8 @@ class FinetuneRun:
                                telemetry={} if cfg.telemetry else None)
         for line in pieces.lines:  # on every rank: each says what it left off
             print(f"hf_gpu_train: {line}", flush=True)
-        self.before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(resume),  # at train begin (why: its module)
-                                             trained_rows=trained_rows(cfg, len(prepared.train), effective))
-        return None
+        self.before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(self.resume),  # at train begin
+                                             trained_rows=trained_rows(cfg, len(prepared.train), self.effective))
 
     def _say_what_runs(self, lever_lines: list[str]) -> None:
         cfg, runtime, data = self.cfg, self.runtime, self.prepared.data
