@@ -44,30 +44,34 @@ def module_name(path: Path, package: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path, package: Path, *, inside_functions_only: bool = False,
-                     top_level_only: bool = False) -> list[tuple[int, str]]:
-    """(line, module path below the package) of every import in ``path``, at its top or inside a function: ``from .x
-    import y`` and ``from .. import x`` (each name, which may be a module), ``import hf_gpu_train.x``, and
-    ``importlib.import_module("hf_gpu_train.x")``."""
+def package_targets(node: ast.AST, here: tuple[str, ...]) -> list[str] | None:
+    """The module paths below the package that an import statement names (``from .x import y``, ``from .. import x``:
+    each name, which may be a module; ``import hf_gpu_train.x``), from a module in the package ``here``; None for an
+    import of anything else."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = [*here[:max(0, len(here) - (node.level - 1))], *(node.module.split(".") if node.module else [])]
+        elif (node.module or "").split(".")[0] == "hf_gpu_train":
+            base = node.module.split(".")[1:]
+        else:
+            return None
+        return [".".join([*base, alias.name]) for alias in node.names]
+    if isinstance(node, ast.Import):
+        found = [alias.name.removeprefix("hf_gpu_train.") for alias in node.names if alias.name.startswith("hf_gpu_train.")]
+        return found or None
+    return None
+
+
+def imported_modules(path: Path, package: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module path below the package) of every import in ``path``, at its top or inside a function (or at its
+    top only): ``package_targets`` of each import statement, and ``importlib.import_module("hf_gpu_train.x")``."""
     here = path.relative_to(package).parts[:-1]  # the module's package, below hf_gpu_train
     found = []
-    nodes = ast.walk(ast.parse(path.read_text()))
-    if inside_functions_only:
-        nodes = (n for f in function_nodes(path) for n in ast.walk(f))
-    elif top_level_only:
-        nodes = _top_level_imports(path)
+    nodes = _top_level_imports(path) if top_level_only else ast.walk(ast.parse(path.read_text()))
     for node in nodes:
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = [*here[:max(0, len(here) - (node.level - 1))], *(node.module.split(".") if node.module else [])]
-            elif (node.module or "").split(".")[0] == "hf_gpu_train":
-                base = node.module.split(".")[1:]
-            else:
-                continue
-            found += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
-        elif isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.removeprefix("hf_gpu_train.")) for alias in node.names
-                      if alias.name.startswith("hf_gpu_train.")]
+        targets = package_targets(node, here)
+        if targets is not None:
+            found += [(node.lineno, target) for target in targets]
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
               and node.args[0].value.startswith("hf_gpu_train.")):
@@ -302,27 +306,15 @@ def heavy_modules(package: Path) -> set[str]:
     return heavy
 
 
-def must_be_at_top(node: ast.AST, path: Path, package: Path, heavy: set[str], lines: list[str]) -> bool:
-    """Whether an import found inside a function of ``path`` has no reason to be there."""
+def must_be_at_top(node: ast.AST, path: Path, package: Path, heavy: set[str], lines: list[str], modules: set[str]) -> bool:
+    """Whether an import found inside a function of ``path`` has no reason to be there (``modules``: the package's)."""
     text = " ".join(lines[node.lineno - 1:node.end_lineno])
     if LAZY_MARK.search(text) or (node.lineno > 1 and LAZY_MARK.search(lines[node.lineno - 2])):
         return False
-    if isinstance(node, ast.Import):
-        tops = [a.name.split(".")[0] for a in node.names]
-        if any(t != "hf_gpu_train" and t not in sys.stdlib_module_names for t in tops):
-            return False
-        targets = [a.name.removeprefix("hf_gpu_train.") for a in node.names if a.name.startswith("hf_gpu_train")]
-    else:
-        top = (node.module or "").split(".")[0]
-        if not node.level and top != "hf_gpu_train":
-            return top in sys.stdlib_module_names
-        here = path.relative_to(package).parts[:-1]
-        if node.level:
-            base = [*here[:max(0, len(here) - (node.level - 1))], *(node.module.split(".") if node.module else [])]
-        else:
-            base = node.module.split(".")[1:]
-        targets = [".".join([*base, a.name]) for a in node.names]
-    modules = {module_name(p, package) for p in package.rglob("*.py")}
+    targets = package_targets(node, path.relative_to(package).parts[:-1])
+    if targets is None:  # a third-party import (heavy or optional) may stay; a standard library one goes to the top
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        return all(name.split(".")[0] in sys.stdlib_module_names for name in names)
     for target in targets:
         found = resolve(target, modules)
         if found is None:
@@ -335,11 +327,13 @@ def must_be_at_top(node: ast.AST, path: Path, package: Path, heavy: set[str], li
 
 def imports_that_belong_at_the_top(package: Path) -> list[str]:
     heavy = heavy_modules(package)
+    modules = {module_name(p, package) for p in package.rglob("*.py")}
     found = []
     for path in sorted(package.rglob("*.py")):
         lines = path.read_text().splitlines()
         for function in function_nodes(path):
             for node in ast.walk(function):
-                if isinstance(node, (ast.Import, ast.ImportFrom)) and must_be_at_top(node, path, package, heavy, lines):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and must_be_at_top(node, path, package, heavy, lines,
+                                                                                      modules):
                     found.append(f"{path.relative_to(package)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     return found
