@@ -44,18 +44,27 @@ def _assert_stopped_cleanly(out, err: str, failed_step: int) -> None:
     assert not (out / f"checkpoint-{failed_step}" / COMPLETE_MARKER).exists()
 
 
-def test_an_injected_full_disk_at_the_second_checkpoint(tmp_path, case, capsys, monkeypatch):  # noqa: F811
+def disk_full_at_step(monkeypatch, step: int, message: str):
+    """The Trainer's optimizer save fails at ``step`` as a full disk makes it fail (the library's own error, raised from
+    ENOSPC); returns the original method, to give the space back."""
     from transformers import Trainer
 
     original = Trainer._save_optimizer_and_scheduler
 
     def fills_up(self, output_dir):
-        if self.state.global_step == 4:
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: file write failed") \
-                from OSError(errno.ENOSPC, "No space left on device")
+        if self.state.global_step == step:
+            raise RuntimeError(message) from OSError(errno.ENOSPC, "No space left on device")
         return original(self, output_dir)
 
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", fills_up)
+    return original
+
+
+def test_an_injected_full_disk_at_the_second_checkpoint(tmp_path, case, capsys, monkeypatch):  # noqa: F811
+    from transformers import Trainer
+
+    original = disk_full_at_step(monkeypatch, 4, "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: "
+                                                 "file write failed")
     out = tmp_path / "out"
     command = args(case, out, "save_strategy=steps", "save_steps=2")
     assert main(command) == 2
@@ -111,15 +120,7 @@ def test_guard_saves_in_a_plain_trainer_keeps_checkpoint_1_and_resumes_from_it(t
     reference = _plain_trainer(tmp_path / "reference")
     reference.train()
     out = tmp_path / "out"
-    original = Trainer._save_optimizer_and_scheduler
-
-    def fills_up(self, output_dir):
-        if self.state.global_step == 2:
-            raise RuntimeError("SafetensorError: IoError(Os { code: 28, kind: StorageFull, message: ... })") \
-                from OSError(errno.ENOSPC, "No space left on device")
-        return original(self, output_dir)
-
-    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", fills_up)
+    original = disk_full_at_step(monkeypatch, 2, "SafetensorError: IoError(Os { code: 28, kind: StorageFull, message: ... })")
     first = _plain_trainer(out)
     guard_saves(first)
     with pytest.raises(DiskFullError) as raised:
