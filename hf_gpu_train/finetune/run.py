@@ -73,11 +73,11 @@ def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished
     return chosen
 
 
-def prepare(cfg: FinetuneConfig, runtime):
-    """(model, train, validation, collator, processing_class, data) for the task (``tasks/``), its notes said on the
-    main process. Each task orders its work for whoever made a mistake: first what is cheap to check (the model's
-    path or timm name and its weights; the data's files, splits, columns and labels), then the model, and only then
-    the passes over every row, once per machine (``prepare_once``)."""
+def prepared_for(cfg: FinetuneConfig, runtime) -> Prepared:
+    """The task's model and data (``tasks/``), its notes said on the main process. Each task orders its work for
+    whoever made a mistake: first what is cheap to check (the model's path or timm name and its weights; the data's
+    files, splits, columns and labels), then the model, and only then the passes over every row, once per machine
+    (``prepare_once``)."""
     from .checkpoints import is_main_process
 
     def say(notes):
@@ -85,9 +85,13 @@ def prepare(cfg: FinetuneConfig, runtime):
             for note in notes:
                 print(f"hf_gpu_train: {note}", flush=True)
 
-    prepared = task_for(cfg.task).prepare(cfg, runtime, say)
-    return (prepared.model, prepared.train, prepared.validation, prepared.collator, prepared.processing_class,
-            prepared.data)
+    return task_for(cfg.task).prepare(cfg, runtime, say)
+
+
+def prepare(cfg: FinetuneConfig, runtime):
+    """``prepared_for`` as (model, train, validation, collator, processing_class, data), for tune's trials."""
+    p = prepared_for(cfg, runtime)
+    return p.model, p.train, p.validation, p.collator, p.processing_class, p.data
 
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
@@ -275,7 +279,7 @@ class FinetuneRun:
                       backend=cfg.extra.get("ddp_backend"))
         # a ZeRO-3 launch: the model loads partitioned (why: deepspeed_env.py); held until the Trainer holds the config
         self.zero3_init = hold_zero3_init(runtime.precision)
-        self.prepared = Prepared(*prepare(cfg, runtime))
+        self.prepared = prepared_for(cfg, runtime)
         data = self.prepared.data
         if self.identity.training.get("learning_rate") is None:  # chosen with the model (learning_rates.py): compared now
             self.identity = RunIdentity.of(cfg, runtime.precision, self.effective)
