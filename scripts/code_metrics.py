@@ -79,9 +79,10 @@ def imported_modules(path: Path, package: Path, *, top_level_only: bool = False)
     return found
 
 
-def function_nodes(path: Path) -> list[ast.AST]:
-    """The outermost functions of ``path`` (methods included; nested functions are inside their parent)."""
-    tree = ast.parse(path.read_text())
+def function_nodes(path: Path, tree: ast.AST | None = None) -> list[ast.AST]:
+    """The outermost functions of ``path`` (methods included; nested functions are inside their parent), in ``tree``
+    when given (the module already parsed: nodes of one tree are compared with nodes of the same tree)."""
+    tree = ast.parse(path.read_text()) if tree is None else tree
     found: list[ast.AST] = []
 
     def visit(node: ast.AST) -> None:
@@ -270,9 +271,9 @@ LAZY_MARK = re.compile(r"#\s*lazy:")
 
 
 def _top_level_imports(path: Path) -> list[ast.AST]:
-    functions = {id(n) for f in function_nodes(path) for n in ast.walk(f)}
-    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
-            and id(n) not in functions]
+    tree = ast.parse(path.read_text())
+    inside = {id(n) for f in function_nodes(path, tree) for n in ast.walk(f)}  # ids of live nodes of this one tree
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inside]
 
 
 def heavy_modules(package: Path) -> set[str]:

@@ -99,3 +99,18 @@ def test_the_import_rule_tells_a_needed_lazy_import_from_a_needless_one(tmp_path
         "    from .light import json as k  # lazy: a reason\n")
     assert METRICS.imports_that_belong_at_the_top(package) == ["plan/user.py:2: import json",
                                                                "plan/user.py:5: from .light import json as j"]
+
+
+def test_an_import_inside_a_function_is_never_read_as_one_at_the_top(tmp_path):
+    """The top-level imports are told from the ones inside functions in one parse of the module (two parses compared
+    node ids of different trees: freed ids came back, and a lazy import made its module heavy at random)."""
+    package = tmp_path / "hf_gpu_train"
+    (package / "plan").mkdir(parents=True)
+    (package / "plan" / "__init__.py").write_text("")
+    body = "".join(f"import json as j{i}\n" for i in range(40))
+    body += "".join(f"def f{i}():\n    import torch\n    import json as k{i}\n" for i in range(200))
+    (package / "plan" / "lazy.py").write_text(body)
+    for _ in range(5):
+        top = METRICS._top_level_imports(package / "plan" / "lazy.py")
+        assert sorted(n.lineno for n in top) == list(range(1, 41))
+        assert "plan.lazy" not in METRICS.heavy_modules(package)
