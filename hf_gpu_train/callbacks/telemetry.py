@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ..faults.collective_gate import agree_on_control
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.nvml import PynvmlBackend
 from ..hardware.peaks import peak_flops
@@ -108,7 +109,6 @@ class TelemetryCallback(TrainerCallback):
 
     def agree_flags_of(self, trainer) -> None:
         """Emit once ``trainer``'s control flags are agreed across the ranks (installing the agreement if nothing did)."""
-        from ..faults.collective_gate import agree_on_control
 
         if self._agreed_on is not trainer and agree_on_control(trainer, self._after_agreement):
             self._agreed_on = trainer

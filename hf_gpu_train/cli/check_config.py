@@ -8,6 +8,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import UsageError
+from ..launch.render import env_path_for, parse_env
+from ..plan.lint import ERROR, Finding, lint, plan_findings
+from ..plan.run_plan_file import plan_path_for
 from .common import add_machine_argument, resolve_profile
 
 
@@ -20,9 +23,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch.render import env_path_for, parse_env
-    from ..plan.lint import ERROR, Finding, lint, plan_findings
-    from ..plan.run_plan_file import plan_path_for
 
     path = Path(args.config_file)
     try:

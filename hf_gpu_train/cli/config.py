@@ -10,7 +10,11 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..hardware.snapshot import load_machine
+from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
 from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
+from ..plan.document import no_memory_plan, render_plan_json
+from ..plan.model_spec import ModelSpec, resolve_model
+from ..plan.planner import PlanOptions, make_plan
 from ..textfmt import table
 from .common import add_machine_argument, resolve_profile
 
@@ -61,7 +65,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def model_spec_from_args(args: argparse.Namespace):
-    from ..plan.model_spec import ModelSpec, resolve_model
 
     if args.model and args.params:
         raise UsageError("give --model or --params, not both")
@@ -85,9 +88,6 @@ def port_in_use(port: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
-    from ..plan.document import no_memory_plan, render_plan_json
-    from ..plan.planner import PlanOptions, make_plan
 
     profile, live = resolve_profile(args)
     options = PlanOptions(

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..hardware.profile import HardwareProfile
 from ..hardware.snapshot import save, to_json
+from ..hardware.software import detect_software
 from ..hardware.topology import LEGEND, p2p_summary, topology_matrix
 from ..textfmt import gib, table
 from .common import add_machine_argument, resolve_profile
@@ -33,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
     picture = _picture_target(args.topology_svg) if args.topology_svg else None  # before detecting: fail fast
     profile, live = resolve_profile(args)
     if args.software and live:
-        from ..hardware.software import detect_software
 
         profile = replace(profile, software=detect_software())
     if args.save:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..doctor import exit_code, run_checks
+from ..doctor.live_checks import RealTorchProbe
+from ..hardware.software import detect_software
 from .common import add_machine_argument, print_json, resolve_profile
 
 SYMBOL = {"PASS": "PASS", "WARN": "WARN", "FAIL": "FAIL", "SKIP": "skip"}
@@ -20,14 +23,11 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..doctor import exit_code, run_checks
 
     profile, live = resolve_profile(args)
     software = profile.software
     probe = None
     if live:
-        from ..doctor.live_checks import RealTorchProbe
-        from ..hardware.software import detect_software
 
         software = detect_software()
         probe = RealTorchProbe()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..finetune.recipe_names import RECIPES_DIR, shipped_names
+from ..finetune.run import main
 from ..process_group import leave_process_group
 
 
@@ -27,7 +28,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..finetune.run import main
 
     code = main([*(["--config", args.config] if args.config is not None else []), *args.overrides],
                 prog="hf-gpu-train finetune")

@@ -20,10 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
+from ..finetune.config import load_config_and_keys
 from ..finetune.recipe_names import resolve_recipe
 from ..launch.rank_report import HANG_EXIT_CODE, PROGRESS_DIR_ENV, failure_line, read_hang_report, read_progress, root_cause
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
+from ..plan.machine_match import detect_this_machine, scope_to_this_machine
+from ..plan.run_environment import binding_target
+from ..plan.run_plan_file import (
+    PLAN_ENV,
+    accelerate_precision,
+    data_stamps,
+    env_path_for,
+    generating_command,
+    parse_env,
+    plan_path_for,
+    read_run_plan,
+    tuned_keys_for,
+)
 from . import example
 
 USAGE = "hf-gpu-train launch [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT [SCRIPT_ARGS ...]"
@@ -67,7 +81,6 @@ def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[st
 
 def _binding(plan, settings: dict) -> tuple[frozenset[int] | None, str | None]:
     """A taskset binding applied to this launcher is inherited by accelerate and every process it starts."""
-    from ..plan.run_environment import binding_target
 
     if plan is None or plan.cpu_binding is None or plan.cpu_binding.method != TASKSET or not hasattr(os, "sched_getaffinity"):
         return None, None
@@ -103,8 +116,6 @@ def _as_the_run_reads(recipe: str | None, overrides: list[str]) -> tuple[str | N
 def _data(recipe: str | None, overrides: list[str]) -> dict | None:
     """The run's model and data files as the run will stamp them (None: its config cannot be read; the run says why)."""
 
-    from ..finetune.config import load_config_and_keys
-    from ..plan.run_plan_file import data_stamps
 
     try:
         cfg, _ = load_config_and_keys(recipe, overrides)
@@ -116,7 +127,6 @@ def _data(recipe: str | None, overrides: list[str]) -> dict | None:
 def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict) -> tuple[str, str] | None:
     """(accelerate precision, note) when `hf-gpu-train tune` measured another precision for this very recipe: the
     launcher passes it to this run only (NAME.yaml's mixed_precision reaches every recipe)."""
-    from ..plan.run_plan_file import accelerate_precision, tuned_keys_for
 
     recipe, overrides = _as_the_run_reads(recipe_in(script_args), [a for a in script_args if "=" in a and not a.startswith("-")])
     # plan.value None: a plan made for another machine, no tuned precision here
@@ -160,8 +170,6 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
     them without its machine variables (threads, NCCL topology, devices) and CPU binding."""
     import yaml
 
-    from ..plan.machine_match import detect_this_machine, scope_to_this_machine
-    from ..plan.run_plan_file import PLAN_ENV, env_path_for, generating_command, parse_env, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
     parsed = split_launch_argv(argv)

@@ -9,7 +9,12 @@ from dataclasses import replace
 
 from ..errors import UsageError
 from ..hardware.peaks import peak_flops
+from ..levers.plan import host_room_per_process, last_resort_plan
+from ..levers.table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
 from ..plan.gpus import select_devices
+from ..plan.memory import BREAKDOWN_ROWS, STRATEGIES, TrainingShape, estimate, largest_micro_batch, plan_memory, usable_bytes
+from ..plan.method_choice import recommend_method, useful_micro_batch
+from ..plan.model_spec import adapter_shape, quantized_params
 from ..textfmt import table
 from .common import add_machine_argument, resolve_profile
 from .config import add_planner_arguments, model_spec_from_args
@@ -53,7 +58,6 @@ def _devices(args) -> tuple[int, int, str, object]:
 
 
 def _check(args, spec) -> None:
-    from ..plan.model_spec import adapter_shape, quantized_params
 
     if args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: must be at least 1 (16 is a good start)")
@@ -63,7 +67,6 @@ def _check(args, spec) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plan.memory import TrainingShape
 
     spec = model_spec_from_args(args)
     if spec is None:
@@ -90,9 +93,6 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
     """The per-lever table and the recommended set (levers/table.py), on the plan's strategy; 0 when the
     recommended set fits, 1 when nothing does."""
 
-    from ..levers.plan import host_room_per_process
-    from ..levers.table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
-    from ..plan.method_choice import useful_micro_batch
 
     per_gpu = math.ceil(args.global_batch / count)
     useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (levers/plan.py)
@@ -127,7 +127,6 @@ def _host_ram(args) -> int | None:
 
 def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
     """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (levers/plan.py)."""
-    from ..levers.plan import last_resort_plan
 
     ram = _host_ram(args)
     plan = last_resort_plan(spec, memory, count, shape, args.global_batch, (strategy,), ram, count)
@@ -144,7 +143,6 @@ def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
 def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:
     """(exit status, the strategy the levers are planned on: the plan's, or the last tried when nothing fits)"""
 
-    from ..plan.memory import STRATEGIES, estimate, largest_micro_batch, plan_memory
 
     rows = [["Strategy", "Fixed (GiB)", "Act./sample (GiB)", "Max micro-batch", "With checkpointing"]]
     if shape.method == "full":
@@ -180,8 +178,6 @@ def _print_plan(plan, count, global_batch, memory) -> None:
 
 
 def _run_auto(args, spec, shape, memory, count) -> int:
-    from ..plan.memory import BREAKDOWN_ROWS, usable_bytes
-    from ..plan.method_choice import recommend_method
 
     rec = recommend_method(spec, memory, count, shape, args.global_batch, prefer_full=args.prefer_full)
     shown = [c for c in rec.candidates if c.available]

@@ -24,8 +24,18 @@ from ..errors import UsageError
 from ..hardware.snapshot import load_machine
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.accelerate_argv import SWITCHES as ACCELERATE_SWITCHES
+from ..plan.run_plan_file import data_stamps
 from ..textfmt import table
+from ..tune.cache import TuneCache, cache_path_for
+from ..tune.candidates import AXES, DEFAULT_AXES
+from ..tune.job import load_job, recipe_wins
+from ..tune.plot import write_plot
+from ..tune.results import TrialResult, choose
+from ..tune.search import DEFAULT_BUDGET_S, WARMUP_STEPS, run_search
+from ..tune.tune_report import RunFacts, render_report, report_paths, trial_rows, write_report
+from ..tune.writeback import write_winner
 from . import example
+from .launch import build_launch, run_reporting_usage_errors
 
 USAGE = ("hf-gpu-train tune [--budget-s S] [--fresh] [--axes A,B] [--machine SNAPSHOT | --dry-run] [ACCELERATE_OPTIONS] "
          "--config-file NAME.yaml scripts/finetune.py --config RECIPE.yaml [key=value ...]")
@@ -38,8 +48,6 @@ DESCRIPTION = ("Measure the fastest settings that fit for this recipe on this la
 
 
 def own_parser() -> argparse.ArgumentParser:
-    from ..tune.candidates import AXES, DEFAULT_AXES
-    from ..tune.search import DEFAULT_BUDGET_S, WARMUP_STEPS
 
     p = argparse.ArgumentParser(prog="hf-gpu-train tune", usage=USAGE, description=DESCRIPTION, add_help=False)
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
@@ -98,7 +106,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _axes(text: str) -> tuple[str, ...]:
-    from ..tune.candidates import AXES
 
     axes = tuple(a.strip() for a in text.split(",") if a.strip())
     unknown = [a for a in axes if a not in AXES]
@@ -133,7 +140,6 @@ def print_space(job) -> None:
 
 def launch_trials(job, options: list[str], spec: dict, folder: Path) -> tuple[int, dict | None]:
     """One launch of the config running ``hf_gpu_train.tune.worker``; (exit code, what it measured)."""
-    from .launch import build_launch, run_reporting_usage_errors
 
     spec_path, results_path = folder / "spec.json", folder / "results.json"
     spec_path.write_text(json.dumps({**spec, "results_path": str(results_path), "output_dir": str(folder / "trials")}))
@@ -156,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{example('tune')}")
         return 0
     opts = own_parser().parse_args(own_argv)
-    from ..tune.job import load_job
 
     parsed = split_launch_argv(rest)
     config_file = parsed.value(*CONFIG_FILE_OPTIONS)
@@ -180,9 +185,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tune(job, opts, options: list[str], started: float) -> int:
-    from ..tune.cache import TuneCache, cache_path_for
-    from ..tune.results import TrialResult, choose
-    from ..tune.search import run_search
 
     cache = TuneCache.load(cache_path_for(job.config_file), opts.fresh, datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     saved = {} if opts.fresh else cache.results(job.cache_key)
@@ -215,14 +217,10 @@ def _tune(job, opts, options: list[str], started: float) -> int:
 
 
 def _write_and_print(job, opts, results, notes, choice, spent, startup_s, started) -> int:
-    from ..tune.plot import write_plot
-    from ..tune.tune_report import RunFacts, render_report, report_paths, trial_rows, write_report
-    from ..tune.writeback import write_winner
 
     now = datetime.now(timezone.utc)
     stamp, when = now.strftime("%Y%m%d-%H%M%S"), now.strftime("%Y-%m-%d %H:%M UTC")
     report_path, plot_path = report_paths(job.config_file)
-    from ..plan.run_plan_file import data_stamps
 
     written = write_winner(job.config_file, choice, results, job.space, stamp, when, job.recipe, list(job.overrides),
                            report_path.name, opts.budget_s, data=data_stamps(job.values))
@@ -252,7 +250,6 @@ def _write_and_print(job, opts, results, notes, choice, spent, startup_s, starte
 
 
 def _say_how_to_use(job, winner, keys) -> None:
-    from ..tune.job import recipe_wins
 
     shadowed = recipe_wins(job, keys)
     script = "scripts/finetune.py" + (f" --config {job.recipe}" if job.recipe else "")

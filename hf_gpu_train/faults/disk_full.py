@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, write_marker
+from .collective_gate import agree_on_control, wait_for_every_rank
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NO_SPACE_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "QuotaExceeded")
@@ -171,7 +172,6 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     Waiting for every rank before the marker is a collective, so the control flags that decide a save are agreed
     across the ranks first (``collective_gate.agree_on_control``): a save one rank's callback asked for alone is every
     rank's. A Trainer without that step is not waited for: its marker is written when the main process finished."""
-    from .collective_gate import agree_on_control, wait_for_every_rank
 
     agreed = agree_on_control(trainer)
 

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 from ..errors import UsageError
 from ..process_group import launch_attempt
+from .collective_gate import _CPU_GROUP, _cpu_group
 
 DEFAULT_TIMEOUT_S = 60.0
 _KEY = "hf_gpu_train/preflight"
@@ -139,7 +140,6 @@ def check_collectives(seconds: float, device) -> None:
     if not torch.equal(sent.cpu(), torch.arange(4, dtype=torch.float32)):
         raise PreflightError(f"the preflight broadcast arrived as {sent.tolist()} on rank {rank}: run hf-gpu-train doctor")
     if dist.get_backend() != "gloo":  # the gloo group the Trainer's flags are agreed on (collective_gate), made now
-        from .collective_gate import _cpu_group
 
         _wait(dist.all_reduce(torch.ones(1), group=_cpu_group(dist, timedelta(seconds=seconds)), async_op=True),
               "the preflight all-reduce on the gloo group (GLOO_SOCKET_IFNAME)", seconds)
@@ -206,7 +206,6 @@ def _run_timeout(seconds: float, device) -> str:
     import torch
     import torch.distributed as dist
 
-    from .collective_gate import _CPU_GROUP
 
     setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     setter(timedelta(seconds=seconds))

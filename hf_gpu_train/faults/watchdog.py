@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 
 from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
 from ..process_group import rendezvous_store
+from .collective_gate import make_collective_safe, new_namespace, publish_position
 
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
@@ -259,7 +260,6 @@ class Watchdog:
         where = self.progress.position()
         if self._store is None or self.namespace is None or where == self._published:
             return
-        from .collective_gate import publish_position
 
         with contextlib.suppress(Exception):  # the store's host gone: the launcher is ending the run
             publish_position(self._store, self.namespace, _rank()[0], where)
@@ -449,7 +449,6 @@ def attach_watchdog(trainer, timeout="auto", output_dir: str | Path | None = Non
     step and 600 s for the first step, evaluations and saves, or 10 x the measured time when longer), seconds, or
     ``off``. With several processes its evaluations and saves are made collective-safe too
     (``collective_gate.make_collective_safe``). Returns the Watchdog (None when off)."""
-    from .collective_gate import make_collective_safe, new_namespace
 
     limits = Limits.from_setting(timeout)
     if limits is None:

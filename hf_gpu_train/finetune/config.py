@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, UsageError  # noqa: F401 (ConfigError: the finetune names it from here)
+from ..levers.from_config import check_levers
 from .learning_rates import FINETUNE_LEARNING_RATE  # noqa: F401 - the reference rate, imported from here by callers
 from .recipe_names import shipped_files
 from .tasks.base import task_for
@@ -211,7 +212,6 @@ class FinetuneConfig:
         task.check_config(self)
 
     def _check_memory_levers(self) -> None:
-        from ..levers.from_config import check_levers
 
         check_levers(self, images=task_for(self.task).images)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 
+from .config import ConfigError
+
 
 def deepspeed_requested(environ=None) -> bool:
     environ = os.environ if environ is None else environ
@@ -55,7 +57,6 @@ def deepspeed_optimizer_line(cfg, environ=None) -> str | None:
     parameters with DeepSpeed's optimizer, not the Trainer's: ``optim`` would be ignored (refused, named), and every
     trainable parameter is one group, so weight decay reaches norms and biases too, which the Trainer's AdamW leaves
     out (said, once). None without such a file."""
-    from .config import ConfigError
 
     environ = os.environ if environ is None else environ
     if not deepspeed_requested(environ):

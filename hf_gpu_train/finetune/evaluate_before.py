@@ -22,6 +22,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .causal_lm.outputs import with_perplexity
+from .fsdp import fsdp_requested
 from .run_record import SHOWN_METRICS
 from .tasks.base import task_for
 
@@ -94,7 +96,6 @@ class EvaluateBeforeTraining(TrainerCallback):
             metrics = self.trainer.evaluate()
         self.seconds = time.perf_counter() - started
         if self.causal_lm:
-            from .causal_lm.outputs import with_perplexity
 
             metrics = with_perplexity(metrics)
         self.baseline = {k: v for k, v in metrics.items() if k in SHOWN_METRICS}
@@ -106,7 +107,6 @@ def attach_evaluate_before(cfg, trainer, validation_rows: int, resuming: bool,
                            trained_rows: float | None = None) -> EvaluateBeforeTraining | None:
     """The callback when this run evaluates first (attach it after the watchdog and the guards); None when it does not,
     saying why under ``auto``, and removing an earlier start's baseline_results.json, which is not this run's."""
-    from .fsdp import fsdp_requested
 
     if resuming:  # the run evaluated when it first started: its file stays
         return None

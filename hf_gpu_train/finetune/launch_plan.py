@@ -11,7 +11,21 @@ import logging
 import os
 from dataclasses import dataclass
 
+from ..launch.launched_strategy import launched_strategy, same_strategy
+from ..levers.from_config import planned_levers_that_hold, shape_levers
+from ..plan.machine_match import detect_this_machine, unset_planned_variables
+from ..plan.run_plan import (
+    APPLIED_KEYS,
+    apply_run_environment,
+    check_memory,
+    load_run_plan,
+    override_lines,
+    plan_record,
+    resolve_with_plan,
+)
+from ..plan.scope import plan_fingerprint, scope
 from .config import FinetuneConfig
+from .plan_scope import run_fingerprint
 from .tasks.base import task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
@@ -27,7 +41,6 @@ class AppliedPlan:
     launched_strategy: str | None = None  # what the launch runs (launch/launched_strategy.py), read before the values applied
 
     def record(self, measured_peak_bytes: int | None, measured_what: str | None) -> dict:
-        from ..plan.run_plan import plan_record
 
         return plan_record(self.plan, self.resolution, self.memory, measured_peak_bytes, measured_what)
 
@@ -38,12 +51,6 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     `hf-gpu-train tune` measured for this very recipe win over the recipe file's (never over the command line).
     ``here``: this machine's profile (None: detected now); a plan made for other hardware keeps its machine values.
     ``overrides``: the command line's key=value (with ``recipe``, the job tuned values are scoped to)."""
-    from ..launch.launched_strategy import launched_strategy
-    from ..levers.from_config import shape_levers
-    from ..plan.machine_match import detect_this_machine, unset_planned_variables
-    from ..plan.run_plan import apply_run_environment, check_memory, load_run_plan
-    from ..plan.scope import plan_fingerprint, scope
-    from .plan_scope import run_fingerprint
 
     environ = os.environ if environ is None else environ
     loaded = load_run_plan(environ)
@@ -73,8 +80,6 @@ def _resolved(cfg: FinetuneConfig, plan, explicit_keys: frozenset, tuned: frozen
     """(cfg, resolution, values, lines): the scoped plan's values resolved against the run's own (``explicit_keys`` win,
     but not over ``tuned``: measured by tune for this recipe), the levers this run rules out dropped, and the two lines
     "plan values applied" and "plan values not applied" (``not_applied``: key -> (the plan's value, why), so far)."""
-    from ..levers.from_config import planned_levers_that_hold
-    from ..plan.run_plan import APPLIED_KEYS, override_lines, resolve_with_plan
 
     lines = [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
              for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
@@ -104,7 +109,6 @@ def _resolved(cfg: FinetuneConfig, plan, explicit_keys: frozenset, tuned: frozen
 def _with_the_plans_environment(plan, environ) -> dict:
     """A copy of ``environ`` as the plan's environment will leave it: the launched strategy is read from it
     (ACCELERATE_USE_CPU may come from NAME.env) before the plan, scoped, reaches this process."""
-    from ..plan.run_plan import apply_run_environment
 
     trial = dict(environ)
     apply_run_environment(plan, trial)
@@ -137,7 +141,6 @@ def confirm_launched_strategy(applied: AppliedPlan | None, state) -> str | None:
     """The strategy the plan was scoped for was read from the launch's environment, before the Trainer existed; once
     its accelerator does, what it runs is compared with it. A line when they differ (the plan's memory values were kept
     or dropped for the wrong strategy), else None."""
-    from ..launch.launched_strategy import same_strategy
 
     if applied is None or applied.launched_strategy is None:
         return None

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .tasks.base import task_for
+
 FINETUNE_LEARNING_RATE = 5e-5  # BERT-base and ViT fine-tuning: the reference the families are measured against
 BATCHNORM_LEARNING_RATE = 1e-3
 REFERENCE_WIDTH = 768  # BERT-base's hidden size, at which a text encoder gets FINETUNE_LEARNING_RATE
@@ -100,7 +102,6 @@ def resolve_learning_rate(cfg, model) -> str | None:
     """Set ``cfg.learning_rate`` from ``model`` when the config left it to the model; the line saying why, or None."""
     if cfg.learning_rate is not None:
         return None
-    from .tasks.base import task_for  # the tasks' package imports every task, and they import this module
 
     rate, why = task_for(cfg.task).learning_rate(model)
     cfg.learning_rate = rate

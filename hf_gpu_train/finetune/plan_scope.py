@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..plan.machine_match import hardware_record
+from ..plan.model_spec import resolve_model
 from ..plan.run_plan_file import Job, data_stamps
 from ..plan.scope import Fingerprint, ModelId, Shape, canonical_name, plan_fingerprint, scope
+from .causal_lm.smollm2 import converted_dir, is_converted
 from .config import FinetuneConfig
 from .tasks.base import task_for
 
@@ -25,11 +27,9 @@ OPTIMIZER = "adamw"  # scripts/finetune.py trains with AdamW (two fp32 moments p
 def run_model_spec(cfg: FinetuneConfig):
     """The planner's spec of the model this run trains (its config on the meta device; timm's census), or None with
     the reason when it cannot be read here. Best effort: whatever goes wrong reading it is said, never raised."""
-    from ..plan.model_spec import resolve_model
 
     name = cfg.model
     if name == "builtin:smollm2":
-        from .causal_lm.smollm2 import converted_dir, is_converted
 
         if not is_converted():
             return None, "builtin:smollm2 is not converted yet"

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import ConfigError, FinetuneConfig
+from .text import resolve_model_path
 
 
 def check_text_model(cfg: FinetuneConfig) -> Path | None:
     """The local model directory, checked; None for a hub id."""
-    from .text import resolve_model_path
 
     path = Path(resolve_model_path(cfg.model))  # raises for a local path that does not exist
     if not path.exists():

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..process_group import launch_attempt, rendezvous_store
+from .causal_lm.smollm2 import cache_root
 from .config import ConfigError, FinetuneConfig
 
 MARKER = "prepared.json"
@@ -134,7 +135,6 @@ def data_key(cfg: FinetuneConfig, raw_splits: dict[str, object], model_path: str
 
 
 def cache_dir() -> Path:
-    from .causal_lm.smollm2 import cache_root
 
     return cache_root() / "prepared"
 

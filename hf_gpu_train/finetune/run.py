@@ -23,11 +23,26 @@ from ..closed_pipe import until_the_pipe_closes
 from ..errors import UsageError, report_usage_error
 from ..fast_exit import end_quickly
 from ..faults.checkpoint_marker import resume_point
+from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
+from ..faults.preflight_collective import preflight
+from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
 from ..plan.decisions import accelerate_uses_cpu
 from ..report.writer import render_report
+from .agreement import check_ranks_agree
+from .checkpoints import (
+    check_label_map,
+    checkpoints,
+    is_main_process,
+    label_map_writer,
+    last_complete_checkpoint,
+    write_label_map,
+)
 from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
+from .deepspeed_env import deepspeed_optimizer_line, hold_zero3_init
+from .fsdp import fsdp_requested, save_full_model
+from .launch_plan import apply_launch_plan, confirm_launched_strategy
 from .recipe_names import resolve_recipe, shipped_names
-from .run_record import SHOWN_METRICS
+from .run_record import SHOWN_METRICS, RunIdentity, back_up_config, check_previous_run, read_previous, write_record
 from .tasks import Prepared, task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
@@ -51,7 +66,6 @@ def parse_args(argv: list[str] | None, prog: str = "finetune.py") -> tuple[str |
 
 
 def _resume_point(cfg: FinetuneConfig, label_names: list[str], previous_finished: bool) -> str | None:
-    from .checkpoints import check_label_map, checkpoints, last_complete_checkpoint
 
     out = Path(cfg.output_dir)
     if checkpoints(out) or previous_finished:  # a start that trained nothing leaves no labels to keep
@@ -78,7 +92,6 @@ def prepared_for(cfg: FinetuneConfig, runtime) -> Prepared:
     whoever made a mistake: first what is cheap to check (the model's path or timm name and its weights; the data's
     files, splits, columns and labels), then the model, and only then the passes over every row, once per machine
     (``prepare_once``)."""
-    from .checkpoints import is_main_process
 
     def say(notes):
         if is_main_process():
@@ -235,10 +248,7 @@ class FinetuneRun:
 
     def _resolve(self) -> dict | None:
         """What is cheap and needs no model: the config's own checks, the runtime, the record of an earlier run."""
-        from ..levers.from_config import release_memory, release_memory_before_cuda
-        from .deepspeed_env import deepspeed_optimizer_line
-        from .run_record import RunIdentity, check_previous_run, read_previous
-        from .runtime import resolve_runtime
+        from .runtime import resolve_runtime  # lazy: looked up when called, so a replacement (a test's) is seen
         from .trainer_factory import gradient_accumulation
 
         cfg, launch_plan = self.cfg, self.launch_plan
@@ -262,10 +272,6 @@ class FinetuneRun:
         """Every rank joined, then the task's model and data, the resume point and the run's records."""
         from transformers import set_seed
 
-        from .checkpoints import is_main_process, write_label_map
-        from .deepspeed_env import hold_zero3_init
-        from .fsdp import fsdp_requested
-        from .run_record import RunIdentity, back_up_config, check_previous_run, write_record
 
         cfg, runtime, previous = self.cfg, self.runtime, self.previous
         set_seed(cfg.seed)
@@ -273,7 +279,6 @@ class FinetuneRun:
             # every rank joined and the collectives work, in seconds, before the model and data load. The process group
             # must exist before the model loads anyway under FSDP, or transformers loads the whole model on every rank
             # (fsdp_cpu_ram_efficient_loading: only rank 0 reads the weights, the others wait on the meta device)
-            from ..faults.preflight_collective import preflight
 
             preflight(cpu=not runtime.on_cuda, timeout=float(cfg.extra.get("ddp_timeout", 1800)),
                       backend=cfg.extra.get("ddp_backend"))
@@ -300,12 +305,7 @@ class FinetuneRun:
         """The Trainer and every piece on it, by the rules that hold in anyone's Trainer (``attach_pieces``)."""
         from transformers import Trainer
 
-        from ..faults.disk_full import FINETUNE_WORDS, guard_saves
-        from ..levers.from_config import apply_levers
-        from .agreement import check_ranks_agree
-        from .checkpoints import label_map_writer
         from .evaluate_before import attach_evaluate_before, trained_rows
-        from .launch_plan import confirm_launched_strategy
         from .trainer_factory import build_trainer
 
         cfg, runtime, prepared = self.cfg, self.runtime, self.prepared
@@ -364,10 +364,7 @@ class FinetuneRun:
 
     def finish(self) -> dict:
         """The final evaluation, the model saved, the summary and the report, then the task's own outputs."""
-        from ..faults.disk_full import FINETUNE_WORDS, MERGED, saving_to
         from .evaluate_before import read_baseline
-        from .fsdp import save_full_model
-        from .run_record import write_record
 
         cfg, trainer, runtime, before, resume = self.cfg, self.trainer, self.runtime, self.before, self.resume
         validation = self.prepared.validation
@@ -438,7 +435,6 @@ def _main(argv: list[str] | None, prog: str = "finetune.py") -> int:
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        from .launch_plan import apply_launch_plan
 
         config_path, overrides = parse_args(argv, prog)
         cfg, explicit = load_config_and_keys(config_path, overrides)

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from ..doctor.checks import torch_install_command
+from ..doctor.live_checks import RealTorchProbe
 from ..hardware.detect import detect
 from ..hardware.profile import GpuInfo, HardwareProfile
 from ..plan.decisions import PlanError, accelerate_uses_cpu, decide_precision
@@ -29,7 +30,6 @@ class Runtime:
 def _visible_gpus(profile: HardwareProfile) -> tuple[GpuInfo, ...]:
     import torch
 
-    from ..doctor.live_checks import RealTorchProbe
 
     if not torch.cuda.is_available():
         return ()

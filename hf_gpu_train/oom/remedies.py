@@ -32,7 +32,7 @@ def remedies(args, model, inputs, failure: str | None) -> str:
 
 
 def planner_estimate(args, model, inputs) -> str | None:
-    from ..plan.memory import estimate
+    from ..plan.memory import estimate  # lazy: looked up when called, so a replacement (a test's) is seen
     from ..plan.model_spec import ModelSpec, from_config
 
     try:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
+from ..levers.plan import LEVER_KEYS, lever_settings, levers_apply
 from .memory import HEADROOM_FRACTION, usable_bytes
 from .model_spec import model_fingerprint
 from .planner import LaunchPlan
@@ -41,7 +42,6 @@ def _setting_reason(plan: LaunchPlan, key: str) -> str:
 
 def _batch_values(plan: LaunchPlan) -> dict:
     m = plan.memory
-    from ..levers.plan import LEVER_KEYS
 
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "global_batch_size", "gradient_checkpointing",
             *LEVER_KEYS)
@@ -61,7 +61,6 @@ def _batch_values(plan: LaunchPlan) -> dict:
 
 
 def _lever_values(plan: LaunchPlan) -> dict:
-    from ..levers.plan import LEVER_KEYS, lever_settings, levers_apply
 
     decided = {key: _value(value, reason) for key, value, reason in lever_settings(plan.memory)}
     if plan.options.model is not None and levers_apply(plan.options.model):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from ..hardware.peaks import peak_flops
 from ..hardware.profile import GpuInfo, HardwareProfile, MigInstance
+from ..levers.plan import lever_settings, plan_with_levers
+from ..levers.table import pcie_bytes_per_second
 from .cpu_binding import CpuBinding, dataloader_workers, decide_cpu_binding, thread_budget
 from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, PlanError, check_homogeneous, decide_precision, nccl_environment
 from .deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, deepspeed_file_for
@@ -127,8 +129,6 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: Gp
         candidates = ("ddp",) if multi else ("single",)
     if options.model is None:
         return None, candidates[0]
-    from ..levers.plan import plan_with_levers
-    from ..levers.table import pcie_bytes_per_second
 
     shape = TrainingShape(seq_len=options.seq_len, image_size=options.image_size,
                           precision={"no": "fp32", "fp8": "bf16"}.get(precision, precision),
@@ -316,7 +316,6 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine) ->
                                 f"{memory.micro_batch} x {memory.gradient_accumulation} x {world} GPU(s) = {memory.effective_batch}"))
         settings.append(Setting("gradient_checkpointing", memory.gradient_checkpointing,
                                 "needed for a useful micro-batch" if memory.gradient_checkpointing else "not needed: activations fit"))
-        from ..levers.plan import lever_settings
 
         settings.extend(Setting(key, value, reason) for key, value, reason in lever_settings(memory))
     return deepspeed_file

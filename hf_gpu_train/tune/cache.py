@@ -22,6 +22,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..plan.run_plan_file import FILE_KEYS, NOT_THE_JOB, file_stamp
 from .results import TrialResult
+from .writeback import backup
 
 FORMAT = "hf_gpu_train.tune_cache"
 VERSION = 1
@@ -81,7 +82,6 @@ class TuneCache:
     def load(cls, path: str | Path, fresh: bool = False, stamp: str = "") -> TuneCache:
         """The saved measurements. A file that is not JSON stops the command, or with ``fresh`` is kept as
         NAME.bak-STAMP and replaced; a JSON file of anyone else's always stops it."""
-        from .writeback import backup
 
         path = Path(path)
         if not path.exists():

@@ -16,9 +16,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..errors import UsageError
+from ..finetune.config import load_config_and_keys, read_config_values
+from ..finetune.plan_scope import scope_to_this_run
+from ..finetune.run import parse_args
 from ..finetune.tasks.base import task_for
 from ..hardware.detect import detect
+from ..levers.from_config import shape_levers
 from ..plan.decisions import accelerate_uses_cpu
+from ..plan.machine_match import detect_this_machine, scope_to_this_machine
+from ..plan.memory import usable_bytes
+from ..plan.resolution import check_memory, resolve_with_plan
+from ..plan.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
 from . import hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
 from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space
@@ -47,7 +55,6 @@ class TuneJob:
 
 def parse_script_args(script: str, script_args: list[str]) -> tuple[str | None, list[str]]:
     """``--config recipe.yaml key=value ...`` of scripts/finetune.py (or ``-m hf_gpu_train.finetune``, the same run)."""
-    from ..finetune.run import parse_args
 
     if Path(script).name != "finetune.py" and script not in ("hf_gpu_train.finetune", "hf_gpu_train.finetune.run"):
         raise TuneError(f"{script}: tune measures hf_gpu_train's fine-tuning (scripts/finetune.py and its recipe); for "
@@ -75,7 +82,6 @@ def _on_cuda(plan, profile) -> bool:
 
 def _for_machine(plan, profile):
     """The plan with its memory model moved to a snapshot's GPU (a dry plan for another machine)."""
-    from ..plan.memory import usable_bytes
 
     if plan.memory is None or not profile.gpus:
         return plan
@@ -88,10 +94,6 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
              memory_budget_bytes: int | None = None) -> TuneJob:
     """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected);
     ``memory_budget_bytes``: a candidate fits only when its measured peak stays under it (--memory-budget-gib)."""
-    from ..finetune.config import load_config_and_keys, read_config_values
-    from ..levers.from_config import shape_levers
-    from ..plan.resolution import check_memory, resolve_with_plan
-    from ..plan.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
 
     environ = os.environ if environ is None else environ
     if hooks.problem(environ):
@@ -155,8 +157,6 @@ def _scoped_to_this_job(plan, cfg, profile):
     """The plan as the run tune measures would apply it: without machine values made for other hardware, and
     without memory values made for another model or a shorter sequence (tune would start from them, and record them
     as measured)."""
-    from ..finetune.plan_scope import scope_to_this_run
-    from ..plan.machine_match import detect_this_machine, scope_to_this_machine
 
     plan, on_another_machine = scope_to_this_machine(plan, profile if profile is not None else detect_this_machine())
     plan, for_another_run = scope_to_this_run(plan, cfg)

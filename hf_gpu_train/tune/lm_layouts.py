@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..finetune.causal_lm.encode import encode_split
+from ..finetune.causal_lm.packing import agreed_packing_support, pack_dataset
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -27,8 +30,6 @@ def build_layout(packing: bool | str, cfg, model, tokenizer, data, on_cuda: bool
     """The training set and collator for ``packing`` (a causal-LM config value): packed rows where asked and the
     model's attention keeps packed examples apart ("auto" falls back to padding, as the run would), else padding."""
     from ..finetune.causal_lm.collate import PackedCollator, PaddingCollator
-    from ..finetune.causal_lm.encode import encode_split
-    from ..finetune.causal_lm.packing import agreed_packing_support, pack_dataset
 
     multiple = 8 if on_cuda else None
     pad = tokenizer.pad_token_id

@@ -19,7 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..finetune.config import load_config
+from ..finetune.tasks import task_for
 from ..textfmt import table
+from .job import load_job
+from .results import TrialResult
+from .tune_report import planner_error
 
 GIB = 2**30
 
@@ -39,8 +44,6 @@ CASES = (TuneCase("text", "recipes/minilm_text_demo.yaml", ("global_batch_size=2
 
 def planner_model(root: Path, case: TuneCase) -> str:
     """The recipe's model as a directory (or timm name) for `hf-gpu-train config --model`."""
-    from ..finetune.config import load_config
-    from ..finetune.tasks import task_for
 
     cfg = load_config(root / case.recipe, list(case.overrides))
     return task_for(cfg.task).planner_model(cfg)
@@ -49,9 +52,6 @@ def planner_model(root: Path, case: TuneCase) -> str:
 def planner_errors(config_file: Path, script_args: list[str], profile=None) -> list[list[str]]:
     """Per trial that ran: the measured peak, the planner's estimate for it, and the planner's error (``profile``: the
     machine the config is for, None: this one)."""
-    from .job import load_job
-    from .results import TrialResult
-    from .tune_report import planner_error
 
     job = load_job(str(config_file), "scripts/finetune.py", script_args, {}, profile=profile)
     tuned = json.loads(config_file.with_suffix(".plan.json").read_text()).get("tuned") or {}
@@ -79,7 +79,6 @@ def check_case(root: Path, case: TuneCase, budget_s: float | None = None) -> boo
     model = planner_model(root, case)
     with tempfile.TemporaryDirectory(prefix="tune_gpu_check_") as tmp:
         out = Path(tmp) / "gpu"
-        from ..finetune.config import load_config
 
         max_length = load_config(root / case.recipe, list(case.overrides)).max_length
         made = _hf(root, "config", "--model", model, "--seq-len", str(max_length), "--global-batch", str(case.global_batch),

@@ -13,13 +13,13 @@ from pathlib import Path
 from ..svg import PALETTE, Chart, side_by_side
 from .candidates import CandidateSpace
 from .results import HEADROOM_FRACTION, TrialResult
+from .tune_report import checkpointing_text
 
 GIB = 2**30
 
 
 def _series_name(result: TrialResult) -> str:
     c = result.candidate
-    from .tune_report import checkpointing_text
 
     parts = [f"ckpt {checkpointing_text(c)}", f"{c.dataloader_num_workers} workers", c.precision]
     if c.torch_compile:

@@ -27,11 +27,14 @@ import torch
 from ..callbacks.devices import device_peak
 from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
+from ..finetune.run import attach_pieces, prepare
+from ..finetune.runtime import resolve_runtime
 from ..finetune.tasks import Task, task_for
 from ..levers.activation_offload import detach as detach_offloading
+from ..levers.from_config import apply_levers
 from . import hooks
 from .candidates import Candidate
-from .lm_layouts import Layout, prepared_layout
+from .lm_layouts import Layout, build_layout, prepared_layout
 from .resident_memory import PeakResident
 from .results import FAILED, OK, OOM, SKIPPED, TrialResult
 from .search import MEASURE_STEPS_RANGE, measure_steps_for
@@ -87,8 +90,6 @@ class TrialSession:
         from accelerate import PartialState
         from transformers import set_seed
 
-        from ..finetune.run import prepare
-        from ..finetune.runtime import resolve_runtime
 
         environ = os.environ if environ is None else environ
         self.cfg = cfg
@@ -119,7 +120,6 @@ class TrialSession:
         if packing is None or packing == self.cfg.packing:
             return self.layouts[None]
         if packing not in self.layouts:
-            from .lm_layouts import build_layout
 
             built = build_layout(packing, self.cfg, self.model, self.processing_class, self.data, self.runtime.on_cuda)
             if built.collator is not None:
@@ -132,10 +132,7 @@ class TrialSession:
         from transformers import Trainer
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        from ..finetune.run import attach_pieces
-        from ..finetune.runtime import resolve_runtime
         from ..finetune.trainer_factory import build_trainer
-        from ..levers.from_config import apply_levers
         from ..oom import OutOfMemoryAtMicroBatchOne
         from .meter import TrialMeter
 

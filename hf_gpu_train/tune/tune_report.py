@@ -10,6 +10,7 @@ from pathlib import Path
 from ..plan.resolution import memory_error_pct
 from .candidates import CandidateSpace
 from .results import HEADROOM_FRACTION, Choice, TrialResult
+from .writeback import backup
 
 GIB = 2**30
 MARK = "<!-- written by hf-gpu-train tune -->"
@@ -114,7 +115,6 @@ def render_report(facts: RunFacts, space: CandidateSpace, choice: Choice, result
 
 def write_report(path: Path, text: str, stamp: str) -> Path | None:
     """Write the report; a file there that this command did not write is kept as NAME.bak-STAMP first."""
-    from .writeback import backup
 
     kept = None
     if path.exists() and not path.read_text(errors="replace").startswith(MARK):

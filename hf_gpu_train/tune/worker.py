@@ -20,7 +20,12 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
+from ..finetune.config import load_config_and_keys
+from ..finetune.launch_plan import apply_launch_plan
 from ..process_group import exit_process
+from .candidates import Candidate, CandidateSpace
+from .results import TrialResult
+from .search import run_grid, run_search
 
 RESULTS_FORMAT = "hf_gpu_train.tune_trials"
 
@@ -60,15 +65,10 @@ def _quiet_libraries() -> None:
 
 
 def run(spec: dict, started: float) -> int:
-    from ..finetune.config import load_config_and_keys
-    from ..finetune.launch_plan import apply_launch_plan
 
     cfg, explicit = load_config_and_keys(spec["recipe"], spec["overrides"])
     cfg, _ = apply_launch_plan(cfg, explicit)  # the plan's environment first: CUDA and NCCL read it once
     _quiet_libraries()
-    from .candidates import Candidate, CandidateSpace
-    from .results import TrialResult
-    from .search import run_grid, run_search
     from .trials import TrialSession, combine, trial_line
 
     space = CandidateSpace.from_dict(spec["space"])

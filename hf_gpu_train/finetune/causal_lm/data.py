@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ConfigError, FinetuneConfig
+from ..data import find_splits, load_raw
 
 CHAT, PROMPT_COMPLETION, TEXT = "messages", "prompt-completion", "text"
 
@@ -91,7 +92,6 @@ def _sample(ds, limit: int | None, seed: int):
 
 def open_causal_lm_data(cfg: FinetuneConfig) -> CausalLMData:
     """Load, split and sample the rows and recognise their form: no pass over the rows' contents."""
-    from ..data import find_splits, load_raw  # the classification task's sources and split rules, shared
 
     raw, source = load_raw(cfg)
     train, validation, needs_carve = find_splits(raw, cfg)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ...report.generations import GENERATIONS
 from ...report.writer import render_report
+from ..fsdp import is_sharded
 from .chat import render
 from .data import CHAT, TEXT, CausalLMData
 
@@ -100,7 +101,6 @@ class GenerationSamples:
         self.after: list[str] | None = None
 
     def _runs_here(self, trainer) -> bool:
-        from ..fsdp import is_sharded
 
         if not self.prompts or not trainer.is_world_process_zero():
             return False

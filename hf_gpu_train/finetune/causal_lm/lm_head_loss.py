@@ -33,6 +33,8 @@ import torch
 
 from ...plan.model_spec import lm_head_extras  # what the config adds beyond hidden @ W.T: the chunked path would not be exact
 from ...plan.training_shape import chunk_rows
+from ..deepspeed_env import zero3_requested
+from .model_probe import agreed, probe_tokens, why_not_runnable
 
 IGNORE = -100
 DEFAULT_CHUNK = 1024  # rows at a time when the vocabulary is unknown; else launch.training_shape.chunk_rows(vocabulary)
@@ -176,7 +178,6 @@ def support(model, precision: str | None = None) -> Support:
         return Support(False, "fp16 training (the loss scale arrives after the gradients are made)")
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from ..deepspeed_env import zero3_requested
 
     if is_deepspeed_zero3_enabled() or zero3_requested():  # the launch's ZeRO-3, before TrainingArguments exist too
         return Support(False, "DeepSpeed ZeRO-3 partitions the head's weight outside its own forward")
@@ -205,7 +206,6 @@ def head_probe(model, precision: str | None = None) -> Support:
     model's own logits, so a kernel's rounding for another row count cannot refuse a plain model. Not run where this
     process cannot run the model (``model_probe.why_not_runnable``) or its attention kernel is not SDPA's or eager: the
     config checks of ``support`` stand."""
-    from .model_probe import probe_tokens, why_not_runnable
 
     base = causal_lm_of(model)
     original = getattr(base, "_hf_gpu_train_original_forward", base.forward)  # the model's own, installed or not
@@ -308,7 +308,6 @@ def install(model, chunk: int | None = None, precision: str | None = None, kerne
 def _agreed(verdict: Support) -> Support:
     """One decision on every rank (only some may be able to run the probe): ranks with the model's own head beside
     ranks with the chunked one would train other gradients."""
-    from .model_probe import agreed
 
     return Support(*agreed(verdict.supported, verdict.reason, "every rank keeps the model's own head"))
 

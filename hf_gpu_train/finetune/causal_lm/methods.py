@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 
 from ..config import ConfigError, FinetuneConfig
+from .model import compute_dtype
 
 INSTALL_LLM = "pip install -e '.[llm]'  (or: pip install peft bitsandbytes)"
 
@@ -38,7 +39,6 @@ def quantization_config(cfg: FinetuneConfig, runtime):
         return None
     from transformers import BitsAndBytesConfig
 
-    from .model import compute_dtype
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype(runtime))

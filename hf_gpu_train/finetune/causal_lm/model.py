@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, FinetuneConfig
+from ..preflight import check_text_model
+from ..text import resolve_model_path
 from . import smollm2
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -22,7 +24,6 @@ def check_model(cfg: FinetuneConfig) -> None:
     if cfg.model == smollm2.BUILTIN_NAME:
         smollm2.check_available()
         return
-    from ..preflight import check_text_model
 
     check_text_model(cfg)  # a local path must exist and hold config.json; a hub id is checked when it loads
 
@@ -31,7 +32,6 @@ def model_path(cfg: FinetuneConfig, say=print) -> str:
     """The directory or hub id to load; the builtin is converted on first use."""
     if cfg.model == smollm2.BUILTIN_NAME:
         return str(smollm2.ensure_converted(say))
-    from ..text import resolve_model_path
 
     return resolve_model_path(cfg.model)
 

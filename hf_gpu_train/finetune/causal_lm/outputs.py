@@ -15,6 +15,8 @@ import logging
 import math
 from pathlib import Path
 
+from ..fsdp import is_sharded
+
 log = logging.getLogger("hf_gpu_train.finetune")
 MERGED_DIR = "merged"
 
@@ -33,7 +35,6 @@ def merge_and_save(cfg, trainer, tokenizer, base_path: str, dtype) -> Path | Non
     """Save base + adapter merged into ``output_dir/merged`` (main process); None when there is nothing to merge."""
     if not cfg.merge_adapter:
         return None
-    from ..fsdp import is_sharded
 
     if is_sharded(trainer):
         log.warning("hf_gpu_train: merge_adapter=true is skipped under FSDP (the adapter is sharded); merge afterwards with "

@@ -25,6 +25,7 @@ import bisect
 from dataclasses import dataclass
 
 from .encode import IGNORE
+from .model_probe import agreed, probe_tokens, why_not_runnable
 
 # attention implementations whose transformers mask follows restarting position_ids in a batch of several rows. Not
 # flash-attention: transformers 5.24 finds packed sequences for its varlen kernel only in a batch of one row
@@ -138,7 +139,6 @@ def packing_support(model, pad_token_id: int) -> PackingVerdict:
     import torch
 
     from .collate import PackedCollator
-    from .model_probe import probe_tokens, why_not_runnable
 
     base = _base(model)
     implementation = getattr(base.config, "_attn_implementation", None) or "eager"
@@ -176,7 +176,6 @@ def agreed_packing_support(model, pad_token_id: int) -> PackingVerdict:
     """``packing_support`` as every rank must take it: the same on all. Ranks see different things (under FSDP's
     rank-0-only loading only local rank 0 holds real weights and can run the check; the others see ``meta`` weights),
     and a rank that packs while another pads runs another number of steps: a hang. Any rank's refusal is everyone's."""
-    from .model_probe import agreed
 
     verdict = packing_support(model, pad_token_id)
     return PackingVerdict(*agreed(verdict.supported, verdict.reason, "every rank pads"))

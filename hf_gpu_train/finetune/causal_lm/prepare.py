@@ -15,9 +15,14 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, FinetuneConfig
 from ..prepare_once import Prepared, data_key, prepare_once, world_size
+from . import model as lm_model
+from .chat import require_chat_template
 from .collate import PackedCollator, PaddingCollator
 from .data import CausalLMData, open_causal_lm_data
-from .packing import lengths_of
+from .encode import encode_split
+from .generation import pick_prompts
+from .methods import apply_method, check_method, quantization_config, trainable_summary
+from .packing import agreed_packing_support, lengths_of, pack_dataset
 
 
 @dataclass
@@ -37,8 +42,6 @@ def _with_lengths(ds):
 
 def _encode_and_pack(cfg: FinetuneConfig, data: CausalLMData, tokenizer, packs: bool) -> Prepared:
     """The passes over every row: tokenizing, truncating and counting, then packing (or a length column)."""
-    from .encode import encode_split
-    from .packing import pack_dataset
 
     train, train_report = encode_split(data.train, tokenizer, data.form, cfg, "train")
     validation, validation_report = encode_split(data.validation, tokenizer, data.form, cfg, "validation")
@@ -97,11 +100,6 @@ def confirm_chunked_head(model, cfg: FinetuneConfig, precision: str) -> str | No
 
 
 def prepare_causal_lm(cfg: FinetuneConfig, runtime, say) -> PreparedCausalLM:
-    from . import model as lm_model
-    from .chat import require_chat_template
-    from .generation import pick_prompts
-    from .methods import apply_method, check_method, quantization_config, trainable_summary
-    from .packing import agreed_packing_support
 
     check_method(cfg, runtime)
     lm_model.check_model(cfg)

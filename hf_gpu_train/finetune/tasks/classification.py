@@ -11,8 +11,16 @@ class ClassificationTask(Task):
         """The passes over every row (label encoding, the carve, then ``process(data) -> Prepared``: the task's own,
         such as tokenizing), once per machine; (what ``prepare_once`` returned, the run's ClassificationData), its
         notes said."""
-        from ..data import ClassificationData, process_classification_data
-        from ..prepare_once import Prepared, data_key, prepare_once, world_size
+        from ..data import (  # lazy: the config reads this registry, and the finetune modules import the config
+            ClassificationData,
+            process_classification_data,
+        )
+        from ..prepare_once import (  # lazy: the config reads this registry, and the finetune modules import the config
+            Prepared,
+            data_key,
+            prepare_once,
+            world_size,
+        )
 
         def processed() -> Prepared:
             data = process_classification_data(cfg, opened)

@@ -14,7 +14,9 @@ class ImageClassification(ClassificationTask):
     throughput_unit = "samples/s"
 
     def learning_rate(self, model):
-        from ..learning_rates import vision_learning_rate
+        from ..learning_rates import (
+            vision_learning_rate,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         return vision_learning_rate(model)
 
@@ -22,15 +24,25 @@ class ImageClassification(ClassificationTask):
         return {cfg.label_column: "label_column", cfg.image_column: "image_column"}
 
     def check_rows(self, dataset, cfg, split: str) -> None:
-        from ..data import verify_images
+        from ..data import verify_images  # lazy: looked up when called, so a replacement (a test's) is seen
 
         verify_images(dataset, cfg.image_column, split)
 
     def prepare(self, cfg, runtime, say) -> Prepared:
-        from ..data import open_classification_data
-        from ..learning_rates import resolve_learning_rate
-        from ..pretrained import resolve_vision_weights
-        from ..vision import attach_transforms, image_collator, load_vision_model
+        from ..data import (
+            open_classification_data,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..learning_rates import (
+            resolve_learning_rate,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..pretrained import (
+            resolve_vision_weights,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..vision import (  # lazy: the config reads this registry, and the finetune modules import the config
+            attach_transforms,
+            image_collator,
+            load_vision_model,
+        )
 
         weights = resolve_vision_weights(cfg)
         opened = open_classification_data(cfg)

@@ -57,37 +57,51 @@ class CausalLM(Task):
         return ADAPTER_LEARNING_RATE if cfg.method in ("lora", "qlora") else CAUSAL_LM_FULL_LEARNING_RATE
 
     def prepare(self, cfg, runtime, say) -> Prepared:
-        from ..causal_lm.prepare import prepare_causal_lm
+        from ..causal_lm.prepare import (
+            prepare_causal_lm,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         lm = prepare_causal_lm(cfg, runtime, say)
         return Prepared(lm.model, lm.train, lm.validation, lm.collator, lm.tokenizer, lm.data)
 
     def confirm_model(self, model, cfg, precision: str) -> str | None:
-        from ..causal_lm.prepare import confirm_chunked_head
+        from ..causal_lm.prepare import (
+            confirm_chunked_head,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         return confirm_chunked_head(model, cfg, precision)
 
     def before_training(self, trainer, cfg, prepared: Prepared):
-        from ..causal_lm.generation import GenerationSamples
+        from ..causal_lm.generation import (
+            GenerationSamples,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         samples = GenerationSamples(cfg, prepared.data.generation_prompts, prepared.processing_class)
         samples.generate_before(trainer)
         return samples
 
     def final_metrics(self, metrics: dict) -> dict:
-        from ..causal_lm.outputs import with_perplexity
+        from ..causal_lm.outputs import (
+            with_perplexity,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         return with_perplexity(metrics)
 
     def after_training(self, trainer, cfg, prepared: Prepared, runtime, started, saving) -> None:
-        from ..causal_lm.model import compute_dtype
-        from ..causal_lm.outputs import merge_and_save
+        from ..causal_lm.model import (
+            compute_dtype,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..causal_lm.outputs import (
+            merge_and_save,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         started.generate_after(trainer)  # generations.json, and a section of report.md
         with saving():
             merge_and_save(cfg, trainer, prepared.processing_class, prepared.data.model_path, compute_dtype(runtime))
 
     def planner_model(self, cfg) -> str:
-        from ..causal_lm.model import model_path
+        from ..causal_lm.model import (
+            model_path,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         return model_path(cfg)

@@ -13,7 +13,9 @@ class TextClassification(ClassificationTask):
     evaluates_in_dataset_order = True  # its validation set is longest first (text.longest_first): little padding
 
     def learning_rate(self, model):
-        from ..learning_rates import text_learning_rate
+        from ..learning_rates import (
+            text_learning_rate,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
 
         return text_learning_rate(model)
 
@@ -24,12 +26,27 @@ class TextClassification(ClassificationTask):
         return columns
 
     def prepare(self, cfg, runtime, say) -> Prepared:
-        from ..checkpoints import check_label_map
-        from ..data import open_classification_data
-        from ..learning_rates import resolve_learning_rate
-        from ..preflight import check_text_model
-        from ..prepare_once import Prepared as PreparedRows
-        from ..text import load_text_model, resolve_model_path, text_collator, tokenize
+        from ..checkpoints import (
+            check_label_map,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..data import (
+            open_classification_data,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..learning_rates import (
+            resolve_learning_rate,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..preflight import (
+            check_text_model,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..prepare_once import (
+            Prepared as PreparedRows,  # lazy: the config reads this registry, and the finetune modules import the config
+        )
+        from ..text import (  # lazy: the config reads this registry, and the finetune modules import the config
+            load_text_model,
+            resolve_model_path,
+            text_collator,
+            tokenize,
+        )
 
         model_dir = check_text_model(cfg)
         opened = open_classification_data(cfg)
@@ -47,6 +64,6 @@ class TextClassification(ClassificationTask):
         return Prepared(model, prepared.train, prepared.validation, text_collator(tokenizer, runtime.on_cuda), tokenizer, data)
 
     def planner_model(self, cfg) -> str:
-        from ..text import resolve_model_path
+        from ..text import resolve_model_path  # lazy: the config reads this registry, and the finetune modules import the config
 
         return resolve_model_path(cfg.model)
