@@ -43,15 +43,17 @@ class Grace:
 
 
 def checkpoint_bytes(plan) -> float | None:
-    """What one machine's ranks write in a checkpoint, from the memory plan: the weights, optimizer states and
-    master weights (LoRA: the adapters and their states), per GPU times the processes of a machine. None without a
-    memory plan."""
+    """What the busiest machine writes in a checkpoint, from the memory plan: the weights, optimizer states and
+    master weights (LoRA: the adapters and their states) of one rank; under a sharded strategy (FSDP, ZeRO) each
+    rank writes its own shard, so a machine writes its ranks' shards. Under DDP the main process writes one copy.
+    None without a memory plan."""
     memory = getattr(plan, "memory", None)
     if memory is None:
         return None
     b = memory.breakdown
     per_rank = b.optimizer + b.master_weights + (b.adapter_weights if b.method != "full" else b.weights)
-    return per_rank * plan.processes_per_machine
+    replicated = b.strategy.split("-")[0] in ("ddp", "single")
+    return per_rank * (1 if replicated else plan.processes_per_machine)
 
 
 def measured_save_seconds(output_dir: str | Path) -> float | None:
