@@ -44,16 +44,20 @@ class Grace:
 
 def checkpoint_bytes(plan) -> float | None:
     """What the busiest machine writes in a checkpoint, from the memory plan: the weights, optimizer states and
-    master weights (LoRA: the adapters and their states) of one rank; under a sharded strategy (FSDP, ZeRO) each
-    rank writes its own shard, so a machine writes its ranks' shards. Under DDP the main process writes one copy.
-    None without a memory plan."""
+    master weights (LoRA: the adapters and their states). What every rank holds whole (DDP's everything, the
+    weights under FSDP's SHARD_GRAD_OP and ZeRO-2) is written once, by the main process; what is sharded, each rank
+    writes its own shard of, so a machine writes its ranks' shards. None without a memory plan."""
     memory = getattr(plan, "memory", None)
     if memory is None:
         return None
     b = memory.breakdown
-    per_rank = b.optimizer + b.master_weights + (b.adapter_weights if b.method != "full" else b.weights)
-    replicated = b.strategy.split("-")[0] in ("ddp", "single")
-    return per_rank * (1 if replicated else plan.processes_per_machine)
+    weights = b.adapter_weights if b.method != "full" else b.weights
+    states = b.optimizer + b.master_weights
+    ranks = plan.processes_per_machine
+    if b.strategy in ("ddp", "single"):
+        return weights + states
+    weights_sharded = b.strategy.startswith("deepspeed-zero3") or b.strategy in ("fsdp", "fsdp-offload")
+    return (weights * ranks if weights_sharded else weights) + states * ranks
 
 
 def measured_save_seconds(output_dir: str | Path) -> float | None:
