@@ -22,7 +22,17 @@ from pathlib import Path
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
 from ..finetune.config import load_config_and_keys
 from ..finetune.recipe_names import resolve_recipe
-from ..launch.rank_report import HANG_EXIT_CODE, PROGRESS_DIR_ENV, failure_line, read_hang_report, read_progress, root_cause
+from ..launch.rank_report import (
+    HANG_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    PROGRESS_DIR_ENV,
+    failure_line,
+    read_hang_report,
+    read_preempted,
+    read_progress,
+    root_cause,
+)
+from ..launch.signals import SignalForwarder, ignore_warning_signals
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
 from ..plan.machine_match import detect_this_machine, scope_to_this_machine
@@ -260,19 +270,28 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         marker = Path(folder) / "usage_error.txt"
         progress = Path(folder) / "progress"
         progress.mkdir()
+        # SIGUSR1/2 ignored by the launcher, and every stop signal forwarded to the training processes (signals.py)
         proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker), PROGRESS_DIR_ENV: str(progress)},
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE, preexec_fn=ignore_warning_signals)
         shown = b""  # what the launcher printed (its root cause is read from it)
         written = b""  # what reached our stderr: the usage line may have been dropped as another rank's copy
         after: AfterUsageError | None = None
-        while chunk := os.read(proc.stderr.fileno(), 65536):
-            if after is None and marker.exists():
-                after = AfterUsageError(marker)
-            passed = chunk if after is None else after.feed(chunk)
-            _write(passed)
-            shown = (shown + chunk)[-65536:]
-            written = (written + passed)[-65536:]
-        code = proc.wait()
+        with SignalForwarder(proc.pid, progress):
+            while chunk := os.read(proc.stderr.fileno(), 65536):
+                if after is None and marker.exists():
+                    after = AfterUsageError(marker)
+                passed = chunk if after is None else after.feed(chunk)
+                _write(passed)
+                shown = (shown + chunk)[-65536:]
+                written = (written + passed)[-65536:]
+            code = proc.wait()
+        preempted = read_preempted(progress)
+        if preempted and not marker.exists():
+            steps = ", ".join(f"rank {rank} {'at once' if step < 0 else f'after step {step}'}"
+                              for rank, step in sorted(preempted.items()))
+            print(f"hf-gpu-train launch: the training processes stopped for a stop signal ({steps}) with a complete "
+                  f"checkpoint; run the same command again to resume (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         if not marker.exists():
             hang = read_hang_report(progress)
             line = failure_line(root_cause(shown.decode(errors="replace")), read_progress(progress), hang) if code else None

@@ -104,14 +104,19 @@ def sets_flags_alike(callback) -> bool:
 def needs_agreement(trainer) -> bool:
     """Whether any rank's Trainer has a callback that may set a flag from what its rank alone sees: asked once per
     ``train()`` (one all-reduce), as a rank may add a callback the others lack (``if is_main_process: add_callback``)."""
+    handler = getattr(trainer, "callback_handler", None)
+    return any_rank(any(not sets_flags_alike(callback) for callback in getattr(handler, "callbacks", [])))
+
+
+def any_rank(mine: bool) -> bool:
+    """True on every rank when it is true on any (one all-reduce on the CPU; every rank must call it at the same
+    point: only where every rank arrives whatever it decided)."""
     import torch
 
-    handler = getattr(trainer, "callback_handler", None)
-    mine = any(not sets_flags_alike(callback) for callback in getattr(handler, "callbacks", []))
     dist = _distributed()
     if dist is None:
-        return mine
-    votes = torch.tensor([int(mine)], dtype=torch.int32)
+        return bool(mine)
+    votes = torch.tensor([int(bool(mine))], dtype=torch.int32)
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=_cpu_group(dist))
     return bool(votes.item())
 

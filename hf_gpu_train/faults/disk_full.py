@@ -212,3 +212,4 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
         return train(*args, **kwargs)
 
     trainer.train = train_from_a_complete_checkpoint
+    trainer._hf_gpu_train_saves_guarded = True

@@ -116,6 +116,9 @@ class FinetuneConfig:
     # a rank without progress for this long ends the run with every rank's stacks (faults/watchdog.py): auto (10 x
     # the step time, at least 120 s; 600 s for the first step, evaluations and saves), seconds, or off
     watchdog: float | str = "auto"
+    # SIGTERM / SIGUSR1 / SIGUSR2 (a scheduler's time limit, preemption or eviction): every rank stops at the next step
+    # boundary, saves a complete checkpoint and exits 75; the same command resumes (faults/preemption.py)
+    preemption: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to TrainingArguments as they are
     # causal language models (task=causal-lm; hf_gpu_train/finetune/causal_lm/)
     method: str = "auto"  # auto (lora for causal-lm, full otherwise) | full | lora | qlora (4-bit NF4 base, CUDA only)

@@ -24,6 +24,7 @@ from ..errors import UsageError, report_usage_error
 from ..fast_exit import end_quickly
 from ..faults.checkpoint_marker import resume_point
 from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
+from ..faults.preemption import attach_preemption
 from ..faults.preflight_collective import preflight
 from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
 from ..plan.decisions import accelerate_uses_cpu
@@ -193,11 +194,13 @@ class Pieces:
 
     recovery: object = None
     telemetry: object = None
+    preemption: object = None
     lines: list[str] = field(default_factory=list)
 
 
-def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: bool, telemetry: dict | None) -> Pieces:
-    """In-place OOM recovery, the watchdog and telemetry on a Trainer, by the rules that hold wherever the run's
+def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: bool, telemetry: dict | None,
+                  preemption: bool = False) -> Pieces:
+    """In-place OOM recovery, the watchdog, telemetry and preemption handling on a Trainer, by the rules that hold wherever the run's
     Trainer is built (the fine-tune, and every trial of ``hf-gpu-train tune``): no in-place recovery beside the
     optimizer step in the backward (each micro-batch of a split step would step the parameters). ``telemetry``: the
     options of ``attach_telemetry``, or None for none."""
@@ -217,6 +220,10 @@ def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: boo
         from ..callbacks import attach_telemetry
 
         pieces.telemetry = attach_telemetry(trainer, **telemetry)
+    if preemption:
+        pieces.preemption = attach_preemption(trainer)
+        if pieces.preemption.inactive_reason:
+            pieces.lines.append(f"preemption handling off: {pieces.preemption.inactive_reason}")
     return pieces
 
 
@@ -337,7 +344,7 @@ class FinetuneRun:
             self._say_what_runs(lever_lines)
         self.started = self.task.before_training(trainer, cfg, prepared)
         pieces = attach_pieces(trainer, cfg, recovery=cfg.oom_recovery, watchdog=cfg.watchdog != "off",
-                               telemetry={} if cfg.telemetry else None)
+                               telemetry={} if cfg.telemetry else None, preemption=cfg.preemption)
         for line in pieces.lines:  # on every rank: each says what it left off
             print(f"hf_gpu_train: {line}", flush=True)
         self.before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(self.resume),  # at train begin

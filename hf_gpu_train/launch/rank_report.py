@@ -18,20 +18,52 @@ from pathlib import Path
 
 PROGRESS_DIR_ENV = "HF_GPU_TRAIN_PROGRESS_DIR"
 HANG_EXIT_CODE = 3  # faults/watchdog.py: a hang was detected and every rank's stacks were written
+PREEMPTED_EXIT_CODE = 75  # faults/preemption.py: stopped for a scheduler's signal after a complete checkpoint (EX_TEMPFAIL)
 
 
 def write_progress(rank: int, step: int, phase: str, environ=os.environ) -> None:
-    """This rank's last finished step, for the launcher's report (nothing when not launched by hf-gpu-train)."""
+    """This rank's last finished step, for the launcher's report (nothing when not launched by hf-gpu-train; a full
+    or gone /tmp must not stop training: the report is a courtesy)."""
+    _write_json(f"rank-{rank}.json", {"step": step, "phase": phase, "pid": os.getpid()}, environ)
+
+
+def _write_json(name: str, record: dict, environ=os.environ) -> None:
     folder = environ.get(PROGRESS_DIR_ENV)
     if not folder:
         return
-    path = Path(folder) / f"rank-{rank}.json"
+    path = Path(folder) / name
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps({"step": step, "phase": phase, "pid": os.getpid()}))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
     except OSError:
-        pass  # the report is a courtesy: a full or gone /tmp must not stop training
+        pass  # a courtesy to the launcher, as the progress
+
+
+def write_worker_pid(rank: int, environ=os.environ) -> None:
+    """This training process, for the launcher to forward a stop signal to (``launch/signals.py``)."""
+    _write_json(f"worker-{rank}.json", {"pid": os.getpid()}, environ)
+
+
+def worker_pids(folder: Path) -> list[int]:
+    found = []
+    for path in Path(folder).glob("worker-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found.append(int(json.loads(path.read_text())["pid"]))
+    return found
+
+
+def write_preempted(rank: int, step: int, environ=os.environ) -> None:
+    """This rank stopped for a stop signal at ``step`` (-1: at once, on a second signal or the grace running out)."""
+    _write_json(f"preempted-{rank}.json", {"step": step}, environ)
+
+
+def read_preempted(folder: Path) -> dict[int, int]:
+    found = {}
+    for path in Path(folder).glob("preempted-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found[int(path.stem.split("-")[1])] = int(json.loads(path.read_text())["step"])
+    return found
 
 
 def write_hang_report(report: dict, environ=os.environ) -> None:

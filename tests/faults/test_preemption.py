@@ -1,0 +1,199 @@
+"""Preemption in anyone's Trainer (issue 30, item 1): a stop signal at any point of a step (the middle of a
+gradient-accumulation step, an evaluation, a save) ends in a complete checkpoint at the next step boundary and exit
+75, and the same command resumes to the weights of the run that was never interrupted: equality, not "it finished".
+
+The trainers are the integration matrix's (tests/integrations/peers.py): the plain Trainer on a tiny Llama with rows
+of different lengths, and TRL's SFTTrainer with a LoRA adapter. Two processes: tests/faults/test_preemption_processes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_gpu_train.faults import preemption as preemption_module
+from hf_gpu_train.faults.checkpoint_marker import COMPLETE_MARKER, complete_checkpoints
+from hf_gpu_train.faults.preemption import DUPLICATE_WINDOW_S, StopRequest, attach_preemption
+from hf_gpu_train.launch.grace import RECORD, measured_save_seconds
+from hf_gpu_train.launch.rank_report import PREEMPTED_EXIT_CODE
+from tests.integrations.peers import build
+from tests.scaling.equivalence import assert_same_params
+
+pytestmark = pytest.mark.slow
+STEPS = 6
+
+
+class SignalAt(TrainerCallback):
+    """Sends ``signum`` to this process once, during step ``step`` (1-based): in the middle of its gradient
+    accumulation (``where="accumulation"``), during the evaluation after it (``"evaluation"``)."""
+
+    def __init__(self, step: int, where: str, signum=signal.SIGTERM):
+        self.step, self.where, self.signum, self.sent = step, where, signum, False
+
+    def _send(self) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.where == "accumulation" and state.global_step == self.step - 1:
+            self._send()
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.where == "evaluation" and state.global_step == self.step:
+            self._send()
+
+
+def signal_during_save(trainer, step: int, signum=signal.SIGUSR1) -> None:
+    """The signal arrives while ``_save_checkpoint`` of ``step`` writes (after the marker says it began)."""
+    original = trainer._save_checkpoint
+
+    def saving(*args, **kwargs):
+        if trainer.state.global_step == step:
+            os.kill(os.getpid(), signum)
+        return original(*args, **kwargs)
+
+    trainer._save_checkpoint = saving
+
+
+def trainer_for(kind: str, out, **changes):
+    trainer = build(kind, str(out), per_device=2, accumulation=2)
+    trainer.args.max_steps = STEPS
+    for key, value in changes.items():
+        setattr(trainer.args, key, value)
+    return trainer
+
+
+def weights(trainer) -> dict:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """Each trainer kind run whole, with preemption attached and no signal: the weights every resumed run must end with."""
+    found = {}
+    for kind in ("Trainer", "SFTTrainer"):
+        trainer = trainer_for(kind, tmp_path_factory.mktemp(kind))
+        attach_preemption(trainer)
+        trainer.train()
+        found[kind] = weights(trainer)
+    return found
+
+
+def preempt_then_resume(tmp_path, kind: str, arm, **changes) -> tuple[object, object]:
+    """Train with the signal ``arm(trainer)`` places; the process would exit 75; then the same command again
+    (a new Trainer, ``resume_from_checkpoint=True``). Returns (the preempted run's Preemption, the resumed Trainer)."""
+    out = tmp_path / "out"
+    trainer = trainer_for(kind, out, **changes)
+    arm(trainer)
+    stopped = attach_preemption(trainer)
+    with pytest.raises(SystemExit) as ended:
+        trainer.train()
+    assert ended.value.code == PREEMPTED_EXIT_CODE
+    assert stopped.preempted and signal.getsignal(signal.SIGTERM) == stopped.request._handle  # still ours until exit
+    stopped.done()
+    again = trainer_for(kind, out, **changes)
+    attach_preemption(again)
+    again.train(resume_from_checkpoint=True)
+    return stopped, again
+
+
+@pytest.mark.parametrize("kind", ["Trainer", "SFTTrainer"])
+def test_a_signal_in_the_middle_of_accumulation_finishes_the_step_saves_and_resumes_exactly(tmp_path, kind, uninterrupted):
+    stopped, resumed = preempt_then_resume(tmp_path, kind, lambda t: t.add_callback(SignalAt(3, "accumulation")))
+    assert stopped.stopped_at_step == 3  # the step in flight was finished: no step lost
+    out = tmp_path / "out"
+    assert [c.name for c in complete_checkpoints(out)] == ["checkpoint-3"]
+    assert (out / "checkpoint-3" / COMPLETE_MARKER).is_file()
+    assert resumed.state.global_step == STEPS
+    assert_same_params(weights(resumed), uninterrupted[kind])
+    assert measured_save_seconds(out) > 0  # the record `hf-gpu-train config --save-time-from` reads
+
+
+def test_a_signal_during_an_evaluation_lets_it_finish_then_saves_that_step(tmp_path, uninterrupted):
+    changes = {"eval_strategy": "steps", "eval_steps": 2}
+    from transformers.trainer_utils import IntervalStrategy
+
+    changes["eval_strategy"] = IntervalStrategy.STEPS
+    stopped, resumed = preempt_then_resume(tmp_path, "Trainer", lambda t: t.add_callback(SignalAt(4, "evaluation")), **changes)
+    assert stopped.stopped_at_step == 4 and len(stopped.evaluation_seconds) == 2  # the evaluation at step 4 finished
+    assert_same_params(weights(resumed), uninterrupted["Trainer"])
+
+
+def test_a_signal_during_a_save_lets_it_finish_and_stops_there(tmp_path, uninterrupted):
+    from transformers.trainer_utils import SaveStrategy
+
+    stopped, resumed = preempt_then_resume(tmp_path, "Trainer", lambda t: signal_during_save(t, 2),
+                                           save_strategy=SaveStrategy.STEPS, save_steps=2)
+    assert stopped.stopped_at_step == 2 and len(stopped.save_seconds) == 1  # no second save of the same step
+    record = json.loads((tmp_path / "out" / RECORD).read_text())
+    assert record["save_seconds_max"] == max(record["save_seconds"]) > 0
+    assert_same_params(weights(resumed), uninterrupted["Trainer"])
+
+
+def test_exit_false_returns_and_says_it_stopped_early(tmp_path):
+    trainer = trainer_for("Trainer", tmp_path / "out")
+    trainer.add_callback(SignalAt(2, "accumulation", signal.SIGUSR2))
+    stopped = attach_preemption(trainer, exit=False)
+    trainer.train()
+    assert stopped.preempted and trainer.state.global_step == 2
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handlers as they were before
+
+
+def test_a_finished_run_is_not_preempted_and_gives_the_handlers_back(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = trainer_for("Trainer", tmp_path / "out")
+    stopped = attach_preemption(trainer)
+    trainer.train()
+    assert not stopped.preempted and trainer.state.global_step == STEPS
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_same_request_twice_is_one_a_second_later_one_exits_at_once(monkeypatch):
+    clock = [100.0]
+    exits = []
+    monkeypatch.setattr(preemption_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(preemption_module, "_exit_now", lambda: exits.append(clock[0]))
+    request = StopRequest()
+    request._pid = os.getpid()
+    request._handle(signal.SIGTERM, None)
+    clock[0] += DUPLICATE_WINDOW_S / 2  # the launcher forwarding what the scheduler sent this process too
+    request._handle(signal.SIGTERM, None)
+    assert request.signum == signal.SIGTERM and exits == []
+    clock[0] += DUPLICATE_WINDOW_S
+    request._handle(signal.SIGUSR1, None)
+    assert exits == [clock[0]]
+
+
+def test_a_forked_child_ignores_the_signal_its_parent_handles():
+    request = StopRequest()
+    request._pid = os.getpid() + 1  # as in a DataLoader worker forked after the handler was installed
+    request._handle(signal.SIGTERM, None)
+    assert not request.requested
+
+
+def test_a_save_longer_than_the_grace_is_said_at_the_start(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_GPU_TRAIN_GRACE_SECONDS", "0.000001")
+    trainer = trainer_for("Trainer", tmp_path / "out", max_steps=1)
+    attach_preemption(trainer)
+    trainer.train()
+    err = capsys.readouterr().err
+    assert "a checkpoint save takes about" in err and "more than the 0 s grace (HF_GPU_TRAIN_GRACE_SECONDS)" in err
+    assert "--signal=B:USR1@SECONDS" in err
+
+
+def test_off_the_main_thread_it_steps_aside_with_the_reason(tmp_path):
+    import threading
+
+    trainer = trainer_for("Trainer", tmp_path / "out")
+    found = []
+    thread = threading.Thread(target=lambda: found.append(attach_preemption(trainer)))
+    thread.start()
+    thread.join()
+    assert "not on the main thread" in found[0].inactive_reason
+    assert torch.is_tensor(next(iter(trainer.model.state_dict().values())))
