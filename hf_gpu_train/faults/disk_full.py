@@ -5,7 +5,8 @@ writing file", "IoError ... StorageFull"), with a half-written ``checkpoint-N`` 
 that failed on a full disk (``ENOSPC`` / ``EDQUOT``, however the writer wrapped it) becomes ``DiskFullError``, a usage
 error (exit 2), naming the directory, the space free, what the save needs and the complete checkpoints kept.
 
-``guard_saves`` also marks every checkpoint complete once every rank has written it, and makes
+``guard_saves`` also marks every checkpoint complete once every rank has written it, makes a resume in the middle of
+an epoch take that epoch's sample order on several processes (``resume_epoch.py``), and makes
 ``train(resume_from_checkpoint=True)`` (or a path to a half-written checkpoint) set the half-written one aside
 (``incomplete-checkpoints/``) and resume from the newest complete one (``checkpoint_marker.py``). The half-written
 checkpoint is not moved at once, as the other ranks may still be writing their RNG states into it. The earlier
@@ -24,6 +25,7 @@ from pathlib import Path
 from ..errors import UsageError
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, write_marker
 from .collective_gate import agree_on_control, wait_for_every_rank
+from .resume_epoch import exact_mid_epoch_resume
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NO_SPACE_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "QuotaExceeded")
@@ -213,3 +215,4 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
 
     trainer.train = train_from_a_complete_checkpoint
     trainer._hf_gpu_train_saves_guarded = True
+    exact_mid_epoch_resume(trainer)  # a resume from any of these checkpoints takes its epoch's sample order
