@@ -52,4 +52,7 @@ def fake_slurm(tmp_path: Path, env: dict) -> dict:
                     "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\nwait $a && wait $b\n")
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     return {**env, "PATH": f"{bindir}:{env['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "localhost",
-            "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port())}
+            "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port()), "HF_GPU_TRAIN": HF_GPU_TRAIN}
+
+
+HF_GPU_TRAIN = f"{sys.executable} -m hf_gpu_train"  # the sbatch's launcher, from this environment (not root's PATH)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..launch.grace import RECORD
+from ..launch.grace import GRACE_ENV, RECORD
 from ..launch.rank_report import PREEMPTED_EXIT_CODE, write_preempted, write_worker_pid
 from .checkpoint_marker import complete_checkpoints, is_main_process
 from .collective_gate import agree_on_control, any_rank
@@ -54,7 +54,6 @@ log = logging.getLogger("hf_gpu_train.preemption")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 DUPLICATE_WINDOW_S = 2.0  # the same stop request reaching a rank twice (from the scheduler and from its launcher)
-GRACE_ENV = "HF_GPU_TRAIN_GRACE_SECONDS"  # set by the generated sbatch and manifests: seconds from the signal to SIGKILL
 GRACE_MARGIN_S = 1.0  # the run's own exit comes this much before the scheduler's SIGKILL
 DEFAULT_GRACE_S = 30.0  # SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds, both by default
 ASSUMED_WRITE_BYTES_PER_S = 200e6  # before the first save is measured (launch/grace.py says why this figure)

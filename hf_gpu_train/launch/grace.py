@@ -23,6 +23,7 @@ ASSUMED_WRITE_BYTES_PER_S = 200e6  # a network file system under load; a local N
 FIXED_SECONDS = 30.0  # the step in flight, the ranks agreeing, the exit; no model at all still needs this
 UNKNOWN_SAVE_SECONDS = 60.0  # no model in the plan: a guess, said as one
 RECORD = "preemption.json"  # faults/preemption.py writes the measured save time here
+GRACE_ENV = "HF_GPU_TRAIN_GRACE_SECONDS"  # set by the generated sbatch and manifests: seconds from the signal to SIGKILL
 
 
 @dataclass(frozen=True)
