@@ -289,14 +289,17 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         if preempted and not marker.exists():
             steps = ", ".join(f"rank {rank} {'at once' if step < 0 else f'after step {step}'}"
                               for rank, step in sorted(preempted.items()))
-            print(f"hf-gpu-train launch: the training processes stopped for a stop signal ({steps}) with a complete "
-                  f"checkpoint; run the same command again to resume (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+            kept = ("the newest complete checkpoint is kept" if min(preempted.values()) < 0 else  # a second signal, no grace left
+                    "with a complete checkpoint")
+            print(f"hf-gpu-train launch: the training processes stopped for a stop signal ({steps}) {kept}; run the same "
+                  f"command again to resume (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         if not marker.exists():
             hang = read_hang_report(progress)
             line = failure_line(root_cause(shown.decode(errors="replace")), read_progress(progress), hang) if code else None
             if line:
-                print(f"hf-gpu-train launch: {line}", file=sys.stderr)
+                node = os.environ.get("SLURMD_NODENAME")  # several machines under SLURM: which one's ranks these are
+                print(f"hf-gpu-train launch{f' on node {node}' if node else ''}: {line}", file=sys.stderr)
             return HANG_EXIT_CODE if code and hang is not None else code
         if after is not None:
             rest = after.flush()
