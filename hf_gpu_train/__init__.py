@@ -17,6 +17,8 @@ _LAZY = {
     "enable_oom_recovery": ("hf_gpu_train.oom", "enable_oom_recovery"),
     "guard_loss_scaling": ("hf_gpu_train.oom", "guard_loss_scaling"),
     "OOMFaultInjector": ("hf_gpu_train.oom", "OOMFaultInjector"),
+    "attach_watchdog": ("hf_gpu_train.faults.watchdog", "attach_watchdog"),
+    "attach_preemption": ("hf_gpu_train.faults.preemption", "attach_preemption"),
     "make_plan": ("hf_gpu_train.plan.planner", "make_plan"),
     "FinetuneConfig": ("hf_gpu_train.finetune.config", "FinetuneConfig"),
     "load_config": ("hf_gpu_train.finetune.config", "load_config"),
