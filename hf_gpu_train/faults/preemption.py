@@ -190,6 +190,7 @@ class Preemption:
         self.evaluation_seconds: list[float] = []
         self.stopped_at_step: int | None = None
         self.inactive_reason: str | None = None
+        self._said_too_long = False
         self._timer: threading.Timer | None = None
 
     # -- training ------------------------------------------------------------------------------------------------
@@ -203,13 +204,17 @@ class Preemption:
             self._check_grace(args)
 
     def saved(self, args, state) -> None:
-        """After a checkpoint: tell when the saves no longer fit in the grace."""
-        if self.save_seconds and args.process_index == 0:
-            last = self.save_seconds[-1]
-            if last + self._longest_evaluation() > self.grace_s and len(self.save_seconds) == 1 or last > self.grace_s:
-                print(f"hf_gpu_train: preemption: the save at step {state.global_step} took {last:.1f} s; with "
-                      f"{self._longest_evaluation():.1f} s of evaluation that is more than the {self.grace_s:.0f} s grace "
-                      f"({self.grace_source}): {self._fix()}", file=sys.stderr, flush=True)
+        """After a checkpoint: record its time (``preemption.json``, read by ``config --save-time-from``), and say
+        once when a stop can no longer fit in the grace."""
+        if not self.save_seconds or args.process_index != 0:
+            return
+        self.write_record(args.output_dir)
+        needed = self.save_seconds[-1] + self._longest_evaluation()
+        if needed > self.grace_s and not self._said_too_long:
+            self._said_too_long = True
+            print(f"hf_gpu_train: preemption: the save at step {state.global_step} took {self.save_seconds[-1]:.1f} s; "
+                  f"with {self._longest_evaluation():.1f} s of evaluation that is more than the {self.grace_s:.0f} s grace "
+                  f"({self.grace_source}): {self._fix()}", file=sys.stderr, flush=True)
 
     def _fix(self) -> str:
         return ("ask the scheduler for the warning earlier (SLURM: --signal=B:USR1@SECONDS, `hf-gpu-train config "
@@ -322,8 +327,10 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
     train = trainer.train
 
     def train_then_exit_if_preempted(*args, **kwargs):
-        if preemption.request.requested:  # stopped before training began: nothing to save
-            _say(f"{signal_name(preemption.request.signum)} before training began: exiting, nothing to save")
+        if any_rank(preemption.request.requested):  # every rank enters train(): a stop before it is every rank's
+            if trainer.is_world_process_zero():
+                _say("a stop signal came before training began: exiting, nothing new to save")
+            write_preempted(trainer.args.process_index, -1)
             sys.exit(PREEMPTED_EXIT_CODE)
         try:
             result = train(*args, **kwargs)

@@ -197,3 +197,13 @@ def test_off_the_main_thread_it_steps_aside_with_the_reason(tmp_path):
     thread.join()
     assert "not on the main thread" in found[0].inactive_reason
     assert torch.is_tensor(next(iter(trainer.model.state_dict().values())))
+
+
+def test_a_signal_before_training_began_exits_75_with_nothing_saved(tmp_path):
+    trainer = trainer_for("Trainer", tmp_path / "out")
+    stopped = attach_preemption(trainer)
+    os.kill(os.getpid(), signal.SIGTERM)  # while the model loads, in a real run
+    with pytest.raises(SystemExit) as ended:
+        trainer.train()
+    stopped.done()
+    assert ended.value.code == PREEMPTED_EXIT_CODE and not list((tmp_path / "out").glob("checkpoint-*"))
