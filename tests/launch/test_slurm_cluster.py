@@ -1,0 +1,124 @@
+"""Issue 30: the sbatch that ``hf-gpu-train config --num-machines 2`` writes, submitted to a real SLURM cluster of two
+nodes on this machine (tests/slurm_cluster.py; skipped, with the reason, where slurm-wlm and munge are not installed or
+not as root). Two nodes of one gloo process each, a batch of 8 each, train the weights one process trains with a
+batch of 16 (the equality of tests/scaling/test_finetune_equivalence.py, through SLURM instead of a local launch); and
+when one node's worker is SIGKILLed mid-run, the job ends within a minute and its output names that node and rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from hf_gpu_train.finetune.run import main
+from tests.launching import ROOT, free_port, hf_gpu_train, teardown_race_only
+from tests.scaling.equivalence import assert_same_params, assert_same_series, assert_trained
+from tests.scaling.finetune_cases import COMMON, EPOCHS, GLOBAL_BATCH, text_case
+
+pytestmark = pytest.mark.slow
+SCRIPT = ROOT / "scripts" / "finetune.py"
+KILL_PROBE = ROOT / "tests" / "finetune" / "kill_probe.py"
+BIN = Path(sys.executable).parent  # this environment's hf-gpu-train and accelerate; root's login shell has none on PATH
+QUIET = ["telemetry=false", "evaluate_before=false"]
+JOB_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> list[str]:
+    return text_case(tmp_path_factory.mktemp("slurm-case"))
+
+
+@pytest.fixture(scope="module")
+def one_process(case, tmp_path_factory) -> Path:
+    """The uninterrupted run of one process with the whole batch of 16."""
+    out = tmp_path_factory.mktemp("slurm-reference") / "out"
+    assert main([*case, *COMMON, *QUIET, f"per_device_train_batch_size={GLOBAL_BATCH}", f"output_dir={out}"]) == 0
+    return out
+
+
+def recipe(tmp_path: Path, arguments: list[str]) -> Path:
+    """The key=value arguments as a recipe file: each value a string, read as the command line reads it (the sbatch
+    passes its own arguments on through ``bash -c "... $*"``, which splits one holding a space)."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(dict(a.split("=", 1) for a in arguments)))
+    return path
+
+
+def two_node_sbatch(tmp_path: Path, script: str) -> Path:
+    """What ``hf-gpu-train config --machine cpu-only --num-machines 2 --num-processes 1`` writes, on a free port."""
+    out = tmp_path / "job"
+    made = hf_gpu_train("config", "--machine", "cpu-only", "--num-machines", "2", "--num-processes", "1",
+                        "--main-process-ip", "n1", "--main-process-port", str(free_port()), "--output", str(out),
+                        "--script", script)
+    assert made.returncode == 0, made.stderr
+    return out.with_suffix(".sbatch")
+
+
+def submit_environment(cluster, **extra: str) -> tuple[dict, tuple[str, ...]]:
+    """The environment to submit from (none of this pytest's launch variables) and the --export naming the repository
+    and this environment's hf-gpu-train (each node's task) and accelerate."""
+    env = {k: v for k, v in cluster.env.items() if not k.startswith(("ACCELERATE_", "FSDP_"))
+           and k not in ("OMP_NUM_THREADS", "HF_GPU_TRAIN_PLAN")}
+    exported = {"HF_GPU_TRAIN_DIR": str(ROOT), "HF_GPU_TRAIN": str(BIN / "hf-gpu-train"), "ACCELERATE": str(BIN / "accelerate"),
+                **extra}
+    return env, ("--export=ALL," + ",".join(f"{k}={v}" for k, v in exported.items()),)
+
+
+def history(out: Path, key: str) -> list[float]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h[key] for h in state["log_history"] if key in h]
+
+
+def test_the_generated_two_node_sbatch_trains_the_weights_of_one_process(slurm_cluster, tmp_path, case, one_process):
+    out = tmp_path / "out"
+    batch = recipe(tmp_path, [*case, *COMMON, *QUIET, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"output_dir={out}"])
+    env, options = submit_environment(slurm_cluster)
+    job = slurm_cluster.sbatch(two_node_sbatch(tmp_path, f"{SCRIPT} --config {batch}"), cwd=tmp_path, env=env, options=options)
+    state, code = slurm_cluster.wait(job, JOB_TIMEOUT_S)
+    info, output = slurm_cluster.job_info(job), slurm_cluster.output(job)
+    summary = out / "run_summary.json"
+    assert (state, code) == ("COMPLETED", 0) or teardown_race_only(output, [summary.is_file()]), f"{state} {code}\n{output}"
+    assert (info["NumNodes"], info["NodeList"]) == ("2", "n[1-2]"), info
+    assert json.loads(summary.read_text())["global_step"] == 2 * EPOCHS, output
+    assert "CPU x2" in output, output  # one process group of the two nodes' processes, not two runs
+    assert_same_series("logged loss", history(out, "loss"), history(one_process, "loss"))
+    assert_same_series("gradient norm", history(out, "grad_norm"), history(one_process, "grad_norm"))
+    final = load_file(out / "model.safetensors")
+    assert_trained(final, load_file(Path(case[0].split("=", 1)[1]) / "model.safetensors"))
+    assert_same_params(final, load_file(one_process / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def killed_job(slurm_cluster, case, tmp_path_factory) -> dict:
+    """The generated sbatch running kill_probe.py: rank 1, node n2's one process (SLURM_NODEID 1 is its machine rank),
+    SIGKILLed at the end of step 2 of 6."""
+    tmp_path = tmp_path_factory.mktemp("slurm-killed")
+    out, stamp = tmp_path / "out", tmp_path / "killed-at"
+    batch = recipe(tmp_path, [*case, *COMMON, *QUIET, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"output_dir={out}"])
+    env, options = submit_environment(slurm_cluster, KILL_RANK="1", KILL_AT_STEP="2", KILL_STAMP=str(stamp))
+    job = slurm_cluster.sbatch(two_node_sbatch(tmp_path, f"{KILL_PROBE} --config {batch}"), cwd=tmp_path, env=env,
+                               options=options)
+    state, code = slurm_cluster.wait(job, JOB_TIMEOUT_S)
+    ended = time.time()
+    output = slurm_cluster.output(job, tail=200_000)
+    assert stamp.is_file(), f"rank 1 was never killed: {state} {code}\n{output}"
+    return {"state": state, "code": code, "seconds_after_kill": ended - float(stamp.read_text()), "output": output,
+            "out": out}
+
+
+def test_a_worker_killed_on_one_node_ends_the_job_within_a_minute(killed_job):
+    output = killed_job["output"]
+    assert killed_job["state"] == "FAILED" and killed_job["code"] != 0, f"{killed_job['state']} {killed_job['code']}\n{output}"
+    assert killed_job["seconds_after_kill"] < 60, f"the job ended {killed_job['seconds_after_kill']:.0f} s after the kill\n{output}"
+    assert not (killed_job["out"] / "model.safetensors").exists()
+
+
+def test_the_output_names_the_node_and_the_rank_that_died(killed_job):
+    """torchelastic's "Root Cause" names the rank and the machine's hostname, one for both test nodes (as for every
+    node in a container whose hostname is localhost): the node's own task says which node it is."""
+    assert "hf-gpu-train launch on node n2: rank 1 died (SIGKILL, exit -9)" in killed_job["output"], killed_job["output"][-8000:]
