@@ -2,7 +2,7 @@
 nodes on this machine (tests/slurm_cluster.py; skipped, with the reason, where slurm-wlm and munge are not installed or
 not as root). Two nodes of one gloo process each, a batch of 8 each, train the weights one process trains with a
 batch of 16 (the equality of tests/scaling/test_finetune_equivalence.py, through SLURM instead of a local launch); and
-when one node's worker is SIGKILLed mid-run, the job ends within a minute and its output names that node and rank."""
+when node n2's worker is SIGKILLed mid-run, the job ends within a minute and its output names that node and rank."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.scaling.finetune_cases import COMMON, EPOCHS, GLOBAL_BATCH, text_case
 
 pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "scripts" / "finetune.py"
-KILL_PROBE = ROOT / "tests" / "finetune" / "kill_probe.py"
+KILL_PROBE = Path(__file__).with_name("node_kill_probe.py")
 BIN = Path(sys.executable).parent  # this environment's hf-gpu-train and accelerate; root's login shell has none on PATH
 QUIET = ["telemetry=false", "evaluate_before=false"]
 JOB_TIMEOUT_S = 300
@@ -95,20 +95,21 @@ def test_the_generated_two_node_sbatch_trains_the_weights_of_one_process(slurm_c
 
 @pytest.fixture(scope="module")
 def killed_job(slurm_cluster, case, tmp_path_factory) -> dict:
-    """The generated sbatch running kill_probe.py: rank 1, node n2's one process (SLURM_NODEID 1 is its machine rank),
-    SIGKILLed at the end of step 2 of 6."""
+    """The generated sbatch running node_kill_probe.py: node n2's training process SIGKILLed at the end of step 2 of 6
+    (its global rank is 0 or 1: under c10d rendezvous the nodes are numbered in the order they join)."""
     tmp_path = tmp_path_factory.mktemp("slurm-killed")
-    out, stamp = tmp_path / "out", tmp_path / "killed-at"
+    out, stamp = tmp_path / "out", tmp_path / "killed.json"
     batch = recipe(tmp_path, [*case, *COMMON, *QUIET, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"output_dir={out}"])
-    env, options = submit_environment(slurm_cluster, KILL_RANK="1", KILL_AT_STEP="2", KILL_STAMP=str(stamp))
+    env, options = submit_environment(slurm_cluster, KILL_NODE="n2", KILL_AT_STEP="2", KILL_STAMP=str(stamp))
     job = slurm_cluster.sbatch(two_node_sbatch(tmp_path, f"{KILL_PROBE} --config {batch}"), cwd=tmp_path, env=env,
                                options=options)
     state, code = slurm_cluster.wait(job, JOB_TIMEOUT_S)
     ended = time.time()
     output = slurm_cluster.output(job, tail=200_000)
-    assert stamp.is_file(), f"rank 1 was never killed: {state} {code}\n{output}"
-    return {"state": state, "code": code, "seconds_after_kill": ended - float(stamp.read_text()), "output": output,
-            "out": out}
+    assert stamp.is_file(), f"node n2's process was never killed: {state} {code}\n{output}"
+    killed = json.loads(stamp.read_text())
+    return {"state": state, "code": code, "seconds_after_kill": ended - killed["time"], "rank": killed["rank"],
+            "output": output, "out": out}
 
 
 def test_a_worker_killed_on_one_node_ends_the_job_within_a_minute(killed_job):
@@ -121,4 +122,5 @@ def test_a_worker_killed_on_one_node_ends_the_job_within_a_minute(killed_job):
 def test_the_output_names_the_node_and_the_rank_that_died(killed_job):
     """torchelastic's "Root Cause" names the rank and the machine's hostname, one for both test nodes (as for every
     node in a container whose hostname is localhost): the node's own task says which node it is."""
-    assert "hf-gpu-train launch on node n2: rank 1 died (SIGKILL, exit -9)" in killed_job["output"], killed_job["output"][-8000:]
+    line = f"hf-gpu-train launch on node n2: rank {killed_job['rank']} died (SIGKILL, exit -9)"
+    assert line in killed_job["output"], killed_job["output"][-8000:]
