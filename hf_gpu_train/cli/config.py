@@ -10,7 +10,9 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..hardware.snapshot import load_machine
-from ..launch.render import accelerate_command, launch_command, render_env, render_sbatch, render_yaml, torchrun_command
+from ..launch.grace import grace_for
+from ..launch.render import accelerate_command, launch_command, render_env, render_yaml, torchrun_command
+from ..launch.targets import OPTIONS, TargetSettings, check_partition, get_target, job_name_for, slurm_time_limit, target_names
 from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
 from ..plan.document import no_memory_plan, render_plan_json
 from ..plan.model_spec import ModelSpec, resolve_model
@@ -60,8 +62,51 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--debug-nccl", action="store_true", help="add NCCL_DEBUG=INFO and friends to the environment")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
     p.add_argument("--script", default="scripts/finetune.py", help="training script named in the printed commands")
+    add_target_arguments(p)
     add_planner_arguments(p)
     return p
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="accelerate", choices=target_names(),
+                   help="where the plan runs; each writes its files beside the YAML: accelerate (the YAML, .env and plan; "
+                   "a SLURM sbatch for several machines), slurm (NAME.sbatch, also for one machine), kubeflow "
+                   "(NAME.trainjob.yaml, Kubeflow Trainer v2), pytorchjob (NAME.pytorchjob.yaml, training-operator v1), "
+                   "skypilot (NAME.sky.yaml)")
+    p.add_argument("--image", metavar="IMAGE", help="container image for --target kubeflow and pytorchjob (required there; "
+                   "it holds this project at --workdir and hf-gpu-train), or for skypilot to run in")
+    p.add_argument("--workdir", metavar="DIR", help="where this project is where the job runs: its directory in the image "
+                   "(kubeflow, pytorchjob; default /workspace), or the local directory SkyPilot syncs to every node "
+                   "(skypilot; default .). --output must be inside the project")
+    p.add_argument("--save-time-from", metavar="OUTPUT_DIR", help="a previous run's output_dir: its measured checkpoint "
+                   "save time (preemption.json) sets the grace between the scheduler's stop signal and SIGKILL "
+                   "(else estimated from the plan's checkpoint size)")
+    p.add_argument("--time-limit", metavar="TIME", help="SLURM --time of the sbatch, e.g. 04:00:00 or 2-00:00:00")
+    p.add_argument("--partition", metavar="NAME", help="SLURM partition of the sbatch")
+
+
+def target_settings(args: argparse.Namespace, target) -> dict:
+    """The checked values of the target options (UsageError for one the target does not read, or a bad value)."""
+    given = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
+    unread = [key for key in given if key not in target.reads]
+    if unread:
+        key = unread[0]
+        users = [name for name in target_names() if key in get_target(name).reads]
+        raise UsageError(f"{OPTIONS[key]} {given[key]}: --target {target.name} has no use for it "
+                         f"(it is for --target {' or '.join(users)})")
+    if target.needs_image and not (args.image or "").strip():
+        raise UsageError(f"--target {target.name} needs --image IMAGE: the container image every pod runs, holding "
+                         f"hf-gpu-train and this project at --workdir (default /workspace), e.g. --image ghcr.io/you/train:1")
+    if args.image is not None and (not args.image.strip() or any(c.isspace() for c in args.image)):
+        raise UsageError(f"--image {args.image!r}: an image reference has no spaces (e.g. ghcr.io/you/train:1)")
+    if args.time_limit is not None:
+        slurm_time_limit(args.time_limit)
+    if args.partition is not None:
+        check_partition(args.partition)
+    if args.save_time_from is not None and not Path(args.save_time_from).is_dir():
+        raise UsageError(f"--save-time-from {args.save_time_from}: no such directory: give a previous run's output_dir "
+                         "(it holds preemption.json), or leave the option out to estimate the grace from the plan")
+    return {key: getattr(args, key) for key in OPTIONS}
 
 
 def model_spec_from_args(args: argparse.Namespace):
@@ -89,10 +134,17 @@ def port_in_use(port: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
 
+    target = get_target(args.target)
+    chosen = target_settings(args, target)
+    out = Path(args.output)
+    job_name = job_name_for(out.name)
+    main_process_ip = args.main_process_ip
+    if args.num_machines > 1 and not main_process_ip and target.main_node is not None:
+        main_process_ip = target.main_node(job_name)  # the scheduler's address of machine rank 0
     profile, live = resolve_profile(args)
     options = PlanOptions(
         strategy=args.strategy, precision=args.precision, gpus=args.gpus, gpu_ids=args.gpu_ids, num_machines=args.num_machines,
-        machine_rank=args.machine_rank, main_process_ip=args.main_process_ip, main_process_port=args.main_process_port,
+        machine_rank=args.machine_rank, main_process_ip=main_process_ip, main_process_port=args.main_process_port,
         rdzv_backend=args.rdzv_backend, cpu_processes=args.cpu_processes, include_busy=args.include_busy,
         busy_threshold_bytes=int(args.busy_threshold_gib * 2**30), debug_nccl=args.debug_nccl,
         model=model_spec_from_args(args), seq_len=args.seq_len, image_size=args.image_size, optimizer=args.optimizer,
@@ -100,9 +152,11 @@ def run(args: argparse.Namespace) -> int:
         other_nodes=tuple(load_machine(n) for n in args.node_machines.split(",") if n.strip()),
     )
     plan = make_plan(profile, options)
-    out = Path(args.output)
     yaml_path, env_path, plan_path = (out.with_name(out.name + suffix) for suffix in (".yaml", ".env", ".plan.json"))
+    settings = TargetSettings(output=out, job_name=job_name, grace=grace_for(plan, args.save_time_from), **chosen)
+    rendered = target.render(plan, yaml_path, args.script, settings)
     ours = (yaml_path, env_path, plan_path) + ((deepspeed_path_for(yaml_path),) if plan.deepspeed_file is not None else ())
+    ours += tuple(path for path, _ in rendered.files)
     existing = [p for p in ours if p.exists()]
     if existing and not args.force:
         raise UsageError(f"{', '.join(map(str, existing))} already exist(s): pass --force to overwrite, or another --output")
@@ -118,10 +172,9 @@ def run(args: argparse.Namespace) -> int:
     env_path.write_text(render_env(plan))
     plan_path.write_text(render_plan_json(plan, command, yaml_path))
     written = [yaml_path, env_path, plan_path, *written]
-    if options.num_machines > 1:
-        sbatch = out.with_name(out.name + ".sbatch")
-        sbatch.write_text(render_sbatch(plan, yaml_path, args.script))
-        written.append(sbatch)
+    for path, text in rendered.files:
+        path.write_text(text)
+        written.append(path)
     print(f"Plan for {plan.machine}: {plan.strategy}")
     print(table([["Setting", "Value", "Reason"]] + [[s.key, s.value, s.reason] for s in plan.settings]))
     if plan.memory:
@@ -138,6 +191,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nLaunch:\n  {launch_command(yaml_path, args.script)}")
     print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script, plan)}")
     print(f"or with torchrun:\n  {torchrun_command(plan, args.script, yaml_path)}")
-    if options.num_machines > 1:
-        print(f"On SLURM: sbatch {written[-1]}  (one task per node, c10d rendezvous)")
+    for line in rendered.lines:
+        print(line)
     return 0

@@ -1,0 +1,249 @@
+"""Where a plan runs: the launch targets of ``hf-gpu-train config --target NAME``, a registry.
+
+Every target gets the accelerate YAML, NAME.env and NAME.plan.json ``config`` writes; a target adds its own files
+(an sbatch, a Kubernetes manifest, a SkyPilot task) and the lines that say how to submit them. A target is a function
+``(plan, yaml_path, script, settings) -> Rendered`` registered under its name with ``register_target``; the CLI's
+``--target`` choices are the registered names, so a new scheduler is one module with its renderer and one
+``register_target`` call at the end of this file. No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UsageError
+from ..plan.planner import LaunchPlan
+from .grace import Grace
+from .kubeflow import DEFAULT_WORKDIR, render_pytorchjob, render_trainjob
+from .render import render_sbatch
+from .skypilot import render_skypilot
+
+__all__ = ["OPTIONS", "Rendered", "Target", "TargetSettings", "get_target", "job_name_for", "register_target",
+           "slurm_time_limit", "target_names"]
+
+# The options of `config` a target may read, by their flag; a target that reads none of one makes the flag an error.
+OPTIONS = {"image": "--image", "workdir": "--workdir", "save_time_from": "--save-time-from", "time_limit": "--time-limit",
+           "partition": "--partition"}
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """What a target may need beyond the plan. ``output``: DIR/NAME, the prefix of every file written; ``project``:
+    the directory the job runs in (where ``config`` ran), which the generated files' paths are relative to."""
+
+    output: Path
+    job_name: str
+    grace: Grace
+    project: Path = field(default_factory=Path.cwd)
+    image: str | None = None
+    workdir: str | None = None
+    time_limit: str | None = None
+    partition: str | None = None
+    save_time_from: str | None = None  # what the grace was measured from (grace_for), for a target to say
+
+    def path(self, suffix: str) -> Path:
+        return self.output.with_name(self.output.name + suffix)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The files a target writes, (path, text) each, and the lines ``config`` prints about them."""
+
+    files: tuple[tuple[Path, str], ...] = ()
+    lines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """``render``: the target; ``reads``: the keys of OPTIONS it uses; ``needs_image``: a container target;
+    ``main_node``: for a plan of several machines without ``--main-process-ip``, the address the scheduler gives
+    machine rank 0, from the job's name (None: the user must give it)."""
+
+    name: str
+    render: Callable[[LaunchPlan, Path, str, TargetSettings], Rendered]
+    help: str
+    reads: frozenset[str] = frozenset()
+    needs_image: bool = False
+    main_node: Callable[[str], str] | None = None
+
+
+_TARGETS: dict[str, Target] = {}
+
+
+def register_target(target: Target) -> Target:
+    if target.name in _TARGETS:
+        raise ValueError(f"launch target {target.name!r} is registered already")
+    unknown = set(target.reads) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"launch target {target.name!r} reads unknown options {sorted(unknown)}: known are {sorted(OPTIONS)}")
+    _TARGETS[target.name] = target
+    return target
+
+
+def target_names() -> tuple[str, ...]:
+    return tuple(_TARGETS)
+
+
+def get_target(name: str) -> Target:
+    if name not in _TARGETS:
+        raise UsageError(f"--target {name}: not one of {', '.join(_TARGETS)}")
+    return _TARGETS[name]
+
+
+def job_name_for(name: str) -> str:
+    """A Kubernetes object name (lower-case letters, digits and '-', from a letter; 40 characters at most, so that
+    the pods' host names the operators derive from it stay under 63) from DIR/NAME's NAME."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    slug = re.sub(r"-{2,}", "-", slug)
+    if not slug or not slug[0].isalpha():
+        slug = f"hf-{slug}".rstrip("-")
+    return slug[:40].rstrip("-")
+
+
+_SLURM_TIME = re.compile(r"(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?)"
+                         r"|(?:(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)")
+SLURM_TIME_FORMATS = "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS"
+
+
+def slurm_time_limit(value: str) -> int:
+    """Seconds of a SLURM ``--time`` value (``sbatch(1)``: "minutes", "minutes:seconds", "hours:minutes:seconds",
+    "days-hours", "days-hours:minutes", "days-hours:minutes:seconds"); a UsageError naming the formats otherwise."""
+    found = _SLURM_TIME.fullmatch(value.strip())
+    problem = None if found else "not a SLURM time"
+    if found and found["days"] is not None:
+        parts = [int(found["days"]), int(found["dh"]), int(found["dm"] or 0), int(found["ds"] or 0)]
+        if parts[1] > 23 or parts[2] > 59 or parts[3] > 59:
+            problem = "hours above 23 or minutes or seconds above 59"
+        seconds = ((parts[0] * 24 + parts[1]) * 60 + parts[2]) * 60 + parts[3]
+    elif found:
+        fields = [int(x) for x in (found["a"], found["b"], found["c"]) if x is not None]
+        if len(fields) == 1:
+            seconds = fields[0] * 60
+        elif len(fields) == 2:
+            seconds = fields[0] * 60 + fields[1]
+            problem = "seconds above 59" if fields[1] > 59 else None
+        else:
+            seconds = (fields[0] * 60 + fields[1]) * 60 + fields[2]
+            problem = "minutes or seconds above 59" if fields[1] > 59 or fields[2] > 59 else None
+    if problem is None and seconds <= 0:
+        problem = "no time at all"
+    if problem is not None:
+        raise UsageError(f"--time-limit {value!r}: {problem}; SLURM's formats are {SLURM_TIME_FORMATS} "
+                         "(e.g. --time-limit 04:00:00 or --time-limit 2-00:00:00)")
+    return seconds
+
+
+def check_partition(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*", value):
+        raise UsageError(f"--partition {value!r}: a SLURM partition name (letters, digits, '_', '.', '-'), or several "
+                         "separated by commas (e.g. --partition gpu or --partition gpu,gpu-long)")
+    return value
+
+
+def _in_project(path: Path, settings: TargetSettings) -> str:
+    """``path`` (one of the files of ``--output``) relative to the project directory, as the job sees it (a
+    container's workdir, SkyPilot's synced one)."""
+    full = path if path.is_absolute() else settings.project / path
+    try:
+        return full.resolve().relative_to(settings.project.resolve()).as_posix()
+    except ValueError:
+        raise UsageError(f"--output {settings.output}: outside {settings.project}, the project directory the job gets (the "
+                         "image's workdir, SkyPilot's synced workdir): run `hf-gpu-train config` in the project and give "
+                         "--output a path inside it, e.g. launch_configs/NAME") from None
+
+
+def _script_in_project(script: str, settings: TargetSettings) -> str:
+    path = Path(script)
+    if not path.is_absolute():
+        return path.as_posix()
+    try:
+        return path.resolve().relative_to(settings.project.resolve()).as_posix()
+    except ValueError:
+        return script  # a path the job's machine has (in the image, say): as given
+
+
+def _check_scheduled_gpus(plan: LaunchPlan, target: str) -> None:
+    """A scheduler hands a pod (a cloud node) its GPUs and the processes see them as 0..N-1: a plan of other GPU
+    numbers, or of a MIG instance by its UUID, would name devices the job does not have."""
+    gpu_ids = str(plan.accelerate.get("gpu_ids", ""))
+    if plan.mig_instance is not None or gpu_ids.startswith("MIG-"):
+        raise UsageError(f"--target {target} with a MIG instance ({gpu_ids}): the scheduler hands a job its devices and "
+                         "this plan names one of another machine: plan whole GPUs (--gpus N) for this target")
+    expected = ",".join(str(i) for i in range(plan.processes_per_machine))
+    if plan.gpus and gpu_ids and gpu_ids != expected:
+        raise UsageError(f"--target {target}: the plan uses GPUs {gpu_ids} of {plan.machine}, and a job's processes see "
+                         f"the {plan.processes_per_machine} GPU(s) the scheduler gives them as {expected}: "
+                         f"plan with --gpu-ids {expected}")
+
+
+def _sbatch(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    path = settings.path(".sbatch")
+    text = render_sbatch(plan, yaml_path, script, time_limit=settings.time_limit, partition=settings.partition,
+                         grace=settings.grace)
+    return Rendered(((path, text),), (f"On SLURM: sbatch {path}  (one task per node, c10d rendezvous; grace {settings.grace.describe()})",))
+
+
+def _accelerate(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    if plan.accelerate["num_machines"] > 1:
+        return _sbatch(plan, yaml_path, script, settings)
+    given = [OPTIONS[key] for key in ("time_limit", "partition", "save_time_from") if getattr(settings, key) is not None]
+    if given:
+        raise UsageError(f"{' and '.join(given)}: for the SLURM sbatch, which --target accelerate writes for several "
+                         "machines only: add --target slurm for one machine")
+    return Rendered()
+
+
+def _container_paths(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings, target: str):
+    _check_scheduled_gpus(plan, target)
+    return _in_project(yaml_path, settings), _script_in_project(script, settings), settings.workdir or DEFAULT_WORKDIR
+
+
+def _trainjob(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    config, script, workdir = _container_paths(plan, yaml_path, script, settings, "kubeflow")
+    path = settings.path(".trainjob.yaml")
+    text = render_trainjob(plan, config, script, image=settings.image, job_name=settings.job_name, grace=settings.grace,
+                           workdir=workdir, path_hint=str(path))
+    return Rendered(((path, text),), (
+        f"On Kubernetes (Kubeflow Trainer v2, runtime torch-distributed): kubectl apply -f {path}",
+        f"  the image {settings.image} holds this project at {workdir}; grace {settings.grace.describe()}",
+    ))
+
+
+def _pytorchjob(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    config, script, workdir = _container_paths(plan, yaml_path, script, settings, "pytorchjob")
+    path = settings.path(".pytorchjob.yaml")
+    text = render_pytorchjob(plan, config, script, image=settings.image, job_name=settings.job_name, grace=settings.grace,
+                             workdir=workdir, path_hint=str(path))
+    return Rendered(((path, text),), (
+        f"On Kubernetes (Kubeflow training-operator v1): kubectl apply -f {path}",
+        f"  the image {settings.image} holds this project at {workdir}; grace {settings.grace.describe()}",
+    ))
+
+
+def _skypilot(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    _check_scheduled_gpus(plan, "skypilot")
+    config, script = _in_project(yaml_path, settings), _script_in_project(script, settings)
+    path = settings.path(".sky.yaml")
+    workdir = settings.workdir or "."
+    text = render_skypilot(plan, config, script, job_name=settings.job_name, workdir=workdir, image=settings.image,
+                           path_hint=str(path))
+    return Rendered(((path, text),), (f"On SkyPilot (from {workdir}, synced to every node): sky launch -c {settings.job_name} {path}",))
+
+
+SKYPILOT_MAIN_NODE = "set-at-run-from-SKYPILOT_NODE_IPS"  # the YAML's main_process_ip; the run passes the real one
+
+register_target(Target("accelerate", _accelerate, "the accelerate YAML, .env and plan (and a SLURM sbatch for several machines)",
+                       reads=frozenset({"time_limit", "partition", "save_time_from"})))
+register_target(Target("slurm", _sbatch, "a SLURM sbatch, also for one machine",
+                       reads=frozenset({"time_limit", "partition", "save_time_from"})))
+register_target(Target("kubeflow", _trainjob, "a Kubeflow Trainer v2 TrainJob (runtime torch-distributed)",
+                       reads=frozenset({"image", "workdir", "save_time_from"}), needs_image=True,
+                       main_node=lambda job: f"{job}-node-0-0.{job}"))  # torch.go: PET_MASTER_ADDR
+register_target(Target("pytorchjob", _pytorchjob, "a Kubeflow training-operator PyTorchJob (kubeflow.org/v1)",
+                       reads=frozenset({"image", "workdir", "save_time_from"}), needs_image=True,
+                       main_node=lambda job: f"{job}-master-0"))  # envvar.go: MASTER_ADDR, the Master's service
+register_target(Target("skypilot", _skypilot, "a SkyPilot task YAML (sky launch)", reads=frozenset({"image", "workdir"}),
+                       main_node=lambda job: SKYPILOT_MAIN_NODE))
