@@ -24,7 +24,6 @@ from ..errors import UsageError, report_usage_error
 from ..fast_exit import end_quickly
 from ..faults.checkpoint_marker import resume_point
 from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
-from ..faults.preemption import attach_preemption
 from ..faults.preflight_collective import preflight
 from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
 from ..plan.decisions import accelerate_uses_cpu
@@ -221,6 +220,8 @@ def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: boo
 
         pieces.telemetry = attach_telemetry(trainer, **telemetry)
     if preemption:
+        from ..faults.preemption import attach_preemption
+
         pieces.preemption = attach_preemption(trainer)
         if pieces.preemption.inactive_reason:
             pieces.lines.append(f"preemption handling off: {pieces.preemption.inactive_reason}")
