@@ -72,7 +72,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the plan runs; each writes its files beside the YAML: accelerate (the YAML, .env and plan; "
                    "a SLURM sbatch for several machines), slurm (NAME.sbatch, also for one machine), kubeflow "
                    "(NAME.trainjob.yaml, Kubeflow Trainer v2), pytorchjob (NAME.pytorchjob.yaml, training-operator v1), "
-                   "skypilot (NAME.sky.yaml)")
+                   "skypilot (NAME.sky.yaml), ray (NAME.ray.yaml and the ray job submit line: Ray Train)")
     p.add_argument("--image", metavar="IMAGE", help="container image for --target kubeflow and pytorchjob (required there; "
                    "it holds this project at --workdir and hf-gpu-train), or for skypilot to run in")
     p.add_argument("--workdir", metavar="DIR", help="where this project is where the job runs: its directory in the image "

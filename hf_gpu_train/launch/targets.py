@@ -18,6 +18,7 @@ from ..errors import UsageError
 from ..plan.planner import LaunchPlan
 from .grace import Grace
 from .kubeflow import DEFAULT_WORKDIR, render_pytorchjob, render_trainjob
+from .ray_job import RAY_ENTRY, RAY_SUFFIX, ray_submit_command, render_ray_runtime_env
 from .render import render_sbatch
 from .skypilot import render_skypilot
 
@@ -233,7 +234,25 @@ def _skypilot(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSe
     return Rendered(((path, text),), (f"On SkyPilot (from {workdir}, synced to every node): sky launch -c {settings.job_name} {path}",))
 
 
+def _ray(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    """NAME.ray.yaml and the ``ray job submit`` line (launch/ray_job.py): Ray hands each worker its GPU, as a scheduler
+    does, and its entrypoint is the fine-tune as Ray Train workers, not ``--script``."""
+    _check_scheduled_gpus(plan, "ray")
+    if script != "scripts/finetune.py" and script.split() != ["-m", "hf_gpu_train.finetune"]:
+        raise UsageError(f"--script {script}: --target ray runs the fine-tune as Ray Train workers (python -m {RAY_ENTRY}), "
+                         "not a script of its own: leave --script out")
+    path = settings.path(RAY_SUFFIX)
+    runtime_env = _in_project(path, settings)  # as `ray job submit` is run: from the project, which it uploads
+    text = render_ray_runtime_env(plan, _in_project(yaml_path, settings), runtime_env)
+    return Rendered(((path, text),), (
+        f"On Ray (from {settings.project}, uploaded as the job's working directory): {ray_submit_command(plan, runtime_env)}",
+        "  then the fine-tune's --config NAME key=value...; Ray places the workers and makes the process group "
+        "(ray job submit needs ray[default])",
+    ))
+
+
 SKYPILOT_MAIN_NODE = "set-at-run-from-SKYPILOT_NODE_IPS"  # the YAML's main_process_ip; the run passes the real one
+RAY_MAIN_NODE = "made-by-ray"  # Ray Train makes the process group: the YAML's main_process_ip is not read
 
 register_target(Target("accelerate", _accelerate, "the accelerate YAML, .env and plan (and a SLURM sbatch for several machines)",
                        reads=frozenset({"time_limit", "partition", "save_time_from"})))
@@ -247,3 +266,5 @@ register_target(Target("pytorchjob", _pytorchjob, "a Kubeflow training-operator 
                        main_node=lambda job: f"{job}-master-0"))  # envvar.go: MASTER_ADDR, the Master's service
 register_target(Target("skypilot", _skypilot, "a SkyPilot task YAML (sky launch)", reads=frozenset({"image", "workdir"}),
                        main_node=lambda job: SKYPILOT_MAIN_NODE))
+register_target(Target("ray", _ray, "a Ray job: NAME.ray.yaml (runtime_env) and the ray job submit line (Ray Train)",
+                       main_node=lambda job: RAY_MAIN_NODE))

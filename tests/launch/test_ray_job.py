@@ -1,5 +1,5 @@
-"""A Ray job from a plan (issue 30, part 3): NAME.ray.yaml (the job's runtime_env) and the ``ray job submit`` line, read
-by Ray's own command-line parser; and the line runs: its entrypoint, run the way Ray's job supervisor runs it, fine-tunes
+"""A Ray job from a plan (issue 30, part 3): ``hf-gpu-train config --target ray`` writes NAME.ray.yaml (the job's
+runtime_env) and prints the ``ray job submit`` line, which Ray's own command-line parser reads; and the line runs: its entrypoint, run the way Ray's job supervisor runs it, fine-tunes
 on a real local Ray cluster with the plan applied in the workers."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from hf_gpu_train.cli import main as cli
-from hf_gpu_train.hardware.detect import detect
 from hf_gpu_train.launch.ray_job import (
     QUIET_PRINT,
     RAY_ENTRY,
@@ -111,6 +110,37 @@ def run_as_ray_job(line: str, extra: list[str], project: Path, address: str) -> 
     return subprocess.run(entrypoint, shell=True, cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
 
+def submit_line(printed: str) -> str:
+    """The ``ray job submit`` line ``config --target ray`` printed."""
+    (line,) = [text.split(": ", 1)[1] for text in printed.splitlines() if text.startswith("On Ray (from ")]
+    return line
+
+
+def test_config_target_ray_writes_the_runtime_env_and_prints_the_submit_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["config", "--machine", "8x-h100-sxm", "--output", "launch_configs/box", "--target", "ray"]) == 0
+    line = submit_line(capsys.readouterr().out)
+    assert line == ("ray job submit --working-dir . --runtime-env launch_configs/box.ray.yaml -- "
+                    f"python -m {RAY_ENTRY} --num-workers 8 --cpus-per-worker 14 --use-gpu")
+    env = yaml.safe_load((tmp_path / "launch_configs" / "box.ray.yaml").read_text())["env_vars"]
+    assert env[PLAN_ENV] == "launch_configs/box.plan.json" and (tmp_path / env[PLAN_ENV]).is_file()
+    # several machines need no --main-process-ip: Ray makes the group
+    assert cli(["config", "--machine", "8x-h100-sxm", "--output", "launch_configs/two", "--target", "ray", "--num-machines", "2"]) == 0
+    assert "--num-workers 16 " in submit_line(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--script", "train.py"], "--target ray runs the fine-tune as Ray Train workers"),
+    (["--gpu-ids", "2,3"], "plan with --gpu-ids 0,1"),  # Ray hands the workers their GPUs, numbered from 0
+    (["--image", "ghcr.io/you/train:1"], "--target ray has no use for it"),
+])
+def test_config_target_ray_refuses_what_ray_cannot_use(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["config", "--machine", "8x-h100-sxm", "--output", "launch_configs/box", "--target", "ray", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and not (tmp_path / "launch_configs").exists()
+
+
 @pytest.mark.slow
 @needs_ray
 def test_the_printed_ray_job_submit_line_fine_tunes_on_the_cluster_with_the_plan_applied(cluster, tmp_path, monkeypatch,
@@ -119,12 +149,8 @@ def test_the_printed_ray_job_submit_line_fine_tunes_on_the_cluster_with_the_plan
     (project / "data").mkdir(parents=True)
     monkeypatch.chdir(project)
     case = text_case(project / "data")
-    assert cli(["config", "--output", "launch_configs/box"]) == 0  # this machine: 2 CPU processes, gloo
-    capsys.readouterr()
-    plan = make_plan(detect(), PlanOptions())
-    runtime_env = runtime_env_path_for("launch_configs/box.yaml")
-    runtime_env.write_text(render_ray_runtime_env(plan, "launch_configs/box.yaml", runtime_env))
-    line = ray_submit_command(plan, runtime_env)
+    assert cli(["config", "--output", "launch_configs/box", "--target", "ray"]) == 0  # this machine: 2 CPU processes, gloo
+    line = submit_line(capsys.readouterr().out)
     assert "--num-workers 2" in line
     # output_dir relative: the workers write into the job's working directory, not into Ray's directory of their own
     done = run_as_ray_job(line, [*case, "num_train_epochs=1", "max_steps=2", "eval_strategy=no",
