@@ -222,9 +222,7 @@ def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: boo
     if preemption:
         from ..faults.preemption import attach_preemption
 
-        pieces.preemption = attach_preemption(trainer)
-        if pieces.preemption.inactive_reason:
-            pieces.lines.append(f"preemption handling off: {pieces.preemption.inactive_reason}")
+        pieces.preemption = attach_preemption(trainer)  # off the main thread (Ray Train) it says so itself and steps aside
     return pieces
 
 

@@ -137,19 +137,25 @@ MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODEL
 MAIN_PORT=${{HF_GPU_TRAIN_MAIN_PORT:-{acc.get('main_process_port', 29500)}}}
 HF_GPU_TRAIN=${{HF_GPU_TRAIN:-hf-gpu-train}}
 echo "hf-gpu-train: job ${{SLURM_JOB_ID:-}} on ${{SLURM_JOB_NODELIST:-}}, requeued ${{SLURM_RESTART_COUNT:-0}} time(s); the run resumes from its newest complete checkpoint"
-# One task per node; each starts {per_node} process(es). SLURM_NODEID is the machine rank.
+# One task per node; each starts {per_node} process(es). SLURM_NODEID is the machine rank given to accelerate (with the c10d
+# rendezvous torchelastic numbers the nodes in the order they join: global ranks need not follow node order).
+# The arguments after this script's name go to the training script one by one (a value may hold spaces).
 # At the very end torchelastic may report "Error waiting on exit barrier" when the agent hosting the
 # rendezvous store leaves first (pytorch #69520): the workers have finished by then; check the metrics.
 srun --kill-on-bad-exit=1 bash -c "exec {_prefix(plan)}$HF_GPU_TRAIN launch --config-file {config_path} \\
     --num_machines {nodes} --num_processes {acc['num_processes']} \\
     --machine_rank \\$SLURM_NODEID --main_process_ip $MAIN_NODE --main_process_port $MAIN_PORT \\
     --rdzv_backend c10d --same_network{_deepspeed_precision(plan)} \\
-    {script} $*" &
+    {script} \\"\\$@\\"" hf-gpu-train "$@" &
 STEP=$!
-forward() {{ echo "hf-gpu-train: SIG$1 at $(date +%T): every rank finishes its step, saves a checkpoint and stops"; kill -s "$1" "$STEP" 2>/dev/null; }}
+# srun forwards USR1 to every task, but turns a TERM it receives into SIGKILL of every task (srun(1)): a stop signal to
+# this shell goes on as USR1. A TERM to every process of the job (a time limit, `scancel --full`) reaches srun too:
+# then the tasks are killed at once and the newest complete checkpoint is what the next run resumes from.
+TERMED=""
+forward() {{ echo "hf-gpu-train: SIG$1 at $(date +%T): every rank finishes its step, saves a checkpoint and stops"; kill -s USR1 "$STEP" 2>/dev/null; }}
 trap 'forward USR1' USR1
 trap 'forward USR2' USR2
-trap 'forward TERM' TERM
+trap 'TERMED=1; forward TERM' TERM
 code=""
 while [ -z "$code" ]; do
     wait "$STEP"; status=$?
@@ -159,6 +165,8 @@ done
 if [ "$code" -eq {PREEMPTED_EXIT_CODE} ]; then
     echo "hf-gpu-train: stopped with a complete checkpoint: requeueing job ${{SLURM_JOB_ID:-}}"
     scontrol requeue "${{SLURM_JOB_ID:-}}" || echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"
+elif [ -n "$TERMED" ]; then
+    echo "hf-gpu-train: SIGTERM reached srun, which kills every task at once (exit $code): submit this script again to resume from the newest complete checkpoint; #SBATCH --signal=B:USR1@N warns N s before a time limit"
 fi
 exit "$code"
 """

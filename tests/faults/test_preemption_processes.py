@@ -30,7 +30,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_the_same_com
     out = tmp_path / "out"
     config = cpu_config(tmp_path)
     stopped = launch(config, PROBE, *command(case, out),
-                     env={"SIGNAL": "TERM", "SIGNAL_RANK": "1", "SIGNAL_AT_STEP": "3", "SIGNAL_TARGET": "self"})
+                     env={"SIGNALS": "TERM:self:accumulation:3", "SIGNAL_RANK": "1"})
     assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
     assert "hf_gpu_train: preemption: SIGTERM received" in stopped.stderr
     assert "stopped for a stop signal (rank 0 after step 3, rank 1 after step 3)" in stopped.stderr, stopped.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_the_same_com
 def test_a_signal_to_the_launcher_only_is_forwarded_to_every_rank(tmp_path, case):  # noqa: F811
     out = tmp_path / "out"
     stopped = launch(cpu_config(tmp_path), PROBE, *command(case, out),
-                     env={"SIGNAL": "USR1", "SIGNAL_RANK": "0", "SIGNAL_AT_STEP": "2", "SIGNAL_TARGET": "launcher"})
+                     env={"SIGNALS": "USR1:launcher:accumulation:2", "SIGNAL_RANK": "0"})
     assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
     assert "hf-gpu-train launch: SIGUSR1 forwarded to the training processes" in stopped.stderr
     assert "stopped for a stop signal (rank 0 after step 2, rank 1 after step 2)" in stopped.stderr, stopped.stderr[-3000:]
