@@ -114,24 +114,81 @@ def cost(tmp: Path, rounds: int, steps: int) -> None:
           f"{[round(x, 3) for x in found['on']]} (median {on:.3f}); ratio {on / off:.3f} (goal >= 0.99)")
 
 
+def slurm_job(cluster, tmp: Path, name: str, run_args: list[str], signals: str | None, timeout: float = 1800) -> dict:
+    """The generated 2-node sbatch (one process a node) on the real cluster; with ``signals``, the probe sends them.
+    Returns the figures: the seconds from the first signal to the job leaving RUNNING (every process gone), the
+    state, restarts, and where the run resumed from."""
+    from tests.launch.test_slurm_cluster import submit_environment, two_node_sbatch
+
+    folder = tmp / name.split(":")[0].replace(" ", "-")
+    folder.mkdir(parents=True)
+    out, stamp = folder / "out", folder / "signal.json"
+    extra = {"SIGNALS": signals, "SIGNAL_RANK": "0", "SIGNAL_STAMP": str(stamp)} if signals else {}
+    env, options = submit_environment(cluster, **extra)
+    script = two_node_sbatch(folder, PROBE if signals else SCRIPT)
+    job = cluster.sbatch(script, *run_args, f"output_dir={out}", cwd=folder, env=env, options=options)
+    figures: dict = {"out": out, "gone_s": None}
+    if signals:
+        deadline = time.monotonic() + timeout
+        while not stamp.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cluster.wait(job, timeout, states={"PENDING", "REQUEUED", "REQUEUE_HOLD", "COMPLETED", "FAILED", "CANCELLED"},
+                     poll_s=0.1)
+        figures["gone_s"] = time.time() - json.loads(stamp.read_text())["time"]
+        figures["finished_at_signal"] = json.loads(stamp.read_text())["finished_step"]
+    state, code = cluster.wait(job, timeout)
+    info, output = cluster.job_info(job), cluster.output(job, tail=2_000_000)
+    resumed = [int(line.rsplit("checkpoint-", 1)[1].split()[0].rstrip(",;)")) for line in output.splitlines()
+               if "resuming from" in line and "checkpoint-" in line]
+    figures.update(state=state, code=code, restarts=int(info.get("Restarts", 0)), resumed=resumed, job=job, script=script,
+                   env=env, options=options, output=output)
+    return figures
+
+
 def slurm(tmp: Path, steps: int) -> None:
-    from tests.slurm_cluster import SlurmUnavailable, running_cluster  # the tests' cluster, started here as it is there
+    sys.path.insert(0, str(ROOT))
+    from tests.slurm_cluster import _ensure_hosts, reap_leftovers, start_cluster, why_not_available
 
-    print("3. slurm: the generated 2-node sbatch on a real cluster (slurmctld + 2 slurmd on this machine)")
+    print(f"3. slurm: the generated 2-node sbatch (one process a node) on a real cluster (slurmctld + 2 slurmd on this "
+          f"machine), the default fine-tune, {steps} steps, a checkpoint every 10, the signal in step 15")
+    reason = why_not_available() or _ensure_hosts()
+    if reason:
+        print(f"   skipped: {reason}")
+        return
+    reap_leftovers()
+    (tmp / "slurm").mkdir()
+    cluster = start_cluster(tmp / "slurm")
     try:
-        with running_cluster(tmp / "slurm") as cluster:
-            from tests.launch.slurm_runs import preempted_job_figures
-
-            for line in preempted_job_figures(cluster, tmp / "slurm-runs", steps):
-                print(f"   {line}")
-    except SlurmUnavailable as why:
-        print(f"   skipped: {why}")
+        run_args = default_run(steps)
+        reference = slurm_job(cluster, tmp, "uninterrupted", run_args, None)
+        assert reference["state"] == "COMPLETED", reference["output"][-3000:]
+        cases = {"TERM to the job's steps (what preemption sends at the start of GraceTime)": "TERM:steps:accumulation:15",
+                 "USR1 to the batch shell (#SBATCH --signal=B:USR1@N before a time limit)": "USR1:batch:accumulation:15",
+                 "TERM to every process, srun included (scancel --full; a time limit)": "TERM:job:accumulation:15"}
+        for name, signals in cases.items():
+            job = slurm_job(cluster, tmp, name, run_args, signals)
+            again = ""
+            if job["restarts"] == 0 and job["state"] != "COMPLETED":  # not requeued: the user submits it again
+                rerun = cluster.sbatch(job["script"], *run_args, f"output_dir={job['out']}", cwd=job["out"].parent,
+                                       env=job["env"], options=job["options"])
+                cluster.wait(rerun, 1800)
+                output = cluster.output(rerun, tail=2_000_000)
+                job["resumed"] = [int(line.rsplit("checkpoint-", 1)[1].split()[0].rstrip(",;)")) for line in output.splitlines()
+                                  if "resuming from" in line and "checkpoint-" in line]
+                again = "; not requeued (srun SIGKILLed the tasks): the same sbatch submitted again"
+            start = job["resumed"][0] if job["resumed"] else 0
+            print(f"   {name}: signal to every process gone {job['gone_s']:.1f} s (goal < {GRACE_S:.0f} s); requeued "
+                  f"{job['restarts']} time(s){again}; resumed from step {start}, steps lost "
+                  f"{max(0, job['finished_at_signal'] - start)} (goal <= 1); final state {job['state']}; weights vs "
+                  f"uninterrupted: {weights_diff(job['out'], reference['out'])}")
+    finally:
+        cluster.stop()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["local", "cost", "slurm"])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="local and cost; the slurm jobs run 30")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="preemption_") as folder:
@@ -140,7 +197,7 @@ def main() -> None:
         if args.only in (None, "cost"):
             cost(Path(folder), args.rounds, args.steps)
         if args.only in (None, "slurm"):
-            slurm(Path(folder), args.steps)
+            slurm(Path(folder), 30)
 
 
 if __name__ == "__main__":
