@@ -455,8 +455,8 @@ def other_command_problems(command: Command) -> list[str]:
             return []
         if not (ROOT / words[1]).is_file():
             return [f"{words[1]}: no such script"]
-        # a generated .sbatch ends with `... scripts/finetune.py \"\$@\""`: the arguments after it go to that script
-        runs = re.search(r'(\S+\.py) \\"\\\$@', (ROOT / words[1]).read_text()) if tool == "sbatch" else None
+        # a generated .sbatch runs HF_GPU_TRAIN_SCRIPT with the arguments after the .sbatch's name
+        runs = re.search(r"HF_GPU_TRAIN_SCRIPT=(\S+\.py)", (ROOT / words[1]).read_text()) if tool == "sbatch" else None
         return script_problems((runs.group(1), *words[2:])) if runs else []
     if tool == "accelerate" and words[1:2] == ["launch"]:
         from hf_gpu_train.plan.accelerate_argv import CONFIG_FILE_OPTIONS, split_launch_argv

@@ -51,7 +51,13 @@ def render_env(plan: LaunchPlan) -> str:
 
 
 def launch_command(config_path: str | Path, script: str = "scripts/finetune.py") -> str:
-    return f"hf-gpu-train launch --config-file {config_path} {script}"
+    return f"hf-gpu-train launch --config-file {_q(config_path)} {script}"
+
+
+def _q(path: str | Path) -> str:
+    """A path as one shell word (a folder may hold spaces, quotes or parentheses). ``script`` stays as given: it may
+    carry the script's own arguments."""
+    return shlex.quote(str(path))
 
 
 def _prefix(plan: LaunchPlan) -> str:
@@ -69,7 +75,7 @@ def _deepspeed_precision(plan: LaunchPlan | None) -> str:
 def accelerate_command(config_path: str | Path, script: str = "scripts/finetune.py", plan: LaunchPlan | None = None) -> str:
     env = env_path_for(config_path)
     prefix = _prefix(plan) if plan is not None else ""
-    return f"(set -a; . {env}; set +a; {prefix}accelerate launch --config_file {config_path}{_deepspeed_precision(plan)} {script})"
+    return f"(set -a; . {_q(env)}; set +a; {prefix}accelerate launch --config_file {_q(config_path)}{_deepspeed_precision(plan)} {script})"
 
 
 def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", config_path: str | Path | None = None) -> str:
@@ -130,8 +136,8 @@ def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = "scri
 set -uo pipefail
 HERE=${{HF_GPU_TRAIN_DIR:-$SLURM_SUBMIT_DIR}}
 cd "$HERE" || exit 1
-set -a; . {env_file}; set +a
-export {PLAN_ENV}={plan_path_for(config_path)}
+set -a; . {_q(env_file)}; set +a
+export {PLAN_ENV}={_q(plan_path_for(config_path))}
 export {GRACE_ENV}=${{{GRACE_ENV}:-{grace.seconds}}}
 MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
 MAIN_PORT=${{HF_GPU_TRAIN_MAIN_PORT:-{acc.get('main_process_port', 29500)}}}
@@ -142,11 +148,12 @@ echo "hf-gpu-train: job ${{SLURM_JOB_ID:-}} on ${{SLURM_JOB_NODELIST:-}}, requeu
 # The arguments after this script's name go to the training script one by one (a value may hold spaces).
 # At the very end torchelastic may report "Error waiting on exit barrier" when the agent hosting the
 # rendezvous store leaves first (pytorch #69520): the workers have finished by then; check the metrics.
-srun --kill-on-bad-exit=1 bash -c "exec {_prefix(plan)}$HF_GPU_TRAIN launch --config-file {config_path} \\
+export HF_GPU_TRAIN_CONFIG_FILE={_q(config_path)} HF_GPU_TRAIN_SCRIPT={shlex.quote(script)} MAIN_NODE MAIN_PORT HF_GPU_TRAIN
+srun --kill-on-bad-exit=1 bash -c 'exec {_prefix(plan)}$HF_GPU_TRAIN launch --config-file "$HF_GPU_TRAIN_CONFIG_FILE" \\
     --num_machines {nodes} --num_processes {acc['num_processes']} \\
-    --machine_rank \\$SLURM_NODEID --main_process_ip $MAIN_NODE --main_process_port $MAIN_PORT \\
+    --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_NODE" --main_process_port "$MAIN_PORT" \\
     --rdzv_backend c10d --same_network{_deepspeed_precision(plan)} \\
-    {script} \\"\\$@\\"" hf-gpu-train "$@" &
+    $HF_GPU_TRAIN_SCRIPT "$@"' hf-gpu-train "$@" &
 STEP=$!
 # srun forwards USR1 to every task, but turns a TERM it receives into SIGKILL of every task (srun(1)): a stop signal to
 # this shell goes on as USR1. A TERM to every process of the job (a time limit, `scancel --full`) reaches srun too:

@@ -50,7 +50,7 @@ def test_torchrun_and_sbatch(machine):
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in cmd
     script = render_sbatch(plan, "launch_configs/x.yaml")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script and "--gpus-per-node=8" in script
-    assert "--machine_rank \\$SLURM_NODEID" in script and "--rdzv_backend c10d" in script
+    assert "--machine_rank \"$SLURM_NODEID\"" in script and "--rdzv_backend c10d" in script
 
 
 def lint_levels(config, box, env=None, **kw):
@@ -180,7 +180,8 @@ def test_taskset_binding_prefixes_torchrun_and_the_sbatch_launch(machine):
     assert plan.cpu_binding.command_prefix == "taskset -c 20-39,60-79"
     assert " ACCELERATE_MIXED_PRECISION=fp16 taskset -c 20-39,60-79 torchrun --nnodes=2 " in torchrun_command(plan)
     script = render_sbatch(plan, "launch_configs/x.yaml")
-    assert 'srun --kill-on-bad-exit=1 bash -c "exec taskset -c 20-39,60-79 $HF_GPU_TRAIN launch --config-file launch_configs/x.yaml' in script
+    assert "srun --kill-on-bad-exit=1 bash -c 'exec taskset -c 20-39,60-79 $HF_GPU_TRAIN launch --config-file \"$HF_GPU_TRAIN_CONFIG_FILE\"" in script
+    assert "export HF_GPU_TRAIN_CONFIG_FILE=launch_configs/x.yaml " in script
     assert "export HF_GPU_TRAIN_PLAN=launch_configs/x.plan.json\n" in script
     unbound = make_plan(machine("8x-h100-sxm"), PlanOptions(num_machines=2, main_process_ip="node0"))
     assert "taskset" not in torchrun_command(unbound) and "taskset" not in render_sbatch(unbound, "x.yaml")

@@ -99,8 +99,9 @@ def test_a_multi_node_deepspeed_sbatch_starts_each_nodes_processes_itself(machin
     plan = make_plan(machine("8x-h100-sxm"), PlanOptions(strategy="deepspeed-zero2", num_machines=2, main_process_ip="node0"))
     config = tmp_path / "box.yaml"
     config.write_text(render_yaml(plan, "test"))
-    srun = render_sbatch(plan, config).split('bash -c "', 1)[1].split("\n    ", 1)[0]
-    assert f"$HF_GPU_TRAIN launch --config-file {config}" in srun
+    script = render_sbatch(plan, config)
+    srun = script.split("bash -c '", 1)[1].split("\n    ", 1)[0]
+    assert '$HF_GPU_TRAIN launch --config-file "$HF_GPU_TRAIN_CONFIG_FILE"' in srun and f"HF_GPU_TRAIN_CONFIG_FILE={config} " in script
     argv = ["--config_file", str(config), "--num_machines", "2", "--num_processes", "16", "--machine_rank", "1",
             "--main_process_ip", "node0", "--main_process_port", "0", "--rdzv_backend", "c10d", "--same_network", "train.py"]
     with mock.patch.dict(os.environ, {}, clear=True):
