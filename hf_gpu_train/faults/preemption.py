@@ -20,14 +20,17 @@ Here, on every rank:
    (``disk_full.guard_saves``). Every rank then waits for the others, and ``train()`` ends the process with
    ``PREEMPTED_EXIT_CODE`` (75, EX_TEMPFAIL: "try again"); the same command resumes from that checkpoint.
 4. A second signal (more than ``DUPLICATE_WINDOW_S`` after the first: a launcher forwarding the scheduler's signal, which
-   SLURM also sent to every process, is the same request) or the grace running out ends the process at once, with the
-   same exit code. A save it interrupts leaves a folder without its completion marker, which a resume sets aside; the
-   last complete checkpoint is never touched.
+   SLURM also sent to every process, is the same request) ends the process at once, with the same exit code; the grace
+   running out ends it with the scheduler's SIGKILL. A save either interrupts leaves a folder without its completion
+   marker, which a resume sets aside; the last complete checkpoint is never touched. (No timer of ours ends the run
+   before the scheduler does: a grace figure that is not the scheduler's would kill a save that could have finished.)
+5. DataLoader workers ignore the stop signals (``IgnoreStopSignals``): SLURM signals every process of a job, and a
+   worker torch ends on a SIGTERM from anyone but its parent would fail the step the checkpoint waits for.
 
 The grace is finite (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds: 30 s by default): the run measures
 every save (and evaluation), records the longest in ``output_dir/preemption.json`` (``launch/grace.py`` reads it for
-the sbatch's ``--signal`` and the manifests' grace), and says at the start, and after a save that took longer, when the
-step, evaluation and save cannot fit in the grace, with the fix.
+the sbatch's ``--signal`` and the manifests' grace), and says at the start (the state's size at a conservative write
+speed), and after the first save whose step, evaluation and save cannot fit in the grace, with the fix.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -54,7 +58,6 @@ log = logging.getLogger("hf_gpu_train.preemption")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 DUPLICATE_WINDOW_S = 2.0  # the same stop request reaching a rank twice (from the scheduler and from its launcher)
-GRACE_MARGIN_S = 1.0  # the run's own exit comes this much before the scheduler's SIGKILL
 DEFAULT_GRACE_S = 30.0  # SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds, both by default
 ASSUMED_WRITE_BYTES_PER_S = 200e6  # before the first save is measured (launch/grace.py says why this figure)
 
@@ -81,7 +84,8 @@ def signal_name(signum: int | None) -> str:
 
 @dataclass
 class StopRequest:
-    """What the signal handler noted: the first stop signal and when. Written by the handler, read at step boundaries."""
+    """What the signal handler noted: the first stop signal and when. Written by the handler, read at step boundaries.
+    One per process (``STOP``): the handlers are the process's, and a fine-tune installs them before its model loads."""
 
     signum: int | None = None
     at: float = 0.0
@@ -108,6 +112,9 @@ class StopRequest:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
+    def reset(self) -> None:
+        self.signum, self.at = None, 0.0
+
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:
             # a forked child (a DataLoader worker) inherits the handler: it lives on, for its parent to end it (a
@@ -125,6 +132,15 @@ class StopRequest:
         _exit_now()
 
 
+STOP = StopRequest()
+
+
+def listen() -> str | None:
+    """Note stop signals from now on (an entry point, before its model loads: a signal then ends the run at once,
+    exit 75, instead of killing it). None, or why it cannot (not the main thread)."""
+    return STOP.install()
+
+
 def _say(line: str) -> None:
     try:
         os.write(2, f"hf_gpu_train: preemption: {line}\n".encode())  # no buffered I/O inside a signal handler
@@ -133,12 +149,46 @@ def _say(line: str) -> None:
 
 
 def _exit_now() -> None:
-    write_preempted(_rank(), -1)
+    write_preempted(int(os.environ.get("RANK", "0")), -1)
     os._exit(PREEMPTED_EXIT_CODE)
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+class IgnoreStopSignals:
+    """A DataLoader worker's ``worker_init_fn``: the stop signals ignored in the worker, then the Trainer's own
+    init. torch's worker loop installs a SIGTERM handler that ends the worker when anyone but its parent sends
+    SIGTERM, and SLURM signals every process of a job: the worker would die, and the step the checkpoint waits for fail
+    ("DataLoader worker exited unexpectedly"). The parent still ends its workers as always (its sentinel, or a worker
+    noticing the parent gone). A class, not a closure: spawned workers get it pickled."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _shield_loader_workers(trainer) -> None:
+    """The loaders the Trainer makes get ``IgnoreStopSignals`` in their workers."""
+    for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
+        original = getattr(trainer, name, None)
+        if original is None:
+            continue
+
+        def shielded(*args, _original=original, **kwargs):
+            loader = _original(*args, **kwargs)
+            # accelerate's prepared loader iterates the DataLoader it wraps (base_dataloader) and reads its attributes
+            inner = getattr(loader, "base_dataloader", loader)
+            if getattr(inner, "num_workers", 0) and not isinstance(getattr(inner, "worker_init_fn", None), IgnoreStopSignals):
+                try:
+                    inner.worker_init_fn = IgnoreStopSignals(inner.worker_init_fn)
+                except (AttributeError, ValueError):  # a loader that takes no attribute: its workers as they were
+                    pass
+            return loader
+
+        setattr(trainer, name, shielded)
 
 
 class PreemptionCallback(TrainerCallback):
@@ -158,7 +208,14 @@ class PreemptionCallback(TrainerCallback):
             control.should_training_stop = True
             p.stopping = True
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.preemption.step_started = time.monotonic()
+
     def on_step_end(self, args, state, control, **kwargs):
+        p = self.preemption
+        if p.step_started is not None:
+            p.step_seconds.append(time.monotonic() - p.step_started)
+            del p.step_seconds[:-20]
         self._ask(control, save=True)
 
     def on_log(self, args, state, control, **kwargs):
@@ -171,6 +228,13 @@ class PreemptionCallback(TrainerCallback):
         self.preemption.saved(args, state)
         self._ask(control, save=False)  # the checkpoint just written is the one to resume from
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # the Trainer's epoch-end save (save_strategy=epoch) after a stop would write the step just saved again, into
+        # the same folder: its marker removed first, a kill in it would take the checkpoint just made. Every rank has
+        # saved_step (on_save runs on every rank), so every rank clears it alike.
+        if control.should_training_stop and self.preemption.saved_step == state.global_step:
+            control.should_save = False
+
     def on_train_end(self, args, state, control, **kwargs):
         self.preemption.training = False
 
@@ -180,7 +244,7 @@ class Preemption:
 
     def __init__(self, trainer, grace: float | None = None, exit: bool = True):
         self.trainer = trainer
-        self.request = StopRequest()
+        self.request = STOP
         self.grace_s, self.grace_source = grace_seconds(grace)
         self.exit = exit
         self.training = False
@@ -188,10 +252,12 @@ class Preemption:
         self.preempted = False  # the run stopped for a stop request, after a complete checkpoint
         self.save_seconds: list[float] = []
         self.evaluation_seconds: list[float] = []
+        self.step_seconds: list[float] = []
+        self.step_started: float | None = None
+        self.saved_step: int | None = None
         self.stopped_at_step: int | None = None
         self.inactive_reason: str | None = None
         self._said_too_long = False
-        self._timer: threading.Timer | None = None
 
     # -- training ------------------------------------------------------------------------------------------------
     def training_began(self, args) -> None:
@@ -204,17 +270,18 @@ class Preemption:
             self._check_grace(args)
 
     def saved(self, args, state) -> None:
-        """After a checkpoint: record its time (``preemption.json``, read by ``config --save-time-from``), and say
-        once when a stop can no longer fit in the grace."""
+        """After a checkpoint: record its step and time (``preemption.json``, read by ``config --save-time-from``),
+        and say once when a stop can no longer fit in the grace."""
+        self.saved_step = state.global_step
         if not self.save_seconds or args.process_index != 0:
             return
         self.write_record(args.output_dir)
-        needed = self.save_seconds[-1] + self._longest_evaluation()
+        needed = self._step() + self.save_seconds[-1] + self._longest_evaluation()
         if needed > self.grace_s and not self._said_too_long:
             self._said_too_long = True
-            print(f"hf_gpu_train: preemption: the save at step {state.global_step} took {self.save_seconds[-1]:.1f} s; "
-                  f"with {self._longest_evaluation():.1f} s of evaluation that is more than the {self.grace_s:.0f} s grace "
-                  f"({self.grace_source}): {self._fix()}", file=sys.stderr, flush=True)
+            print(f"hf_gpu_train: preemption: a step ({self._step():.1f} s), an evaluation ({self._longest_evaluation():.1f} s) "
+                  f"and the save at step {state.global_step} ({self.save_seconds[-1]:.1f} s) take {needed:.1f} s, more than "
+                  f"the {self.grace_s:.0f} s grace ({self.grace_source}): {self._fix()}", file=sys.stderr, flush=True)
 
     def _fix(self) -> str:
         return ("ask the scheduler for the warning earlier (SLURM: --signal=B:USR1@SECONDS, `hf-gpu-train config "
@@ -223,6 +290,9 @@ class Preemption:
 
     def _longest_evaluation(self) -> float:
         return max(self.evaluation_seconds, default=0.0)
+
+    def _step(self) -> float:
+        return statistics.median(self.step_seconds) if self.step_seconds else 0.0
 
     def _check_grace(self, args) -> None:
         measured = max(self.save_seconds, default=None)
@@ -252,8 +322,8 @@ class Preemption:
         if not is_main_process():
             return
         record = {"save_seconds": self.save_seconds[-20:], "save_seconds_max": max(self.save_seconds, default=None),
-                  "evaluation_seconds": self.evaluation_seconds[-20:], "grace_seconds": self.grace_s,
-                  "grace_source": self.grace_source, **(extra or {})}
+                  "evaluation_seconds": self.evaluation_seconds[-20:], "step_seconds_median": self._step(),
+                  "grace_seconds": self.grace_s, "grace_source": self.grace_source, **(extra or {})}
         path = Path(output_dir) / RECORD
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,39 +333,19 @@ class Preemption:
         except OSError:
             pass  # the record is advice for the next config; a full disk is reported by the save itself
 
-    def _start_grace_timer(self) -> None:
-        """Once stopping, with a grace that was given (never an assumed one: ending a save the scheduler would have
-        let finish loses it): the grace running out ends the process, with the exit code that says "resume me", a
-        moment before the scheduler's SIGKILL would."""
-        if self._timer is not None or self.request.signum is None or self.grace_source == DEFAULT_GRACE_SOURCE:
-            return
-        left = self.grace_s - GRACE_MARGIN_S - (time.monotonic() - self.request.at)
-
-        def out_of_time():
-            _say(f"the {self.grace_s:.0f} s grace ran out before the checkpoint was complete: exiting now; the newest "
-                 "complete checkpoint is kept")
-            _exit_now()
-
-        self._timer = threading.Timer(max(0.0, left), out_of_time)
-        self._timer.daemon = True
-        self._timer.start()
-
     def done(self) -> None:
-        """``train()`` returned: no timer, and the signals' handlers as they were (a signal now ends the process as
-        it would have without us)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        """``train()`` returned (or a preempted process's caller is done with it): the signals' handlers as they
+        were (a signal now ends the process as it would have without us), and no request left for the next
+        ``train()``."""
         self.request.uninstall()
+        self.request.reset()
 
 
-def _timed(trainer, name: str, into: list[float], before=None) -> None:
+def _timed(trainer, name: str, into: list[float]) -> None:
     """Record how long ``trainer.<name>`` takes (the saves and evaluations a stop must fit in the grace)."""
     original = getattr(trainer, name)
 
     def timed(*args, **kwargs):
-        if before is not None:
-            before()
         start = time.monotonic()
         result = original(*args, **kwargs)
         into.append(time.monotonic() - start)
@@ -308,9 +358,9 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
     """Make a stop signal (SIGTERM, SIGUSR1, SIGUSR2) end ``trainer.train()`` (anyone's Trainer, TRL's included) in a
     complete checkpoint at the next step boundary, on every rank alike, then exit the process with
     ``PREEMPTED_EXIT_CODE`` (``exit=False``: ``train()`` returns and ``Preemption.preempted`` says it stopped early).
-    ``grace``: seconds from the signal to the scheduler's SIGKILL (default ``HF_GPU_TRAIN_GRACE_SECONDS``, else 30).
-    The same command resumes: ``trainer.train(resume_from_checkpoint=True)`` takes the newest complete checkpoint
-    (``guard_saves``, installed here unless it already is)."""
+    ``grace``: seconds from the signal to the scheduler's SIGKILL, for the warning when a save cannot fit (default
+    ``HF_GPU_TRAIN_GRACE_SECONDS``, else 30). The same command resumes: ``trainer.train(resume_from_checkpoint=True)``
+    takes the newest complete checkpoint (``guard_saves``, installed here unless it already is)."""
     preemption = Preemption(trainer, grace, exit)
     why_not = preemption.request.install()
     if why_not is not None:
@@ -321,23 +371,33 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
         guard_saves(trainer)
     agree_on_control(trainer)  # a flag one rank set from its own signal becomes every rank's before the Trainer acts
     trainer.add_callback(PreemptionCallback(preemption))
-    _timed(trainer, "_save_checkpoint", preemption.save_seconds,
-           before=lambda: preemption._start_grace_timer() if preemption.stopping else None)
+    _timed(trainer, "_save_checkpoint", preemption.save_seconds)
     _timed(trainer, "evaluate", preemption.evaluation_seconds)
+    _shield_loader_workers(trainer)
     train = trainer.train
 
     def train_then_exit_if_preempted(*args, **kwargs):
+        preemption.request.install()  # again for a train() after one that returned (done() gave the handlers back)
         if any_rank(preemption.request.requested):  # every rank enters train(): a stop before it is every rank's
             if trainer.is_world_process_zero():
                 _say("a stop signal came before training began: exiting, nothing new to save")
             write_preempted(trainer.args.process_index, -1)
-            sys.exit(PREEMPTED_EXIT_CODE)
+            if preemption.exit:
+                sys.exit(PREEMPTED_EXIT_CODE)
+            preemption.preempted = True
+            preemption.done()
+            return None
         try:
             result = train(*args, **kwargs)
         except BaseException:
             preemption.done()
             raise
         stopped = any_rank(preemption.stopping) and trainer.state.global_step < trainer.state.max_steps
+        if stopped and preemption.saved_step != trainer.state.global_step:
+            # a save strategy that decided against the stop's save (save_strategy="best" at an evaluation that was
+            # not the best): every rank knows both values alike, so every rank saves here
+            trainer._save_checkpoint(trainer.model, trial=None)
+            preemption.saved_step = trainer.state.global_step
         preemption.write_record(trainer.args.output_dir)
         if not stopped:
             preemption.done()

@@ -447,6 +447,10 @@ def _main(argv: list[str] | None, prog: str = "finetune.py") -> int:
         # before torch: NCCL and CUDA read their variables once
         cfg, plan = apply_launch_plan(cfg, explicit, recipe=config_path, overrides=tuple(overrides),
                                       command_line_keys=frozenset(read_config_values(None, overrides)))
+        if cfg.preemption:  # a stop signal while the model loads ends the run with exit 75 at train(), not a kill
+            from ..faults.preemption import listen  # lazy: transformers, read once the config is known good
+
+            listen()
         finetune(cfg, launch_plan=plan)
     except UsageError as error:
         report_usage_error(f"finetune: error: {error}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -207,3 +208,44 @@ def test_a_signal_before_training_began_exits_75_with_nothing_saved(tmp_path):
         trainer.train()
     stopped.done()
     assert ended.value.code == PREEMPTED_EXIT_CODE and not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_dataloader_workers_signalled_with_their_parent_do_not_fail_the_step(tmp_path, uninterrupted):
+    """SLURM signals every process of a job: the DataLoader workers too. torch ends a worker on a SIGTERM from anyone
+    but its parent; the step the checkpoint waits for would then fail ("DataLoader worker exited unexpectedly")."""
+    from hf_gpu_train.launch.signals import children_of
+
+    class SignalEveryProcess(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            if state.global_step == 2 and not (tmp_path / "sent").exists():
+                (tmp_path / "sent").write_text("")
+                workers = children_of(os.getpid())
+                assert workers, "no DataLoader worker to signal"
+                # from another process, as slurmstepd sends it: torch's worker tells its parent's SIGTERM from others'
+                subprocess.run(["kill", "-TERM", *map(str, [os.getpid(), *workers])], check=True)
+
+    stopped, resumed = preempt_then_resume(tmp_path, "Trainer", lambda t: t.add_callback(SignalEveryProcess()),
+                                           dataloader_num_workers=2)
+    assert stopped.stopped_at_step == 3
+    assert_same_params(weights(resumed), uninterrupted["Trainer"])
+
+
+def test_train_twice_handles_signals_both_times_and_forgets_the_first_request(tmp_path):
+    trainer = trainer_for("Trainer", tmp_path / "out")
+    trainer.add_callback(SignalAt(2, "accumulation"))
+    stopped = attach_preemption(trainer, exit=False)
+    trainer.train()
+    assert stopped.preempted and trainer.state.global_step == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    trainer.train(resume_from_checkpoint=True)  # the same Trainer again: handlers back, the old request gone
+    assert not stopped.preempted and trainer.state.global_step == STEPS
+
+
+def test_an_epoch_end_save_after_the_stop_does_not_write_the_same_step_again(tmp_path):
+    from transformers.trainer_utils import SaveStrategy
+
+    trainer = trainer_for("Trainer", tmp_path / "out", max_steps=-1, num_train_epochs=1, save_strategy=SaveStrategy.EPOCH)
+    trainer.add_callback(SignalAt(2, "accumulation"))
+    stopped = attach_preemption(trainer, exit=False)
+    trainer.train()
+    assert stopped.preempted and stopped.stopped_at_step == 2 and len(stopped.save_seconds) == 1
