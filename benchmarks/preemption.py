@@ -120,7 +120,7 @@ def slurm_job(cluster, tmp: Path, name: str, run_args: list[str], signals: str |
     state, restarts, and where the run resumed from."""
     from tests.launch.test_slurm_cluster import submit_environment, two_node_sbatch
 
-    folder = tmp / name.split(":")[0].replace(" ", "-")
+    folder = tmp / "".join(c if c.isalnum() else "-" for c in name)[:40]
     folder.mkdir(parents=True)
     out, stamp = folder / "out", folder / "signal.json"
     extra = {"SIGNALS": signals, "SIGNAL_RANK": "0", "SIGNAL_STAMP": str(stamp)} if signals else {}
@@ -162,7 +162,7 @@ def slurm(tmp: Path, steps: int) -> None:
         run_args = default_run(steps)
         reference = slurm_job(cluster, tmp, "uninterrupted", run_args, None)
         assert reference["state"] == "COMPLETED", reference["output"][-3000:]
-        cases = {"TERM to the job's steps (what preemption sends at the start of GraceTime)": "TERM:steps:accumulation:15",
+        cases = {"TERM to the job steps (what preemption sends at the start of GraceTime)": "TERM:steps:accumulation:15",
                  "USR1 to the batch shell (#SBATCH --signal=B:USR1@N before a time limit)": "USR1:batch:accumulation:15",
                  "TERM to every process, srun included (scancel --full; a time limit)": "TERM:job:accumulation:15"}
         for name, signals in cases.items():

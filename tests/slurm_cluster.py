@@ -14,6 +14,8 @@ Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them when it runs as 
 - no slurmdbd, so no ``sacct``: a job's end is read with ``scontrol show job``, which forgets a finished job after
   ``MinJobAge`` (set to a day here).
 - proctrack/linuxproc and task/none: no cgroups (a container has none to give).
+- a requeued job waits for its old credential to expire before it may start again (``cred_expire``, 120 s by default;
+  10 s here): started sooner, it is killed at once ("Job credential revoked").
 - the daemons run in the foreground as this process's children; a job's processes are not (slurmstepd starts them):
   teardown cancels every job, stops the daemons, then ends any process left whose environment names this cluster's
   ``SLURM_CONF``. A cluster left by a killed pytest is ended by the next start (its owner pid is gone).
@@ -196,8 +198,7 @@ class SlurmCluster:
     def wait(self, job_id: str, timeout: float, states: set[str] | frozenset[str] = frozenset(TERMINAL),
              poll_s: float = 0.5) -> tuple[str, int | None]:
         """Until the job's state is one of ``states`` (the terminal ones by default): (state, exit code of its batch
-        script: RC, or -SIGNAL). TimeoutError, with the job and the cluster's logs, when it takes longer. A requeued job
-        is made eligible at once: SLURM holds it back for about two minutes (its BeginTime), which a test need not wait."""
+        script: RC, or -SIGNAL). TimeoutError, with the job and the cluster's logs, when it takes longer."""
         deadline = time.monotonic() + timeout
         fields = {}
         while time.monotonic() < deadline:
@@ -205,8 +206,6 @@ class SlurmCluster:
             state = fields.get("JobState")
             if state in states:
                 return state, exit_code_of(fields)
-            if state == "PENDING" and fields.get("Reason") == "BeginTime":
-                self._run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             time.sleep(poll_s)
         raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout} s: {fields}\n{self.output(job_id)}")
 
@@ -275,7 +274,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=10
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid

@@ -9,6 +9,7 @@ the plan, and the training processes see it too (``RunPlan.launch_overrides``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -22,9 +23,11 @@ from pathlib import Path
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
 from ..finetune.config import load_config_and_keys
 from ..finetune.recipe_names import resolve_recipe
+from ..launch.grace import GRACE_ENV
 from ..launch.rank_report import (
     HANG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
+    PREEMPTED_MARKER_ENV,
     PROGRESS_DIR_ENV,
     failure_line,
     read_hang_report,
@@ -270,6 +273,9 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         marker = Path(folder) / "usage_error.txt"
         progress = Path(folder) / "progress"
         progress.mkdir()
+        if env.get(GRACE_ENV) and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in env:
+            # torchrun SIGKILLs its workers 30 s after a SIGTERM reaches it: never before the grace the run was given
+            env = {**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": env[GRACE_ENV]}
         # SIGUSR1/2 ignored by the launcher, and every stop signal forwarded to the training processes (signals.py)
         proc = subprocess.Popen(cmd, env={**env, USAGE_ERROR_FILE_ENV: str(marker), PROGRESS_DIR_ENV: str(progress)},
                                 stderr=subprocess.PIPE, preexec_fn=ignore_warning_signals)
@@ -293,6 +299,10 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
                     "with a complete checkpoint")
             print(f"hf-gpu-train launch: the training processes stopped for a stop signal ({steps}) {kept}; run the same "
                   f"command again to resume (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+            marker = env.get(PREEMPTED_MARKER_ENV)
+            if marker:  # the sbatch requeues on it even when srun reports another node's code (launch/render.py)
+                with contextlib.suppress(OSError):
+                    Path(marker).write_text(steps + "\n")
             return PREEMPTED_EXIT_CODE
         if not marker.exists():
             hang = read_hang_report(progress)

@@ -19,6 +19,7 @@ from pathlib import Path
 PROGRESS_DIR_ENV = "HF_GPU_TRAIN_PROGRESS_DIR"
 HANG_EXIT_CODE = 3  # faults/watchdog.py: a hang was detected and every rank's stacks were written
 PREEMPTED_EXIT_CODE = 75  # faults/preemption.py: stopped for a scheduler's signal after a complete checkpoint (EX_TEMPFAIL)
+PREEMPTED_MARKER_ENV = "HF_GPU_TRAIN_PREEMPTED_MARKER"  # a file hf-gpu-train launch leaves when it ends with 75 (the sbatch's)
 
 
 def write_progress(rank: int, step: int, phase: str, environ=os.environ) -> None:

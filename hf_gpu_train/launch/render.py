@@ -20,7 +20,7 @@ from ..plan.planner import LaunchPlan
 from ..plan.run_plan_file import GENERATED_MARK, PLAN_ENV, env_path_for, parse_env, plan_path_for
 from .accelerate_env import launch_environment
 from .grace import GRACE_ENV, Grace, grace_for
-from .rank_report import PREEMPTED_EXIT_CODE
+from .rank_report import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER_ENV
 
 __all__ = ["accelerate_command", "env_path_for", "launch_command", "parse_env", "render_env", "render_sbatch", "render_yaml",
            "torchrun_command"]
@@ -134,11 +134,26 @@ def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = "scri
 # every task; each rank finishes its step, saves a complete checkpoint and exits {PREEMPTED_EXIT_CODE}; this script then requeues
 # the job, which resumes from that checkpoint. The warning comes {grace.describe()}
 set -uo pipefail
+# srun forwards USR1 to every task, but turns a TERM it receives into SIGKILL of every task (srun(1)): a stop signal to
+# this shell goes on as USR1 (and one before srun starts, once it has). A TERM to every process of the job (a time limit,
+# `scancel --full`) reaches srun too: then the tasks are killed at once and the next run resumes from the newest
+# complete checkpoint.
+STEP=""; ASKED=""; TERMED=""
+forward() {{ ASKED=$1; echo "hf-gpu-train: SIG$1 at $(date +%T): every rank finishes its step, saves a checkpoint and stops"; [ -n "$STEP" ] && kill -s USR1 "$STEP" 2>/dev/null; }}
+trap 'forward USR1' USR1
+trap 'forward USR2' USR2
+trap 'TERMED=1; forward TERM' TERM
 HERE=${{HF_GPU_TRAIN_DIR:-$SLURM_SUBMIT_DIR}}
 cd "$HERE" || exit 1
 set -a; . {_q(env_file)}; set +a
 export {PLAN_ENV}={_q(plan_path_for(config_path))}
 export {GRACE_ENV}=${{{GRACE_ENV}:-{grace.seconds}}}
+# torchrun SIGKILLs its workers this long after a SIGTERM reaches it (30 s by default): the grace, not less
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{grace.seconds}}}
+# each node's hf-gpu-train launch leaves this file when its processes stopped for a stop signal with a complete
+# checkpoint: srun --kill-on-bad-exit may kill a node still exiting after another's 75, and srun's own code then says 137
+export {PREEMPTED_MARKER_ENV}="$HERE/.hf-gpu-train-preempted-${{SLURM_JOB_ID:-0}}"
+rm -f "${{{PREEMPTED_MARKER_ENV}}}"
 MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
 MAIN_PORT=${{HF_GPU_TRAIN_MAIN_PORT:-{acc.get('main_process_port', 29500)}}}
 HF_GPU_TRAIN=${{HF_GPU_TRAIN:-hf-gpu-train}}
@@ -155,21 +170,20 @@ srun --kill-on-bad-exit=1 bash -c 'exec {_prefix(plan)}$HF_GPU_TRAIN launch --co
     --rdzv_backend c10d --same_network{_deepspeed_precision(plan)} \\
     $HF_GPU_TRAIN_SCRIPT "$@"' hf-gpu-train "$@" &
 STEP=$!
-# srun forwards USR1 to every task, but turns a TERM it receives into SIGKILL of every task (srun(1)): a stop signal to
-# this shell goes on as USR1. A TERM to every process of the job (a time limit, `scancel --full`) reaches srun too:
-# then the tasks are killed at once and the newest complete checkpoint is what the next run resumes from.
-TERMED=""
-forward() {{ echo "hf-gpu-train: SIG$1 at $(date +%T): every rank finishes its step, saves a checkpoint and stops"; kill -s USR1 "$STEP" 2>/dev/null; }}
-trap 'forward USR1' USR1
-trap 'forward USR2' USR2
-trap 'TERMED=1; forward TERM' TERM
+[ -n "$ASKED" ] && kill -s USR1 "$STEP" 2>/dev/null
 code=""
 while [ -z "$code" ]; do
     wait "$STEP"; status=$?
     if [ "$status" -gt 128 ] && kill -0 "$STEP" 2>/dev/null; then continue; fi  # a trapped signal interrupted the wait
+    if [ "$status" -gt 128 ]; then  # srun ended as the signal came: its own status, where bash still has it
+        wait "$STEP" 2>/dev/null; again=$?
+        if [ "$again" -ge 0 ] && [ "$again" -le 255 ] && [ "$again" -ne 127 ]; then status=$again; fi
+    fi
     code=$status
 done
-if [ "$code" -eq {PREEMPTED_EXIT_CODE} ]; then
+if [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -e "${{{PREEMPTED_MARKER_ENV}}}" ]; then
+    rm -f "${{{PREEMPTED_MARKER_ENV}}}"
+    code={PREEMPTED_EXIT_CODE}
     echo "hf-gpu-train: stopped with a complete checkpoint: requeueing job ${{SLURM_JOB_ID:-}}"
     scontrol requeue "${{SLURM_JOB_ID:-}}" || echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"
 elif [ -n "$TERMED" ]; then

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,50 @@ def test_exit_75_requeues_the_job_and_any_other_failure_does_not(job):
     (tmp_path / "scontrol.txt").unlink()
     failed = run(script, {**env, "EXIT_WITH": "1"})
     assert failed.returncode == 1 and "requeue" not in (tmp_path / "scontrol.txt").read_text()
+
+
+def test_a_node_killed_while_it_exits_after_another_nodes_75_still_requeues(job):
+    """srun --kill-on-bad-exit kills a node still exiting after another node's 75, and srun then reports 137: the
+    launch that ended with 75 left the marker file, and the script requeues on it."""
+    script, _, env, tmp_path = job
+    marker_writer = tmp_path / "bin" / "recorder"
+    marker_writer.write_text(RECORDER.format(python=sys.executable).replace(
+        "sys.exit(", "open(os.environ['HF_GPU_TRAIN_PREEMPTED_MARKER'], 'w').write('rank 0 after step 3')\nsys.exit("))
+    done = run(script, {**env, "EXIT_WITH": "137"})
+    assert done.returncode == 75 and "requeueing job 42" in done.stdout, done.stdout + done.stderr
+    assert not list(Path(env["SLURM_SUBMIT_DIR"]).glob(".hf-gpu-train-preempted-*"))  # gone before the requeued start
+
+
+def test_usr1_to_the_batch_shell_goes_on_to_srun_and_its_75_requeues(job):
+    """What #SBATCH --signal=B:USR1@N does: the shell passes it to srun as USR1, and the exit code it waits for is
+    srun's, however the signal interrupted the wait."""
+    script, _, env, tmp_path = job
+    executable(tmp_path / "bin" / "srun", "#!/bin/bash\ntrap 'exit 75' USR1\nsleep 30 >/dev/null 2>&1 & wait\n")
+    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(100):  # until the script has started srun
+        if any("srun" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+               for pid in children(shell.pid)):
+            break
+        time.sleep(0.05)
+    os.kill(shell.pid, signal.SIGUSR1)
+    out, err = shell.communicate(timeout=30)
+    assert shell.returncode == 75 and "hf-gpu-train: SIGUSR1 at" in out and "requeueing job 42" in out, out + err
+    assert "requeue 42" in (tmp_path / "scontrol.txt").read_text()
+
+
+def children(pid: int) -> list[int]:
+    from hf_gpu_train.launch.signals import children_of
+
+    return children_of(pid)
+
+
+def test_a_stop_signal_that_reaches_the_shell_as_srun_exits_75_still_requeues(job):
+    """The trap interrupts the wait just as srun ends, and bash no longer knows srun's status (the interrupted wait says
+    138): the marker the node's launch left decides (the independent review's stand-in; 10 of 10 runs ended 138,
+    unrequeued, before)."""
+    script, _, env, tmp_path = job
+    # srun lives on through a USR1 (it forwards it to the tasks), and ends with the tasks' 75, whose launch left the marker
+    executable(tmp_path / "bin" / "srun", "#!/bin/bash\ntrap true USR1\nsleep 0.3\necho 'rank 0 after step 3' > "
+               "\"$HF_GPU_TRAIN_PREEMPTED_MARKER\"\nkill -USR1 $PPID\nexit 75\n")
+    done = run(script, env)
+    assert done.returncode == 75 and "requeueing job 42" in done.stdout, done.stdout + done.stderr
