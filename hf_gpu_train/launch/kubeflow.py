@@ -139,6 +139,9 @@ def render_trainjob(plan: LaunchPlan, config_path: str, script: str = "scripts/f
                    "spec.trainer.args") + _dump(doc)
 
 
+PYTORCHJOB_BACKOFF_LIMIT = 10  # restarts before the job is failed: preemptions count too
+
+
 def render_pytorchjob(plan: LaunchPlan, config_path: str, script: str = "scripts/finetune.py", *, image: str, job_name: str,
                       grace: Grace, workdir: str = DEFAULT_WORKDIR, path_hint: str = "NAME.pytorchjob.yaml") -> str:
     """A PyTorchJob of the Kubeflow training-operator (v1): a Master and, for several machines, Workers, restarted
@@ -174,7 +177,11 @@ def render_pytorchjob(plan: LaunchPlan, config_path: str, script: str = "scripts
         "apiVersion": PYTORCHJOB_API,
         "kind": "PyTorchJob",
         "metadata": {"name": job_name},
-        "spec": {"nprocPerNode": str(plan.processes_per_machine), "pytorchReplicaSpecs": specs},
+        # OnFailure restarts a preempted run (exit 75) from its checkpoint; the limit ends a run that fails the same
+        # way every time (a usage error, exit 2) instead of restarting it forever. (restartPolicy ExitCode would
+        # retry 128-255 only: 75 counts as permanent there.)
+        "spec": {"nprocPerNode": str(plan.processes_per_machine), "pytorchReplicaSpecs": specs,
+                 "runPolicy": {"backoffLimit": PYTORCHJOB_BACKOFF_LIMIT}},
     }
     return _header(plan, "training-operator PyTorchJob", workdir, grace, config_path, f"kubectl apply -f {path_hint}",
                    "each replica's container args") + _dump(doc)

@@ -79,6 +79,7 @@ def test_the_pytorchjob_is_valid_against_the_pytorchjob_crd(machine, pytorchjob_
     assert specs["Master"]["replicas"] == 1
     assert specs.get("Worker", {}).get("replicas") == (nodes - 1 if nodes > 1 else None)
     assert job["spec"]["nprocPerNode"] == str(plan.processes_per_machine)
+    assert job["spec"]["runPolicy"] == {"backoffLimit": 10}  # a run failing the same way every time ends
     for replica in specs.values():
         assert replica["restartPolicy"] == "OnFailure"
         pod = replica["template"]["spec"]
