@@ -249,3 +249,28 @@ def test_an_epoch_end_save_after_the_stop_does_not_write_the_same_step_again(tmp
     stopped = attach_preemption(trainer, exit=False)
     trainer.train()
     assert stopped.preempted and stopped.stopped_at_step == 2 and len(stopped.save_seconds) == 1
+
+
+def test_a_stop_whose_save_something_else_called_off_is_saved_after_train(tmp_path, uninterrupted):
+    """save_strategy="best" sets should_save from the metric after an evaluation, over the stop's save; any callback
+    after ours may clear it too. The stop still ends in a checkpoint of its step, and the resume is exact."""
+
+    class CallsSavesOff(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = False
+
+    def arm(trainer):
+        trainer.add_callback(SignalAt(3, "accumulation"))
+
+    out = tmp_path / "out"
+    trainer = trainer_for("Trainer", out)
+    arm(trainer)
+    stopped = attach_preemption(trainer, exit=False)
+    trainer.add_callback(CallsSavesOff())  # after ours: its word is the last
+    trainer.train()
+    stopped.done()
+    assert stopped.preempted and [c.name for c in complete_checkpoints(out)] == ["checkpoint-3"]
+    again = trainer_for("Trainer", out)
+    attach_preemption(again)
+    again.train(resume_from_checkpoint=True)
+    assert_same_params(weights(again), uninterrupted["Trainer"])
