@@ -43,14 +43,19 @@ def teardown_race_only(stderr: str, results: list) -> bool:
     return "Error waiting on exit barrier" in stderr and all(results)
 
 
+def executable(path: Path, text: str) -> Path:
+    """A script at ``path`` that may be run (a stand-in for srun, scontrol, hf-gpu-train)."""
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
 def fake_slurm(tmp_path: Path, env: dict) -> dict:
     """srun with --ntasks-per-node=1 on 2 nodes: the task twice, SLURM_NODEID 0 and 1."""
     bindir = tmp_path / "slurm-bin"
     bindir.mkdir()
-    srun = bindir / "srun"
-    srun.write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
-                    "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\nwait $a && wait $b\n")
-    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    executable(bindir / "srun", "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+               "SLURM_NODEID=0 \"$@\" & a=$!\nSLURM_NODEID=1 \"$@\" & b=$!\nwait $a && wait $b\n")
     return {**env, "PATH": f"{bindir}:{env['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "localhost",
             "HF_GPU_TRAIN_MAIN_NODE": "127.0.0.1", "HF_GPU_TRAIN_MAIN_PORT": str(free_port()), "HF_GPU_TRAIN": HF_GPU_TRAIN}
 

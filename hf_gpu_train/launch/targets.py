@@ -202,26 +202,24 @@ def _container_paths(plan: LaunchPlan, yaml_path: Path, script: str, settings: T
     return _in_project(yaml_path, settings), _script_in_project(script, settings), settings.workdir or DEFAULT_WORKDIR
 
 
-def _trainjob(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
-    config, script, workdir = _container_paths(plan, yaml_path, script, settings, "kubeflow")
-    path = settings.path(".trainjob.yaml")
-    text = render_trainjob(plan, config, script, image=settings.image, job_name=settings.job_name, grace=settings.grace,
-                           workdir=workdir, path_hint=str(path))
-    return Rendered(((path, text),), (
-        f"On Kubernetes (Kubeflow Trainer v2, runtime torch-distributed): kubectl apply -f {path}",
-        f"  the image {settings.image} holds this project at {workdir}; grace {settings.grace.describe()}",
-    ))
+def _kubernetes(render, suffix: str, what: str, target: str):
+    """A Kubernetes target: ``render`` (render_trainjob or render_pytorchjob) into NAME``suffix``."""
+
+    def rendered(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+        config, script_in, workdir = _container_paths(plan, yaml_path, script, settings, target)
+        path = settings.path(suffix)
+        text = render(plan, config, script_in, image=settings.image, job_name=settings.job_name, grace=settings.grace,
+                      workdir=workdir, path_hint=str(path))
+        return Rendered(((path, text),), (
+            f"On Kubernetes ({what}): kubectl apply -f {path}",
+            f"  the image {settings.image} holds this project at {workdir}; grace {settings.grace.describe()}",
+        ))
+
+    return rendered
 
 
-def _pytorchjob(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
-    config, script, workdir = _container_paths(plan, yaml_path, script, settings, "pytorchjob")
-    path = settings.path(".pytorchjob.yaml")
-    text = render_pytorchjob(plan, config, script, image=settings.image, job_name=settings.job_name, grace=settings.grace,
-                             workdir=workdir, path_hint=str(path))
-    return Rendered(((path, text),), (
-        f"On Kubernetes (Kubeflow training-operator v1): kubectl apply -f {path}",
-        f"  the image {settings.image} holds this project at {workdir}; grace {settings.grace.describe()}",
-    ))
+_trainjob = _kubernetes(render_trainjob, ".trainjob.yaml", "Kubeflow Trainer v2, runtime torch-distributed", "kubeflow")
+_pytorchjob = _kubernetes(render_pytorchjob, ".pytorchjob.yaml", "Kubeflow training-operator v1", "pytorchjob")
 
 
 def _skypilot(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:

@@ -2,7 +2,6 @@
 (README.md there: where from), and their command run by bash as a pod would run it."""
 
 import os
-import stat
 import subprocess
 
 import pytest
@@ -12,6 +11,7 @@ from hf_gpu_train.launch.grace import GRACE_ENV, Grace
 from hf_gpu_train.launch.kubeflow import render_pytorchjob, render_trainjob
 from hf_gpu_train.plan.planner import PlanOptions, make_plan
 from tests.launch.crd_schema import errors, load_crd, validator_for_crd
+from tests.launching import executable
 
 TRAINJOB_CRD = "trainer.kubeflow.org_trainjobs.yaml"
 PYTORCHJOB_CRD = "kubeflow.org_pytorchjobs.yaml"
@@ -151,9 +151,7 @@ def fake_launcher(tmp_path):
     """An `hf-gpu-train` on PATH that prints the directory it runs in and its arguments, one a line."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "hf-gpu-train"
-    fake.write_text('#!/bin/sh\npwd\nfor a in "$@"; do echo "$a"; done\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    executable(bin_dir / "hf-gpu-train", '#!/bin/sh\npwd\nfor a in "$@"; do echo "$a"; done\n')
     workdir = tmp_path / "work"
     workdir.mkdir()
     return bin_dir, workdir

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from hf_gpu_train.launch.render import render_sbatch, render_yaml
 from hf_gpu_train.plan.planner import PlanOptions, make_plan
 from hf_gpu_train.plan.run_plan_file import env_path_for
+from tests.launching import executable
 
 RECORDER = """#!{python}
 import json, os, sys
@@ -26,12 +26,6 @@ with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID")}}) + "\\n")
 sys.exit(int(os.environ.get("EXIT_WITH", "0")))
 """
-
-
-def executable(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ run section executed by bash as SkyPilot would on each node."""
 
 import json
 import os
-import stat
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 from hf_gpu_train.errors import UsageError
 from hf_gpu_train.launch.skypilot import render_skypilot, skypilot_accelerator
 from hf_gpu_train.plan.planner import PlanOptions, make_plan
+from tests.launching import executable
 
 SCHEMAS = json.loads((Path(__file__).with_name("schemas") / "skypilot_task.json").read_text())
 
@@ -118,9 +118,7 @@ def test_a_plan_of_two_gpu_models_is_refused(machine):
 def fake_launcher(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "hf-gpu-train"
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    executable(bin_dir / "hf-gpu-train", '#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
     return bin_dir
 
 
