@@ -181,6 +181,12 @@ def _check_scheduled_gpus(plan: LaunchPlan, target: str) -> None:
 
 
 def _sbatch(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
+    if settings.time_limit is not None and slurm_time_limit(settings.time_limit) <= 2 * settings.grace.seconds:
+        # the warning would come at (or before) the start: every requeued job would stop again before a step
+        raise UsageError(f"--time-limit {settings.time_limit}: the job needs {settings.grace.seconds} s of warning before "
+                         f"its limit to save a checkpoint ({settings.grace.describe()}), which leaves too little of "
+                         f"{slurm_time_limit(settings.time_limit)} s to train: ask for more than "
+                         f"{2 * settings.grace.seconds} s, or measure the save (--save-time-from OUTPUT_DIR)")
     path = settings.path(".sbatch")
     text = render_sbatch(plan, yaml_path, script, time_limit=settings.time_limit, partition=settings.partition,
                          grace=settings.grace)

@@ -179,3 +179,11 @@ def test_job_names_are_kubernetes_names():
     assert targets.job_name_for("box") == "box"
     assert targets.job_name_for("8x-H100_sxm.v2") == "hf-8x-h100-sxm-v2"
     assert len(targets.job_name_for("a" * 80)) == 40
+
+
+def test_a_time_limit_too_short_for_the_warning_is_a_usage_error(project, capsys):
+    """--signal=B:USR1@N with N at or past the time limit warns at the start: every requeued job would stop again
+    before its first step, forever."""
+    assert config("--machine", "1x-t4", "--output", "t4", "--target", "slurm", "--time-limit", "3") == 2
+    err = usage_error(capsys)
+    assert "--time-limit 3" in err and "s of warning before its limit" in err and "--save-time-from" in err
