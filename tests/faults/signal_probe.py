@@ -51,7 +51,9 @@ def send(args, when: str, step: int, finished_step: int) -> None:
         if os.environ.get("SIGNAL_STAMP") and index == 0:
             Path(os.environ["SIGNAL_STAMP"]).write_text(json.dumps({"time": time.time(), "finished_step": finished_step}))
         if target in SCOPE:
-            subprocess.run(["scancel", f"--signal={name}", *SCOPE[target], os.environ["SLURM_JOB_ID"]], check=True)
+            # scancel runs inside the job step it signals: the signal may end it too (exit -15), after it was sent
+            done = subprocess.run(["scancel", f"--signal={name}", *SCOPE[target], os.environ["SLURM_JOB_ID"]])
+            assert done.returncode in (0, -getattr(signal, f"SIG{name}")), f"scancel failed: {done.returncode}"
         else:
             os.kill(os.getpid() if target == "self" else parent_of(os.getppid()), getattr(signal, f"SIG{name}"))
 
