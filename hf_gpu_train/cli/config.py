@@ -16,7 +16,7 @@ from ..launch.targets import OPTIONS, TargetSettings, check_partition, get_targe
 from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
 from ..plan.document import no_memory_plan, render_plan_json
 from ..plan.model_spec import ModelSpec, resolve_model
-from ..plan.planner import PlanOptions, make_plan
+from ..plan.planner import STRATEGY_CHOICES, PlanOptions, make_plan
 from ..textfmt import table
 from .common import add_machine_argument, resolve_profile
 
@@ -37,7 +37,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                               "value with its reason, read by the training processes).")
     add_machine_argument(p)
     p.add_argument("--output", required=True, metavar="DIR/NAME", help="writes DIR/NAME.yaml, DIR/NAME.env and DIR/NAME.plan.json")
-    p.add_argument("--strategy", default="auto", choices=["auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3"])
+    p.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     p.add_argument("--method", default="full", choices=["full", "lora", "qlora"],
                    help="what the run trains, for the memory plan: full fine-tuning, or LoRA/QLoRA adapters on a frozen base "
                    "(task=causal-lm; `hf-gpu-train plan-memory --method auto` compares them)")

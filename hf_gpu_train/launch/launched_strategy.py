@@ -2,7 +2,8 @@
 
 A plan's micro-batch and accumulation are sized for its strategy: a micro-batch that fits beside sharded weights does
 not fit beside a whole replica. What a process really runs is decided by its launcher's environment: accelerate builds
-its state from ``ACCELERATE_USE_DEEPSPEED`` (DeepSpeed, unless the run is on the CPU: accelerate's state skips it there)
+its state from ``ACCELERATE_USE_DEEPSPEED`` (DeepSpeed, on a GPU or on DeepSpeed's CPU accelerator, unless
+``ACCELERATE_USE_CPU`` is set: accelerate's state skips DeepSpeed then and trains DDP)
 and ``ACCELERATE_USE_FSDP`` (FSDP for several processes; on CPU processes finetune/fsdp.py shards as the launch asks),
 and the FSDP or DeepSpeed settings from the variables beside them. Without them, several processes are DDP and one is
 a single process. The run reads that before it applies the plan, and the Trainer's accelerator confirms it once it
@@ -56,9 +57,10 @@ def launched_strategy(environ: Mapping[str, str], on_cpu: bool = False) -> str:
     runs (``on_cpu``: no GPU here, or ACCELERATE_USE_CPU)."""
     world = str(environ.get("WORLD_SIZE", "1"))
     several = world.isdigit() and int(world) > 1
-    on_cpu = on_cpu or _flag(environ, "ACCELERATE_USE_CPU")
+    cpu_flag = _flag(environ, "ACCELERATE_USE_CPU")
+    on_cpu = on_cpu or cpu_flag
     deepspeed = deepspeed_launch(environ)
-    if deepspeed is not None and not on_cpu:
+    if deepspeed is not None and not cpu_flag:
         stage, offload = deepspeed
         return f"deepspeed-zero{stage}" + ("-offload" if offload else "")
     if _flag(environ, "ACCELERATE_USE_FSDP") and (several or on_cpu):

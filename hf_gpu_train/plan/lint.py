@@ -67,7 +67,8 @@ def lint(config: dict, profile: HardwareProfile, env: dict[str, str] | None = No
     mig_parents = [g for g in profile.gpus for m in (g.mig_instances or ()) if m.uuid in mig_uuids]
     selected = [gpus[i] for i in ids if i in gpus] + mig_parents or list(profile.gpus)
     usable = [g for g in selected if not g.mig_enabled]
-    if not use_cpu and dist != "NO" and not mig_uuids and per_machine > len(usable):
+    on_deepspeeds_cpu = dist == "DEEPSPEED" and not profile.gpus and env.get("DS_ACCELERATOR") == "cpu"  # CPU processes
+    if not use_cpu and not on_deepspeeds_cpu and dist != "NO" and not mig_uuids and per_machine > len(usable):
         found.append(Finding(ERROR, f"num_processes {num_processes} ({per_machine} per machine) but {profile.display_name} has "
                              f"{len(usable)} usable GPU(s): lower num_processes or regenerate with `hf-gpu-train config`"))
     if num_machines > 1:
@@ -80,7 +81,11 @@ def lint(config: dict, profile: HardwareProfile, env: dict[str, str] | None = No
         found.append(Finding(ERROR, f"MULTI_CPU with {num_processes} processes needs mpirun, which is not installed: accelerate "
                              "starts ONE process. Use `hf-gpu-train config` on this machine (MULTI_GPU + ACCELERATE_USE_CPU=1 "
                              "gives real gloo DDP)"))
-    if dist in ("MULTI_GPU", "FSDP", "DEEPSPEED") and not profile.gpus and not use_cpu and num_processes > 1:
+    if dist == "DEEPSPEED" and accelerate_uses_cpu(env):
+        found.append(Finding(ERROR, "DEEPSPEED with ACCELERATE_USE_CPU set: accelerate then skips DeepSpeed and trains DDP (its "
+                             "state turns DeepSpeed on only off the CPU flag); unset it: DeepSpeed runs on the CPU by itself "
+                             "(DS_ACCELERATOR=cpu, gloo; `hf-gpu-train config --strategy deepspeed-zero3` writes that)"))
+    if dist in ("MULTI_GPU", "FSDP") and not profile.gpus and not use_cpu and num_processes > 1:
         found.append(Finding(ERROR, f"{dist} with {num_processes} processes on a machine without GPUs starts independent "
                              "trainings that each think they are alone: set ACCELERATE_USE_CPU=1 in the .env (hf-gpu-train config does)"))
     mp = str(config.get("mixed_precision", "no"))

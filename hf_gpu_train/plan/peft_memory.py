@@ -23,6 +23,13 @@ dequantized weight of the largest linear layer in the compute dtype (bitsandbyte
 ``F.linear`` at training batch sizes, and again in ``MatMul4Bit.backward``), and autocast's 16-bit copy of the
 fp32 output head, kept for the backward. bitsandbytes' 4-bit kernels need CUDA. A paged optimizer
 (``paged_adamw_*``) pages its states to the host only under pressure: counted here as if resident.
+
+LoRA under DeepSpeed ZeRO (a base too large to copy to every GPU; PEFT's documented LoRA + ZeRO-3): ZeRO partitions
+only what it trains and holds, so the adapters' gradients and optimizer states are split over the N processes (ZeRO-2
+and ZeRO-3 alike), with no DDP buckets; ZeRO-2 keeps the whole frozen base on every GPU, ZeRO-3 partitions it too
+(1/N per GPU) and gathers one layer at a time in forward and backward (two in flight: the current and the prefetched
+one), as for full fine-tuning (memory.py). The optimizer offloaded to the CPU (``-offload``) holds no state on the GPU;
+ZeRO-3's offload moves the base's partitions there too.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ BLOCKSIZE = 64  # first-level quantization block (QLoRA section 2; bitsandbytes'
 DOUBLE_QUANT_BLOCKSIZE = 256  # blocks of first-level absmax per fp32 second-level constant (QLoRA section 2)
 QLORA_BYTES_PER_PARAM = NF4_BYTES_PER_PARAM + 1 / BLOCKSIZE + 4 / (BLOCKSIZE * DOUBLE_QUANT_BLOCKSIZE)  # 4.127 bits
 ADAPTER_DTYPE_BYTES = 4  # fp32 adapters, fp32 gradients
-PEFT_STRATEGIES = ("single", "ddp")  # adapters on a whole base per GPU; FSDP/ZeRO sharding is not planned for them
+PEFT_STRATEGIES = ("single", "ddp")  # adapters on a whole base per GPU
+ZERO_STRATEGIES = ("deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero2-offload", "deepspeed-zero3-offload")  # LoRA only
 
 
 def adapter_params(spec: ModelSpec, rank: int) -> int:
@@ -58,10 +66,13 @@ def qlora_parts(spec: ModelSpec) -> tuple[int, int]:
 
 
 def estimate_peft(spec: ModelSpec, shape: TrainingShape, strategy: str, optimizer_bytes_per_param: float) -> dict:
-    """The MemoryBreakdown fields (bytes per GPU) of LoRA or QLoRA under ``strategy`` (single or ddp)."""
+    """The MemoryBreakdown fields (bytes per GPU) of LoRA or QLoRA under ``strategy`` (single or ddp; LoRA also under
+    DeepSpeed ZeRO)."""
+    if strategy in ZERO_STRATEGIES and shape.method == "lora":
+        return _lora_under_zero(spec, shape, strategy, optimizer_bytes_per_param)
     if strategy not in PEFT_STRATEGIES:
-        raise ValueError(f"{shape.method} is planned with {' or '.join(PEFT_STRATEGIES)} (a whole frozen base per GPU), "
-                         f"not {strategy!r}")
+        raise ValueError(f"{shape.method} is planned with {' or '.join(PEFT_STRATEGIES)} (a whole frozen base per GPU)"
+                         + (" or, LoRA, under DeepSpeed ZeRO" if shape.method == "lora" else "") + f", not {strategy!r}")
     A = float(adapter_params(spec, shape.lora_rank))
     c = shape.compute_bytes
     autocast_copies = 2.0 * A if c == 2 else 0.0
@@ -77,3 +88,16 @@ def estimate_peft(spec: ModelSpec, shape: TrainingShape, strategy: str, optimize
                 gradients=ADAPTER_DTYPE_BYTES * A, optimizer=optimizer_bytes_per_param * A, master_weights=0.0,
                 comm_buffers=ADAPTER_DTYPE_BYTES * A if strategy == "ddp" and shape.num_gpus > 1 else 0.0,
                 gathered_params=0.0, working_copies=autocast_copies + transient, activations=activation_bytes(spec, shape))
+
+
+def _lora_under_zero(spec: ModelSpec, shape: TrainingShape, strategy: str, optimizer_bytes_per_param: float) -> dict:
+    """LoRA's bytes per GPU under DeepSpeed ZeRO-2 or ZeRO-3 (the module docstring)."""
+    A, N, c = float(adapter_params(spec, shape.lora_rank)), max(1, shape.num_gpus), shape.compute_bytes
+    offload = strategy.endswith("-offload")
+    stage3 = strategy.startswith("deepspeed-zero3")
+    layer = float(spec.largest_layer_params or spec.params / max(1, spec.num_layers or 12))
+    base = 0.0 if stage3 and offload else c * float(spec.params) / (N if stage3 else 1)
+    return dict(weights=base, quantized_weights=0.0, adapter_weights=ADAPTER_DTYPE_BYTES * A,
+                gradients=ADAPTER_DTYPE_BYTES * A / N, optimizer=0.0 if offload else optimizer_bytes_per_param * A / N,
+                master_weights=0.0, comm_buffers=0.0, gathered_params=2 * layer * c if stage3 else 0.0,
+                working_copies=2.0 * A if c == 2 else 0.0, activations=activation_bytes(spec, shape))

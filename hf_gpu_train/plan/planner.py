@@ -16,7 +16,8 @@ from .machine_match import hardware_record
 from .memory import MemoryPlan, TrainingShape
 from .model_spec import ModelSpec
 
-STRATEGY_CHOICES = ("auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
+STRATEGY_CHOICES = ("auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero2-offload",
+                    "deepspeed-zero3-offload")
 DEFAULT_PORT = 29500
 DEFAULT_GLOBAL_BATCH = 32
 
@@ -120,13 +121,14 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: Gp
             "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
     elif options.strategy == "ddp":
         candidates = ("ddp",)
+    elif options.strategy.endswith("-offload"):  # asked for by name: the optimizer (ZeRO-3: and the weights) in CPU memory
+        candidates = (options.strategy,)
     else:
         candidates = (options.strategy, options.strategy + "-offload")
     if options.method in ("lora", "qlora"):
-        if options.strategy not in ("auto", "single", "ddp"):
-            raise PlanError(f"--method {options.method} with --strategy {options.strategy}: adapters train on one GPU or with "
-                            "DDP (the frozen base is small enough to copy); use --strategy auto, or --method full to shard")
-        candidates = ("ddp",) if multi else ("single",)
+        _check_adapters_strategy(options)
+        if not options.strategy.startswith("deepspeed"):
+            candidates = ("ddp",) if multi else ("single",)
     if options.model is None:
         return None, candidates[0]
 
@@ -153,6 +155,19 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: Gp
     return plan, plan.strategy
 
 
+def _check_adapters_strategy(options: PlanOptions) -> None:
+    """Adapters train on one GPU or with DDP (the frozen base is small enough to copy), or under DeepSpeed ZeRO when a
+    base is too large for that (PEFT's and DeepSpeed's documented LoRA + ZeRO-3): FSDP of a PEFT model is not planned
+    here, and QLoRA's 4-bit base needs bitsandbytes' CUDA layers and a storage dtype ZeRO-3 can partition."""
+    if options.strategy in ("auto", "single", "ddp"):
+        return
+    if options.strategy.startswith("deepspeed") and options.method == "lora":
+        return
+    raise PlanError(f"--method {options.method} with --strategy {options.strategy}: adapters train on one GPU, with DDP"
+                    + (" or under DeepSpeed ZeRO (--strategy deepspeed-zero2 or deepspeed-zero3)" if options.method == "lora" else "")
+                    + "; use --strategy auto, or --method full to shard")
+
+
 def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) -> LaunchPlan:
     _validate(options)
     settings: list[Setting] = []
@@ -176,27 +191,17 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         strategy = "cpu-ddp" if processes > 1 else "cpu"
         if options.strategy == "fsdp" and processes > 1:
             strategy = "cpu-fsdp"
+        elif options.strategy.startswith("deepspeed") and processes > 1:
+            strategy = options.strategy
         elif options.strategy not in ("auto", "ddp", "single"):
-            raise PlanError(f"--strategy {options.strategy} needs GPUs; this machine has none: use --strategy auto"
-                            + (" (or --strategy fsdp with --num-processes 2 or more, FSDP2 over gloo)" if options.strategy == "fsdp" else ""))
-        # accelerate's MULTI_CPU path starts one process without mpirun, and a MULTI_GPU config on a
-        # machine without CUDA starts N processes that each think they are alone. MULTI_GPU plus
-        # ACCELERATE_USE_CPU=1 in the environment gives real gloo DDP (ARCHITECTURE.md, CPU traps).
-        acc.update(distributed_type={"cpu-ddp": "MULTI_GPU", "cpu-fsdp": "FSDP"}.get(strategy, "NO"), use_cpu=True)
-        reasons = {
-            "cpu-ddp": "gloo DDP on the CPU through the MULTI_GPU launcher + ACCELERATE_USE_CPU=1 "
-                       "(accelerate's MULTI_CPU path would start one process without mpirun)",
-            "cpu-fsdp": "FSDP2 over gloo on CPU processes (a rehearsal of the GPU run: accelerate itself turns FSDP on CPU "
-                        "processes into DDP, scripts/finetune.py shards anyway; finetune/fsdp.py)",
-            "cpu": "one CPU process"}
-        settings.append(Setting("distributed_type", acc["distributed_type"], reasons[strategy]))
-        if strategy == "cpu-fsdp":
-            layer = options.model.layer_class if options.model else None
-            acc["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                                  "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
-                                  "fsdp_offload_params": False, "fsdp_activation_checkpointing": False,
-                                  **({"fsdp_transformer_layer_cls_to_wrap": layer} if layer else {})}
-        env.append(("ACCELERATE_USE_CPU", "1", "without it a MULTI_GPU config on a CPU machine starts independent processes"))
+            raise PlanError(f"--strategy {options.strategy} shards over several processes; on this machine, which has no GPU, "
+                            f"pass --num-processes 2 or more (gloo on the CPU), or use --strategy auto")
+        if options.method in ("lora", "qlora"):
+            _check_adapters_strategy(options)
+        if strategy.startswith("deepspeed"):
+            deepspeed_file = _cpu_deepspeed_settings(acc, settings, env, strategy, options, per_machine)
+        else:
+            _cpu_settings(acc, settings, env, strategy, options)
         budget = thread_budget(profile, per_machine, None)
         env.append(("OMP_NUM_THREADS", str(budget.cores_per_process), budget.reason))
         workers = dataloader_workers(budget, on_gpu=False)
@@ -248,12 +253,50 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
                       deepspeed_file=deepspeed_file)
 
 
-def _strategy_settings(acc, settings, strategy, memory, options, per_machine) -> dict | None:
+def _cpu_settings(acc, settings, env, strategy, options) -> None:
+    """cpu, cpu-ddp, cpu-fsdp: accelerate's MULTI_CPU path starts one process without mpirun, and a MULTI_GPU config on
+    a machine without CUDA starts N processes that each think they are alone. MULTI_GPU plus ACCELERATE_USE_CPU=1 in
+    the environment gives real gloo DDP (ARCHITECTURE.md, CPU traps)."""
+    acc.update(distributed_type={"cpu-ddp": "MULTI_GPU", "cpu-fsdp": "FSDP"}.get(strategy, "NO"), use_cpu=True)
+    reasons = {
+        "cpu-ddp": "gloo DDP on the CPU through the MULTI_GPU launcher + ACCELERATE_USE_CPU=1 "
+                   "(accelerate's MULTI_CPU path would start one process without mpirun)",
+        "cpu-fsdp": "FSDP2 over gloo on CPU processes (a rehearsal of the GPU run: accelerate itself turns FSDP on CPU "
+                    "processes into DDP, scripts/finetune.py shards anyway; finetune/fsdp.py)",
+        "cpu": "one CPU process"}
+    settings.append(Setting("distributed_type", acc["distributed_type"], reasons[strategy]))
+    if strategy == "cpu-fsdp":
+        layer = options.model.layer_class if options.model else None
+        acc["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
+                              "fsdp_offload_params": False, "fsdp_activation_checkpointing": False,
+                              **({"fsdp_transformer_layer_cls_to_wrap": layer} if layer else {})}
+    env.append(("ACCELERATE_USE_CPU", "1", "without it a MULTI_GPU config on a CPU machine starts independent processes"))
+
+
+def _cpu_deepspeed_settings(acc, settings, env, strategy, options, per_machine) -> dict | None:
+    """DeepSpeed ZeRO on CPU processes: the config a GPU machine gets (the same ``deepspeed_config`` and file), on
+    DeepSpeed's CPU accelerator, whose collectives are gloo's without oneCCL (deepspeed accelerator/cpu_accelerator.py).
+    What differs is what the device decides: fp32, and no ACCELERATE_USE_CPU, with which accelerate skips DeepSpeed and
+    trains DDP (state.py: ``ACCELERATE_USE_DEEPSPEED ... and not cpu``)."""
+    deepspeed_file = _strategy_settings(
+        acc, settings, strategy, None, options, per_machine,
+        why="DeepSpeed's CPU accelerator with gloo collectives, the GPU config's ZeRO on CPU processes (a rehearsal of "
+            "the GPU run). A Trainer of your own needs TrainingArguments(use_cpu=True) or ddp_backend='gloo' here: "
+            "with neither accelerate gives the processes no backend and each one trains as process 0 of 1 "
+            "(scripts/finetune.py sets use_cpu; the toolkit's callbacks refuse to start otherwise)")
+    acc["use_cpu"] = False
+    env.append(("DS_ACCELERATOR", "cpu", "DeepSpeed's CPU accelerator, said rather than guessed (DeepSpeed falls back to it, "
+                "with a warning, when it finds no GPU)"))
+    return deepspeed_file
+
+
+def _strategy_settings(acc, settings, strategy, memory, options, per_machine, why: str | None = None) -> dict | None:
     """The strategy's accelerate keys and settings; the DeepSpeed config file's contents when it needs one."""
     deepspeed_file = None
     world = per_machine * options.num_machines
-    why = "; ".join(memory.reasons) if memory else ("one GPU: no distribution" if world == 1 else
-                                                    "no --model given: DDP assumed to fit (pass --model for a memory check)")
+    why = why or ("; ".join(memory.reasons) if memory else ("one GPU: no distribution" if world == 1 else
+                                                            "no --model given: DDP assumed to fit (pass --model for a memory check)"))
     base = strategy.removesuffix("-offload")
     offload = strategy.endswith("-offload")
     if base == "single":

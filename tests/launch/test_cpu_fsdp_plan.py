@@ -15,7 +15,5 @@ def test_fsdp_on_cpu_processes_is_a_real_fsdp_config_with_gloo(machine):
 
 
 def test_fsdp_needs_two_processes_or_a_gpu(machine):
-    with pytest.raises(PlanError, match="--strategy fsdp with --num-processes 2 or more"):
+    with pytest.raises(PlanError, match="--strategy fsdp shards over several processes; .* pass --num-processes 2 or more"):
         make_plan(machine("cpu-only"), PlanOptions(strategy="fsdp", cpu_processes=1))
-    with pytest.raises(PlanError, match="needs GPUs"):
-        make_plan(machine("cpu-only"), PlanOptions(strategy="deepspeed-zero3", cpu_processes=2))

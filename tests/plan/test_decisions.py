@@ -114,9 +114,9 @@ def test_debug_nccl_only_when_asked(machine):
     assert make_plan(machine("8x-h100-sxm"), PlanOptions(debug_nccl=True)).env_dict["NCCL_DEBUG"] == "INFO"
 
 
-def test_cpu_plan_refuses_gpu_strategies(machine):
-    with pytest.raises(PlanError, match="needs GPUs"):
-        make_plan(machine("cpu-only"), PlanOptions(strategy="deepspeed-zero2"))  # FSDP over gloo is allowed: test_cpu_fsdp_plan
+def test_cpu_plan_refuses_sharding_one_process(machine):
+    with pytest.raises(PlanError, match="pass --num-processes 2 or more"):  # ZeRO over gloo is allowed: test_cpu_deepspeed_plan
+        make_plan(machine("cpu-only"), PlanOptions(strategy="deepspeed-zero2", cpu_processes=1))
     assert make_plan(machine("cpu-only"), PlanOptions(cpu_processes=1)).accelerate["distributed_type"] == "NO"
 
 

@@ -1,8 +1,9 @@
 """Issue 19, lever 5: the DeepSpeed configs `hf-gpu-train config` writes go through the whole chain a GPU run takes,
 here on the CPU: `hf-gpu-train launch`'s command line, accelerate's own launch parser and DeepSpeed environment, its
 DeepSpeedPlugin, transformers' filling of every "auto" value from TrainingArguments and the model, and DeepSpeed's
-own config parser (``deepspeed.runtime.config.DeepSpeedConfig``). accelerate has no CPU path for DeepSpeed, so the
-engine itself is trained on a GPU by scripts/gpu_check.py; what can be refused before it is refused here."""
+own config parser (``deepspeed.runtime.config.DeepSpeedConfig``): what can be refused before it is refused here. The
+engine itself trains on CPU processes (DeepSpeed's CPU accelerator, gloo) in tests/scaling/test_deepspeed_equivalence.py,
+and on a GPU in scripts/gpu_check.py."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def test_lora_and_qlora_plans_for_an_8b_model_on_a_24gb_card(machine, llama3):
     memory = lora.memory.gpu_memory_bytes
     assert largest_micro_batch(llama3, replace(every_layer, method="qlora"), "single", memory) > largest_micro_batch(
         llama3, replace(every_layer, method="lora"), "single", memory)  # with the same levers, the 4-bit base fits more
-    with pytest.raises(PlanError, match="adapters train on one GPU or with DDP"):
+    with pytest.raises(PlanError, match="adapters train on one GPU, with DDP or under DeepSpeed ZeRO"):
         make_plan(machine("2x-rtx4090"), PlanOptions(**options, method="lora", strategy="fsdp"))
 
 
