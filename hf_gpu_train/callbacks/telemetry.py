@@ -34,6 +34,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..faults.collective_gate import agree_on_control
+from ..faults.lone_rank import check_not_alone
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.nvml import PynvmlBackend
 from ..hardware.peaks import peak_flops
@@ -422,6 +423,7 @@ def attach_telemetry(trainer, compact_console: bool = True, **kwargs) -> Telemet
     from ..oom.loss_scaling import guard_loss_scaling
     from .console import use_compact_console
 
+    check_not_alone(trainer)
     guard_loss_scaling(trainer)
     callback = TelemetryCallback(trainer=trainer, **kwargs)
     trainer.add_callback(callback)

@@ -53,6 +53,7 @@ from ..launch.rank_report import PREEMPTED_EXIT_CODE, write_preempted, write_wor
 from .checkpoint_marker import complete_checkpoints, is_main_process
 from .collective_gate import agree_on_control, any_rank
 from .disk_full import guard_saves, state_bytes
+from .lone_rank import check_not_alone
 
 log = logging.getLogger("hf_gpu_train.preemption")
 
@@ -361,6 +362,7 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
     ``grace``: seconds from the signal to the scheduler's SIGKILL, for the warning when a save cannot fit (default
     ``HF_GPU_TRAIN_GRACE_SECONDS``, else 30). The same command resumes: ``trainer.train(resume_from_checkpoint=True)``
     takes the newest complete checkpoint (``guard_saves``, installed here unless it already is)."""
+    check_not_alone(trainer)
     preemption = Preemption(trainer, grace, exit)
     why_not = preemption.request.install()
     if why_not is not None:

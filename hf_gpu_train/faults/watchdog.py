@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
 from ..process_group import rendezvous_store
 from .collective_gate import make_collective_safe, new_namespace, publish_position
+from .lone_rank import check_not_alone
 
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
@@ -450,6 +451,7 @@ def attach_watchdog(trainer, timeout="auto", output_dir: str | Path | None = Non
     ``off``. With several processes its evaluations and saves are made collective-safe too
     (``collective_gate.make_collective_safe``). Returns the Watchdog (None when off)."""
 
+    check_not_alone(trainer)
     limits = Limits.from_setting(timeout)
     if limits is None:
         return None
