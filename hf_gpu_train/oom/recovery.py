@@ -46,7 +46,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..errors import UsageError
 from ..faults.collective_gate import agree_on_control
+from ..faults.lone_rank import check_not_alone
 from . import trainer_state as restorable
 from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
 from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
@@ -765,7 +767,9 @@ def step_aside_reason(trainer) -> str | None:
     if getattr(trainer, "is_fsdp_enabled", False):
         return "under FSDP its collectives run inside forward and backward; use the planner's micro-batch (plan-memory)"
     if getattr(trainer, "is_deepspeed_enabled", False):
-        return "under DeepSpeed its collectives run inside forward and backward; use the planner's micro-batch (plan-memory)"
+        return ("DeepSpeed's engine owns gradient accumulation and the optimizer step (it counts every backward as a "
+                "micro-step and reduces gradients inside it), so a step cannot be run again in smaller pieces; use the "
+                "planner's micro-batch (plan-memory)")
     from transformers import Trainer
 
     if getattr(type(trainer), "_prepare_inputs", None) is not Trainer._prepare_inputs:
@@ -775,6 +779,33 @@ def step_aside_reason(trainer) -> str | None:
                 "completions and counts its calls), so a step cannot be run again in micro-batches; if it runs out of "
                 "memory, lower per_device_train_batch_size and raise gradient_accumulation_steps (or steps_per_generation)")
     return None
+
+
+class OutOfMemoryWithoutRecovery(UsageError):
+    """An out-of-memory error in a Trainer whose in-place recovery stepped aside: the micro-batch is the user's to lower."""
+
+
+def _name_an_oom_without_recovery(trainer, reason: str) -> None:
+    """An OOM that ends ``trainer.train()`` while recovery is off ends it with the reason and the fix, not a bare
+    traceback (raised on the rank that ran out; the others end as their launcher ends them)."""
+    train = trainer.train
+
+    def train_naming_the_oom(*args, **kw):
+        try:
+            return train(*args, **kw)
+        except Exception as error:
+            if not is_oom_error(error):
+                raise
+            args_ = trainer.args
+            raise OutOfMemoryWithoutRecovery(
+                f"out of memory on rank {args_.process_index} at step {trainer.state.global_step + 1} with "
+                f"per_device_train_batch_size={args_.per_device_train_batch_size}; in-place OOM recovery is off for "
+                f"{type(trainer).__name__}: {reason}. Lower per_device_train_batch_size and raise "
+                "gradient_accumulation_steps by the same factor (the effective batch stays; `hf-gpu-train plan-memory` "
+                "sizes it), then resume from the last complete checkpoint (scripts/finetune.py: the same command)"
+                f" [{str(error).splitlines()[0][:200]}]") from error
+
+    trainer.train = train_naming_the_oom
 
 
 def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
@@ -792,6 +823,7 @@ def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS
     ``loss_weighting``: what the loss averages over, when the loss itself cannot tell (``loss_scaling.py`` asks it at the
     first steps and says so when it cannot): ``"rows"``, ``"tokens"`` (labelled tokens), ``"next-tokens"`` (a causal LM's
     shifted labels), ``"sum"``, or a function of a micro-batch's inputs returning how many items its loss averages over."""
+    check_not_alone(trainer)
     told = LossWeighting.told(loss_weighting) if loss_weighting is not None else None
     guard = guard_loss_scaling(trainer)
     recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes, weighting=told)
@@ -799,6 +831,7 @@ def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS
     if reason is not None:
         recovery.stepped_aside = reason
         log.warning("OOM recovery is off for %s: %s", type(trainer).__name__, reason)
+        _name_an_oom_without_recovery(trainer, reason)
         return recovery
     recovery.install()
     # the evaluation micro-batch is agreed by an all-reduce after each evaluation: every rank must evaluate, also when a
