@@ -1,7 +1,7 @@
-"""Causal-LM fine-tuning through scripts/finetune.py scales as an equality: LoRA on 2 gloo DDP processes trains the
-adapter 1 process trains, and full fine-tuning with FSDP2 on 2 processes (a config from `hf-gpu-train config
---strategy fsdp`) trains the model 1 process trains: the same logged losses and gradient norms at every step, the
-same saved weights. Packed rows (best-fit decreasing, per-example position ids) and a loss normalised by the label
+"""Causal-LM fine-tuning through scripts/finetune.py scales as an equality: LoRA on 2 gloo DDP processes and under
+DeepSpeed ZeRO-3 trains the adapter 1 process trains, and full fine-tuning with FSDP2 or ZeRO-2 on 2 processes
+(configs from `hf-gpu-train config --strategy fsdp` or `deepspeed-zero2`) trains the model 1 process trains: the same
+logged losses and gradient norms at every step, the same saved weights. Packed rows (best-fit decreasing, per-example position ids) and a loss normalised by the label
 tokens of the whole global batch (transformers 5's num_items_in_batch), as shipped. Tolerances: equivalence.py."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hf_gpu_train.levers.activation_offload import TEST_CPU_MIN_BYTES_ENV
 from tests.finetune.causal_lm.tiny import chat_case
 from tests.launching import cpu_config, launch
 from tests.scaling.equivalence import assert_same_params, assert_same_series
+from tests.scaling.test_deepspeed_equivalence import deepspeed_config
 from tests.scaling.test_fsdp_equivalence import fsdp_config
 
 pytestmark = pytest.mark.slow
@@ -49,8 +50,10 @@ LEVERS = ("gradient_checkpointing=true", "checkpoint_layers=selective", "offload
 
 @pytest.mark.parametrize("method, weights, strategy, levers", [("lora", "adapter_model.safetensors", "ddp", ()),
                                                                ("full", "model.safetensors", "fsdp", ()),
-                                                               ("lora", "adapter_model.safetensors", "ddp", LEVERS)],
-                         ids=["lora-ddp", "full-fsdp", "lora-ddp-levers"])
+                                                               ("lora", "adapter_model.safetensors", "ddp", LEVERS),
+                                                               ("lora", "adapter_model.safetensors", "deepspeed-zero3", ()),
+                                                               ("full", "model.safetensors", "deepspeed-zero2", ())],
+                         ids=["lora-ddp", "full-fsdp", "lora-ddp-levers", "lora-zero3", "full-zero2"])
 def test_two_processes_train_what_one_process_trains(tmp_path, case, method, weights, strategy, levers):
     arguments = [*case, f"method={method}"]
     one = tmp_path / "one"
@@ -58,7 +61,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path, case, method, wei
     # (on by default) is then proven across processes too, not only against itself
     plain = ["chunked_lm_loss=false"] if levers else []
     assert main([*arguments, *plain, f"per_device_train_batch_size={ROWS_PER_STEP}", f"output_dir={one}"]) == 0
-    config = cpu_config(tmp_path) if strategy == "ddp" else fsdp_config(tmp_path)
+    config = {"ddp": cpu_config, "fsdp": fsdp_config}.get(strategy, lambda path: deepspeed_config(path, strategy))(tmp_path)
     two = tmp_path / "two"
     # with the levers, offloading takes its copy path on these CPU processes (saved tensors of 4 KiB and more: the tiny
     # model's), so the equality below covers copies out and back, not a message that there was nothing to do
@@ -67,6 +70,8 @@ def test_two_processes_train_what_one_process_trains(tmp_path, case, method, wei
                  timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "CPU x2" in run.stdout and "packed" in run.stdout
+    if strategy.startswith("deepspeed"):  # DeepSpeed's engine trained it (the recovery steps aside for it, on each rank)
+        assert run.stderr.count("OOM recovery is off for Trainer: DeepSpeed's engine") == 2, run.stderr[-3000:]
     if levers:
         assert "checkpointing: selective" in run.stdout and "go to pinned host memory" in run.stdout
         assert "LM head and loss: chunked" in run.stdout and "(checked on this model, on cpu)" in run.stdout
