@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slow
 PLANNED_MICRO = 4  # what a plan for a GPU box decides; the CPU planner decides no batch, so the test writes one in
 
 
-def fsdp_config(tmp_path: Path, recipe: Path, *multi_node: str) -> tuple[Path, str]:
-    """(YAML, printed output) of `hf-gpu-train config --strategy fsdp` naming the probe and its recipe as the script."""
-    out = tmp_path / "fsdp"
-    made = hf_gpu_train("config", "--machine", "cpu-only", "--strategy", "fsdp", "--main-process-port", str(free_port()),
+def fsdp_config(tmp_path: Path, recipe: Path, *multi_node: str, strategy: str = "fsdp") -> tuple[Path, str]:
+    """(YAML, printed output) of `hf-gpu-train config --strategy fsdp` (or ``strategy``) naming the probe and its recipe
+    as the script."""
+    out = tmp_path / strategy
+    made = hf_gpu_train("config", "--machine", "cpu-only", "--strategy", strategy, "--main-process-port", str(free_port()),
                         "--output", str(out), "--script", f"{PROBE} --config {recipe}", *multi_node)
     assert made.returncode == 0, made.stderr
     plan_path = out.with_suffix(".plan.json")
@@ -103,3 +104,22 @@ def test_every_printed_command_shards_the_model(tmp_path, how):
         assert r["per_device_train_batch_size"] == PLANNED_MICRO  # the plan's, made for this strategy
     assert "made for another strategy" not in out and "this run is" not in out and "its launch environment named" not in out
     assert f"plan values applied: precision=fp32, per_device_train_batch_size={PLANNED_MICRO}" in out
+
+
+def test_the_printed_torchrun_line_of_a_zero3_plan_on_cpu_processes_partitions_the_model(tmp_path):
+    """Issue 31: a ZeRO-3 plan for CPU processes; the printed torchrun line (accelerate's DeepSpeed variables, no
+    accelerate) runs DeepSpeed, each rank holding half of every parameter, the plan's micro-batch applied (the
+    other printed lines: tests/scaling/test_deepspeed_equivalence.py)."""
+    config, stdout = fsdp_config(tmp_path, recipe_for(tmp_path), "--num-processes", "2", strategy="deepspeed-zero3")
+    line = printed(stdout, "or with torchrun:")
+    run = subprocess.run(["bash", "-c", line], cwd=ROOT, env=environment(tmp_path), capture_output=True, text=True, timeout=500)
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert run.returncode == 0 or teardown_race_only(run.stderr, [len(ranks) == 2]), run.stderr[-4000:]
+    assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)], run.stderr[-3000:]
+    for r in ranks:
+        assert r["distributed_type"] == "DistributedType.DEEPSPEED", r
+        assert r["zero3_params"] == r["params"] > 0 and r["zero3_global_numel"] > 0, r
+        assert r["zero3_local_numel"] <= r["zero3_global_numel"] // 2 + r["params"], r  # each rank holds about half
+        assert r["per_device_train_batch_size"] == PLANNED_MICRO
+    out = run.stdout + run.stderr
+    assert "made for another strategy" not in out and "this run is" not in out
