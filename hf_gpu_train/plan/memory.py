@@ -12,7 +12,12 @@ Sources for the formulas:
 - activations (``activations.py``): per transformer layer 34·s·h bytes per sample in 16-bit with fused
   attention (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 1 without the 5·a·s²
   attention scores that SDPA/flash kernels do not store), Llama-family decoders counted tensor by tensor
-  and checked against autograd; checkpointing keeps each layer's input and one layer's activations.
+  and checked against autograd; checkpointing keeps each layer's input and one layer's activations;
+- DeepSpeed ZeRO (stage_1_and_2.py and stage3.py of DeepSpeed 0.19; compared with its own estimators in
+  tests/plan/test_deepspeed_estimators.py): ZeRO keeps an fp32 copy of its master partition even in fp32 training,
+  the optimizer step builds an fp32 gradient partition beside the master weights and moments (``zero_step_gradients``),
+  and ZeRO-3 gathers one module at a time, so its largest gathered unit is the largest module (for an LLM the
+  embedding or the output head) with its gradient.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ from .peft_memory import estimate_peft
 from .training_shape import METHODS, TrainingShape
 
 __all__ = ["BREAKDOWN_ROWS", "CUDA_CONTEXT_BYTES", "GIB", "HEADROOM_FRACTION", "METHODS", "OPTIMIZER_BYTES_PER_PARAM", "STRATEGIES",
-           "MemoryBreakdown", "MemoryPlan", "TrainingShape", "activation_bytes", "estimate", "largest_micro_batch",
-           "plan_memory", "usable_bytes"]
+           "ZERO3_SUB_GROUP_SIZE", "MemoryBreakdown", "MemoryPlan", "TrainingShape", "activation_bytes", "estimate",
+           "largest_micro_batch", "plan_memory", "usable_bytes", "zero_step_gradients"]
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces: 300-800 MiB in practice
 HEADROOM_FRACTION = 0.08  # allocator fragmentation and transient buffers
+# DeepSpeed's zero_optimization.sub_group_size default (elements), which the plan's configs leave as it is: ZeRO-3's step
+# converts one sub-group of the partition's gradients to fp32 at a time (stage3.py _prepare_fp32_grad_for_sub_group)
+ZERO3_SUB_GROUP_SIZE = 10**9
 
 OPTIMIZER_BYTES_PER_PARAM = {
     "adamw": 8.0,  # two fp32 moments
@@ -42,8 +50,8 @@ OPTIMIZER_BYTES_PER_PARAM = {
 # Every row a breakdown can have, in the order tables show them (full fine-tuning's rows, then LoRA/QLoRA's).
 BREAKDOWN_ROWS = ("weights", "frozen base weights", "4-bit base weights (NF4)", "unquantized weights (fp32)",
                   "adapter weights (fp32)", "gradients", "adapter gradients", "optimizer states", "adapter optimizer states",
-                  "fp32 master weights", "communication buffers", "gathered parameters", "16-bit working copies",
-                  "activations", "CUDA context")
+                  "fp32 master weights", "fp32 gradients at the step", "communication buffers", "gathered parameters",
+                  "16-bit working copies", "activations", "CUDA context")
 STRATEGIES = ("ddp", "fsdp-shard-grad-op", "fsdp", "deepspeed-zero2", "deepspeed-zero3",
               "fsdp-offload", "deepspeed-zero2-offload", "deepspeed-zero3-offload")
 
@@ -65,18 +73,22 @@ class MemoryBreakdown:
     quantized_weights: float = 0.0  # QLoRA: NF4 codes and their quantization constants
     adapter_weights: float = 0.0  # LoRA/QLoRA: fp32 adapters
     working_copies: float = 0.0  # autocast's 16-bit adapter copies; QLoRA's dequantized layer and output-head copy
+    # ZeRO's optimizer step: its fp32 gradient partition (zero_step_gradients) beyond the activations, which are freed
+    # by then, so that the total is the larger of the backward's peak and the step's
+    step_gradients: float = 0.0
     method: str = "full"
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.master_weights + self.comm_buffers
                 + self.gathered_params + self.activations + self.context + self.quantized_weights
-                + self.adapter_weights + self.working_copies)
+                + self.adapter_weights + self.working_copies + self.step_gradients)
 
     def rows(self) -> list[tuple[str, float]]:
         if self.method == "full":
+            step = [("fp32 gradients at the step", self.step_gradients)] if self.step_gradients else []
             return [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer),
-                    ("fp32 master weights", self.master_weights), ("communication buffers", self.comm_buffers),
+                    ("fp32 master weights", self.master_weights), *step, ("communication buffers", self.comm_buffers),
                     ("gathered parameters", self.gathered_params), ("activations", self.activations),
                     ("CUDA context", self.context)]
         base = ([("frozen base weights", self.weights)] if self.method == "lora" else
@@ -96,8 +108,7 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
         parts = estimate_peft(spec, shape, strategy, opt)
         return MemoryBreakdown(strategy=strategy, context=CUDA_CONTEXT_BYTES, method=shape.method, **parts)
     P, N = float(spec.params), max(1, shape.num_gpus)
-    half = shape.precision in ("bf16", "fp16")
-    w = 2.0 if half else 4.0
+    w = 2.0 if shape.precision in ("bf16", "fp16") else 4.0
     layer = float(spec.largest_layer_params or P / max(1, spec.num_layers or 12))
     acts = activation_bytes(spec, shape)
     offload = strategy.endswith("-offload")
@@ -116,23 +127,45 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
         if offload:
             parts.update(weights=0.0, gradients=0.0)
     elif base == "deepspeed-zero2":
-        master = 4 * P / N if half else 0.0
+        # ZeRO keeps its fp32 master partition as a copy in every precision, an fp32 model's included (stage_1_and_2.py:
+        # .clone(); stage3.py shares the partition only where a torch.device equals the accelerator's device name, a
+        # str, which it never does): 4 bytes a parameter of the partition
         parts = dict(zero, weights=w * P, gradients=w * P / N, optimizer=0.0 if offload else opt * P / N,
-                     master_weights=0.0 if offload else master, comm_buffers=2 * w * min(P, 5e8) / 4)
+                     master_weights=0.0 if offload else 4 * P / N, comm_buffers=2 * w * min(P, 5e8) / 4)
     elif base == "deepspeed-zero3":
-        master = 4 * P / N if half else 0.0
+        master = 4 * P / N  # a copy in every precision, as ZeRO-2's
         # with the optimizer offloaded, each gradient partition goes to the CPU as it is reduced: the GPU keeps the
         # reduce buckets (transformers sets reduce_bucket_size to hidden^2 elements; two in flight)
         grads = w * P / N
         if offload and spec.hidden_size:
             grads = min(grads, 2 * w * float(spec.hidden_size) ** 2)
+        # ZeRO-3 fetches each module's parameters as the module runs (a prefetch bucket ahead), so its largest gathered
+        # unit is the largest module with its whole gradient in the backward: for an LLM the embedding or the output
+        # head (DeepSpeed's own estimate: 4 bytes a parameter of the largest layer); two decoder layers where larger
         parts = dict(zero, weights=0.0 if offload else w * P / N, gradients=grads,
                      optimizer=0.0 if offload else opt * P / N, master_weights=0.0 if offload else master,
-                     gathered_params=2 * layer * w)
+                     gathered_params=max(2 * layer, 2 * largest_parameter(spec)) * w)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     parts["gradients"] += unsharded_head_gradient(spec, shape, base, offload, w, N)
+    parts["step_gradients"] = max(0.0, zero_step_gradients(spec, shape, strategy) - acts)
     return MemoryBreakdown(strategy=strategy, activations=acts, context=CUDA_CONTEXT_BYTES, **parts)
+
+
+def zero_step_gradients(spec: ModelSpec, shape: TrainingShape, strategy: str) -> float:
+    """The fp32 gradient partition DeepSpeed's optimizer step builds on the GPU beside the fp32 master weights and the
+    moments, bytes per GPU: ZeRO-2 converts the whole partition's gradients (stage_1_and_2.py step:
+    ``flat_grad_partition.to(fp32)``; in fp32 training the flattened copy), ZeRO-3 one sub-group at a time (stage3.py
+    ``_prepare_fp32_grad_for_sub_group``). 0 where the optimizer steps on the CPU, for the other strategies and for
+    adapters (their states are small). Measured on DeepSpeed 0.19.8 at the inner optimizer step (bf16, one process):
+    ZeRO-2 holds 2 + 16 bytes a parameter, ZeRO-3 20, where the planner counted 2 + 14 and 16 without it. The
+    activations are freed by then, so ``estimate`` counts what exceeds them: without it, Llama-3-8B under ZeRO-2 on
+    2 x 80 GB "fit" at micro-batch 1 (72.8 GiB) while its step needs 15 GiB more than the 67.3 GiB of states."""
+    base = strategy.removesuffix("-offload")
+    if shape.method != "full" or strategy.endswith("-offload") or base not in ("deepspeed-zero2", "deepspeed-zero3"):
+        return 0.0
+    share = float(spec.params) / max(1, shape.num_gpus)
+    return 4 * (share if base == "deepspeed-zero2" else min(share, ZERO3_SUB_GROUP_SIZE))
 
 
 def unsharded_head_gradient(spec: ModelSpec, shape: TrainingShape, base: str, offload: bool, w: float, N: int) -> float:
