@@ -10,6 +10,7 @@ no more communication, near the end of main: the entry points do it after a run 
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import NoReturn
@@ -68,8 +69,6 @@ def exit_process(code: int) -> NoReturn:
 
 
 def _exit_without_finalisation(code: int) -> NoReturn:
-    import atexit
-
     try:
         atexit._run_exitfuncs()  # the handlers a normal exit runs, which os._exit would skip
     finally:
