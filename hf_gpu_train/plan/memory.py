@@ -26,7 +26,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .activations import activation_bytes
-from .model_spec import ModelSpec
+from .model_spec import (
+    ModelSpec,
+    largest_parameter,  # noqa: F401 (re-exported: tests and callers import it from here)
+)
 from .peft_memory import estimate_peft
 from .training_shape import METHODS, TrainingShape
 
@@ -179,13 +182,6 @@ def unsharded_head_gradient(spec: ModelSpec, shape: TrainingShape, base: str, of
     if counted is None:
         return 0.0
     return (4 - counted) * float(spec.vocab_size) * float(spec.hidden_size)
-
-
-def largest_parameter(spec: ModelSpec) -> float:
-    """The largest single parameter: the embedding or output head (vocabulary x hidden) or the largest linear weight."""
-    embedding = (spec.vocab_size or 0) * (spec.hidden_size or 0)
-    linear = spec.largest_linear_params or (spec.largest_layer_params or spec.params / max(1, spec.num_layers or 12))
-    return float(min(spec.params, max(embedding, linear)))
 
 
 def usable_bytes(gpu_memory_bytes: int) -> float:

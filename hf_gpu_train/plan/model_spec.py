@@ -306,3 +306,10 @@ def resolve_model(name_or_path: str, image_size: int = 224) -> ModelSpec:
         except ImportError:
             pass
     return from_hf_config(name_or_path)
+
+
+def largest_parameter(spec: ModelSpec) -> float:
+    """The largest single parameter: the embedding or output head (vocabulary x hidden) or the largest linear weight."""
+    embedding = (spec.vocab_size or 0) * (spec.hidden_size or 0)
+    linear = spec.largest_linear_params or (spec.largest_layer_params or spec.params / max(1, spec.num_layers or 12))
+    return float(min(spec.params, max(embedding, linear)))

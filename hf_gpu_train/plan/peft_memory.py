@@ -27,15 +27,15 @@ fp32 output head, kept for the backward. bitsandbytes' 4-bit kernels need CUDA. 
 LoRA under DeepSpeed ZeRO (a base too large to copy to every GPU; PEFT's documented LoRA + ZeRO-3): ZeRO partitions
 only what it trains and holds, so the adapters' gradients and optimizer states are split over the N processes (ZeRO-2
 and ZeRO-3 alike), with no DDP buckets; ZeRO-2 keeps the whole frozen base on every GPU, ZeRO-3 partitions it too
-(1/N per GPU) and gathers one layer at a time in forward and backward (two in flight: the current and the prefetched
-one), as for full fine-tuning (memory.py). The optimizer offloaded to the CPU (``-offload``) holds no state on the GPU;
+(1/N per GPU) and gathers one module at a time in forward and backward (the largest: an LLM's embedding or head, or
+two decoder layers), as for full fine-tuning (memory.py), without a gradient for the frozen base. The optimizer offloaded to the CPU (``-offload``) holds no state on the GPU;
 ZeRO-3's offload moves the base's partitions there too.
 """
 
 from __future__ import annotations
 
 from .activations import activation_bytes
-from .model_spec import ModelSpec, adapter_shape, largest_linear, quantized_params
+from .model_spec import ModelSpec, adapter_shape, largest_linear, largest_parameter, quantized_params
 from .training_shape import TrainingShape
 
 NF4_BYTES_PER_PARAM = 0.5  # two 4-bit codes per byte
@@ -97,7 +97,10 @@ def _lora_under_zero(spec: ModelSpec, shape: TrainingShape, strategy: str, optim
     stage3 = strategy.startswith("deepspeed-zero3")
     layer = float(spec.largest_layer_params or spec.params / max(1, spec.num_layers or 12))
     base = 0.0 if stage3 and offload else c * float(spec.params) / (N if stage3 else 1)
+    # ZeRO-3 gathers module by module: the largest frozen module (an LLM's embedding or head; two decoder layers where
+    # larger), without a gradient (memory.py counts a full fine-tune's with one)
+    gathered = max(2 * layer, largest_parameter(spec)) * c if stage3 else 0.0
     return dict(weights=base, quantized_weights=0.0, adapter_weights=ADAPTER_DTYPE_BYTES * A,
                 gradients=ADAPTER_DTYPE_BYTES * A / N, optimizer=0.0 if offload else optimizer_bytes_per_param * A / N,
-                master_weights=0.0, comm_buffers=0.0, gathered_params=2 * layer * c if stage3 else 0.0,
+                master_weights=0.0, comm_buffers=0.0, gathered_params=gathered,
                 working_copies=2.0 * A if c == 2 else 0.0, activations=activation_bytes(spec, shape))
