@@ -1,6 +1,5 @@
 """scripts/finetune.py with one callback more: when training begins, each rank writes what accelerate runs and whether
-the model it trains is really sharded (FSDP2 turns parameters into DTensors holding a slice each; DeepSpeed ZeRO-3
-partitions each parameter, its ``ds_tensor`` the rank's slice)."""
+the model it trains is really sharded (FSDP2 turns parameters into DTensors holding a slice each)."""
 
 import json
 import os
@@ -34,10 +33,6 @@ class ShardProbe(TrainerCallback):
                 "local_numel": local,
                 "global_numel": sum(p.numel() for p in params),
                 "per_device_train_batch_size": args.per_device_train_batch_size,
-                # DeepSpeed ZeRO-3 partitions each parameter in place: ds_tensor is this rank's slice, ds_numel the whole
-                "zero3_params": sum(hasattr(p, "ds_tensor") for p in params),
-                "zero3_local_numel": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
-                "zero3_global_numel": sum(p.ds_numel for p in params if hasattr(p, "ds_numel")),
             }, f)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,14 +36,16 @@ BIN = Path(sys.executable).parent
 QUIET = ["telemetry=false"]
 
 
-def deepspeed_config(tmp_path: Path, strategy: str) -> Path:
+def deepspeed_config(tmp_path: Path, strategy: str, printed: list | None = None) -> Path:
     """`hf-gpu-train config --strategy STRATEGY` for 2 CPU processes; the YAML's path (the .env and, with offload, the
-    DeepSpeed file beside it)."""
+    DeepSpeed file beside it). ``printed``: gets the output's lines."""
     out = tmp_path / strategy
     made = hf_gpu_train("config", "--machine", "cpu-only", "--num-processes", "2", "--strategy", strategy,
                         "--main-process-port", str(free_port()), "--output", str(out))
     assert made.returncode == 0, made.stderr
     assert "distributed_type        DEEPSPEED" in made.stdout
+    if printed is not None:
+        printed.extend(made.stdout.splitlines())
     return out.with_suffix(".yaml")
 
 
@@ -138,15 +141,21 @@ def test_zero2_offload_steps_with_deepspeeds_cpu_adam_what_one_process_trains(tm
     assert_same_params(load_file(out / "model.safetensors"), load_file(one / "model.safetensors"))
 
 
-def test_image_classification_under_zero3_trains_what_one_process_trains(tmp_path):
+def test_image_classification_under_zero3_through_the_printed_torchrun_line_trains_what_one_process_trains(tmp_path):
+    """The torchrun line `config` prints (accelerate's DeepSpeed variables, no accelerate), with the run's arguments."""
     case = vision_case(tmp_path)
     vision = [*case, *COMMON, *QUIET, f"global_batch_size={GLOBAL_BATCH}"]
     one = tmp_path / "one"
     assert main([*vision, f"per_device_train_batch_size={GLOBAL_BATCH}", f"output_dir={one}"]) == 0
-    out = tmp_path / "zero3"
-    run = launch(deepspeed_config(tmp_path, "deepspeed-zero3"), SCRIPT, *vision, f"per_device_train_batch_size={GLOBAL_BATCH // 2}",
-                 f"output_dir={out}", timeout=600)
+    out, lines = tmp_path / "zero3", []
+    deepspeed_config(tmp_path, "deepspeed-zero3", lines)
+    torchrun = lines[lines.index("or with torchrun:") + 1].strip()
+    assert "ACCELERATE_USE_DEEPSPEED=true" in torchrun and torchrun.endswith("scripts/finetune.py")
+    command = f"{torchrun} {shlex.join([*vision, f'per_device_train_batch_size={GLOBAL_BATCH // 2}', f'output_dir={out}'])}"
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"})
     assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stderr.count("OOM recovery is off for Trainer: DeepSpeed's engine") == 2  # DeepSpeed trained it
     assert len(history(one, "loss")) == 3
     assert_same_series("logged loss", history(out, "loss"), history(one, "loss"))
     assert_same_series("gradient norm", history(out, "grad_norm"), history(one, "grad_norm"))
