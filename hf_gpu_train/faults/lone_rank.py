@@ -10,12 +10,14 @@ and nothing fails. The same picture comes from any launch whose ranks end up wit
 
 Nothing can mend ``TrainingArguments`` once they exist (the state is made then), so the toolkit's pieces
 (``attach_watchdog``, ``attach_preemption``, ``attach_telemetry``, ``enable_oom_recovery``) refuse to start with the fix.
-Every rank reads the same launch environment and the same kind of state, so every rank refuses alike: no collective.
+Every rank is in the same group and has the same kind of state, so every rank refuses alike: no collective (the
+group's size is read, not exchanged).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from ..errors import UsageError
 
@@ -25,23 +27,30 @@ class LoneRank(UsageError):
 
 
 def check_not_alone(trainer, environ=None) -> None:
-    """Raise ``LoneRank`` when the launcher started several processes (``WORLD_SIZE``) but ``trainer``'s accelerator
-    sees one."""
-    environ = os.environ if environ is None else environ
-    word = str(environ.get("WORLD_SIZE", "1"))
-    launched = int(word) if word.isdigit() else 1
+    """Raise ``LoneRank`` when this process is in a process group of several (torch.distributed's default group: in
+    the trap above DeepSpeed made it) but ``trainer``'s accelerator sees one process."""
     accelerator = getattr(trainer, "accelerator", None)
     seen = getattr(getattr(accelerator, "state", None), "num_processes", None)
-    if launched <= 1 or seen is None or seen != 1:
+    joined = _group_size()
+    if seen != 1 or joined <= 1:
         return
+    environ = os.environ if environ is None else environ
     deepspeed = str(environ.get("ACCELERATE_USE_DEEPSPEED", "false")).lower() == "true"
     args = getattr(trainer, "args", None)
     raise LoneRank(
-        f"the launcher started {launched} processes (WORLD_SIZE={launched}) but this Trainer's accelerator sees 1: every "
-        "rank would train as process 0 of 1 (the whole dataset, a batch for one process, every rank saving as the main "
-        "process)"
+        f"this process is one of {joined} in its process group but this Trainer's accelerator sees 1: every rank would "
+        "train as process 0 of 1 (the whole dataset, a batch for one process, every rank saving as the main process)"
         + (": under DeepSpeed on a machine without CUDA accelerate gets no process-group backend by itself; pass "
            "TrainingArguments(use_cpu=True) or TrainingArguments(ddp_backend='gloo')"
            if deepspeed else
-           f": the process group was made without a backend (ddp_backend={getattr(args, 'ddp_backend', None)!r}); pass "
+           f": accelerate's state was made without a backend (ddp_backend={getattr(args, 'ddp_backend', None)!r}); pass "
            "TrainingArguments(ddp_backend='gloo') on CPU processes or 'nccl' on GPUs"))
+
+
+def _group_size() -> int:
+    """The default process group's size; 1 without one (torch not imported here for it: a process without torch has
+    no group)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return torch.distributed.get_world_size()

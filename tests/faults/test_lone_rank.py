@@ -24,28 +24,38 @@ def trainer_seeing(processes: int) -> SimpleNamespace:
                            args=SimpleNamespace(ddp_backend=None))
 
 
-def test_a_rank_that_sees_one_process_of_several_is_refused_with_the_fix():
+def test_a_rank_that_sees_one_process_of_several_is_refused_with_the_fix(monkeypatch):
+    import hf_gpu_train.faults.lone_rank as lone_rank
+
+    monkeypatch.setattr(lone_rank, "_group_size", lambda: 2)
     with pytest.raises(LoneRank, match=r"TrainingArguments\(use_cpu=True\) or TrainingArguments\(ddp_backend='gloo'\)"):
-        check_not_alone(trainer_seeing(1), {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"})
-    with pytest.raises(LoneRank, match="the process group was made without a backend"):
-        check_not_alone(trainer_seeing(1), {"WORLD_SIZE": "4"})
-    check_not_alone(trainer_seeing(2), {"WORLD_SIZE": "2"})
-    check_not_alone(trainer_seeing(1), {"WORLD_SIZE": "1"})
-    check_not_alone(trainer_seeing(1), {})
+        check_not_alone(trainer_seeing(1), {"ACCELERATE_USE_DEEPSPEED": "true"})
+    with pytest.raises(LoneRank, match="accelerate's state was made without a backend"):
+        check_not_alone(trainer_seeing(1), {})
+    check_not_alone(trainer_seeing(2), {})
+    check_not_alone(SimpleNamespace(), {})  # a Trainer-like object without an accelerator: nothing to compare
+    monkeypatch.setattr(lone_rank, "_group_size", lambda: 1)
+    check_not_alone(trainer_seeing(1), {"WORLD_SIZE": "2"})  # a process alone in no group of several: not refused
 
 
 @pytest.mark.slow
-def test_under_a_cpu_deepspeed_launch_plain_training_arguments_are_refused_on_both_ranks(tmp_path):
+def test_under_a_cpu_deepspeed_launch_plain_training_arguments_are_refused_and_the_named_fix_works(tmp_path):
     out = tmp_path / "cfg"
     made = hf_gpu_train("config", "--machine", "cpu-only", "--num-processes", "2", "--strategy", "deepspeed-zero2",
                         "--main-process-port", str(free_port()), "--output", str(out))
     assert made.returncode == 0, made.stderr
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # (use_cpu=True, the fix: scripts/finetune.py's own, in every DeepSpeed run of tests/scaling)
-    run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{out}.yaml", str(PROBE),
-                          str(tmp_path), "plain"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert all(s["deepspeed"] for s in seen)
-    assert [s["num_processes"] for s in seen] == [1, 1]  # each rank a process 0 of 1
-    assert all("TrainingArguments(use_cpu=True)" in s["refused"] for s in seen)  # and both refused
+    # use_cpu=True, the other fix, is scripts/finetune.py's own, in every DeepSpeed run of tests/scaling
+    for mode in ("plain", "gloo"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        run = subprocess.run([sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", f"{out}.yaml", str(PROBE),
+                              str(folder), mode], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert all(s["deepspeed"] for s in seen)
+        if mode == "plain":
+            assert [s["num_processes"] for s in seen] == [1, 1]  # each rank a process 0 of 1
+            assert all("TrainingArguments(use_cpu=True)" in s["refused"] for s in seen)  # and both refused
+        else:  # the fix the message names
+            assert [s["num_processes"] for s in seen] == [2, 2] and not any("refused" in s for s in seen)
