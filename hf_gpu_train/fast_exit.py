@@ -8,7 +8,8 @@ collections only: every exit handler, before or after it (logging's flush, weakr
 directories), still runs, and objects are still freed by their reference counts as modules are torn down; the
 process ends in a fraction of a second (0.3 s and 0.6 s for the two cases above). What a final collection would have
 found (objects in reference cycles) is not finalised, as CPython already allows at exit; a file object left unclosed
-in such a cycle would not be flushed. Only our entry points call it, never an import of the library.
+in such a cycle would not be flushed. Only our entry points call it, never an import of the library. (After a finished
+run in a process group the entry points end without the interpreter's teardown at all: ``process_group.exit_process``.)
 """
 
 from __future__ import annotations

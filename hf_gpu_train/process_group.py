@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 from typing import NoReturn
 
 
@@ -59,9 +60,10 @@ def exit_process(code: int) -> NoReturn:
     After a finished run in a process group the process ends without the interpreter's finalisation: leaving the
     default group is not enough on its own (seen in CI on 2 gloo FSDP processes: "terminate called without an active
     exception", exit -6, on one rank after it wrote everything; gloo's threads and the groups FSDP and DeepSpeed make
-    are torn down with the interpreter's objects). What an exit must do still happens, in order: the exit handlers
-    (logging's flush, temporary directories, ``end_quickly``), then the standard streams are flushed; then
-    ``os._exit``."""
+    are torn down with the interpreter's objects). What an exit must do still happens, in order: threading's shutdown
+    (its exit callbacks, the join of non-daemon threads), the exit handlers (logging's flush, temporary directories,
+    ``end_quickly``), the standard streams' flush; then ``os._exit``. Not done: a file object left open and unflushed
+    is not flushed by its finaliser (the entry points close what they write)."""
     if code == 0:
         if leave_process_group():  # this process had a group: gloo's threads live until the interpreter ends
             _exit_without_finalisation(code)
@@ -70,6 +72,11 @@ def exit_process(code: int) -> NoReturn:
 
 def _exit_without_finalisation(code: int) -> NoReturn:
     try:
+        # what a normal exit does first: threading's exit callbacks (concurrent.futures finishing queued work, a Hub
+        # upload's included) and the join of every non-daemon thread; then the atexit handlers
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
         atexit._run_exitfuncs()  # the handlers a normal exit runs, which os._exit would skip
     finally:
         for stream in (sys.stdout, sys.stderr):
