@@ -787,7 +787,10 @@ class OutOfMemoryWithoutRecovery(UsageError):
 
 def _name_an_oom_without_recovery(trainer, reason: str) -> None:
     """An OOM that ends ``trainer.train()`` while recovery is off ends it with the reason and the fix, not a bare
-    traceback (raised on the rank that ran out; the others end as their launcher ends them)."""
+    traceback (raised on the rank that ran out; the others end as their launcher ends them). Wrapped once per Trainer."""
+    if getattr(trainer, "_hf_gpu_train_oom_named", False):
+        return
+    trainer._hf_gpu_train_oom_named = True
     train = trainer.train
 
     def train_naming_the_oom(*args, **kw):
@@ -796,14 +799,15 @@ def _name_an_oom_without_recovery(trainer, reason: str) -> None:
         except Exception as error:
             if not is_oom_error(error):
                 raise
-            args_ = trainer.args
+            a = trainer.args
             raise OutOfMemoryWithoutRecovery(
-                f"out of memory on rank {args_.process_index} at step {trainer.state.global_step + 1} with "
-                f"per_device_train_batch_size={args_.per_device_train_batch_size}; in-place OOM recovery is off for "
-                f"{type(trainer).__name__}: {reason}. Lower per_device_train_batch_size and raise "
-                "gradient_accumulation_steps by the same factor (the effective batch stays; `hf-gpu-train plan-memory` "
-                "sizes it), then resume from the last complete checkpoint (scripts/finetune.py: the same command)"
-                f" [{str(error).splitlines()[0][:200]}]") from error
+                f"out of memory on rank {a.process_index} after optimizer step {trainer.state.global_step} "
+                f"(per_device_train_batch_size={a.per_device_train_batch_size}, per_device_eval_batch_size="
+                f"{a.per_device_eval_batch_size}); in-place OOM recovery is off for {type(trainer).__name__}: {reason}. "
+                "In a training step: lower per_device_train_batch_size and raise gradient_accumulation_steps by the same "
+                "factor (the effective batch stays; `hf-gpu-train plan-memory` sizes it); in an evaluation: lower "
+                "per_device_eval_batch_size. Then resume from the last complete checkpoint (scripts/finetune.py: the "
+                f"same command) [{str(error).splitlines()[0][:200]}]") from error
 
     trainer.train = train_naming_the_oom
 

@@ -36,8 +36,8 @@ def test_an_oom_on_one_rank_under_zero2_ends_both_with_the_fix_and_the_fix_resum
     assert failed.returncode == 2, failed.stderr[-3000:]
     said = failed.stderr
     assert said.count("WARNING hf_gpu_train.oom: OOM recovery is off for Trainer: DeepSpeed's engine owns gradient accumulation") == 2
-    assert "finetune: error: out of memory on rank 1 at step 3 with per_device_train_batch_size=4" in said
-    assert "Lower per_device_train_batch_size and raise gradient_accumulation_steps" in said
+    assert "finetune: error: out of memory on rank 1 after optimizer step 2 (per_device_train_batch_size=4" in said
+    assert "In a training step: lower per_device_train_batch_size and raise gradient_accumulation_steps" in said
     assert "hf-gpu-train launch: the training processes stopped on the usage error above (exit 2)" in said
     assert seconds < 240  # ended, not waiting out gloo's 30-minute collective timeout
     assert [c.name for c in complete_checkpoints(out)] == ["checkpoint-2"]
