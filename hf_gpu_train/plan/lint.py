@@ -81,6 +81,9 @@ def lint(config: dict, profile: HardwareProfile, env: dict[str, str] | None = No
         found.append(Finding(ERROR, f"MULTI_CPU with {num_processes} processes needs mpirun, which is not installed: accelerate "
                              "starts ONE process. Use `hf-gpu-train config` on this machine (MULTI_GPU + ACCELERATE_USE_CPU=1 "
                              "gives real gloo DDP)"))
+    if env.get("DS_ACCELERATOR") == "cpu" and profile.gpus:
+        found.append(Finding(WARNING, f"DS_ACCELERATOR=cpu but {profile.display_name} has GPUs: DeepSpeed would train on the "
+                             "CPU in fp32; regenerate the config on this machine (`hf-gpu-train config`)"))
     if dist == "DEEPSPEED" and accelerate_uses_cpu(env):
         found.append(Finding(ERROR, "DEEPSPEED with ACCELERATE_USE_CPU set: accelerate then skips DeepSpeed and trains DDP (its "
                              "state turns DeepSpeed on only off the CPU flag); unset it: DeepSpeed runs on the CPU by itself "

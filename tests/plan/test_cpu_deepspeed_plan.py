@@ -61,6 +61,8 @@ def test_check_config_holds_a_cpu_zero_config_and_refuses_the_cpu_flag_beside_it
     assert [f.message for f in lint(plan.accelerate, machine("cpu-only"), plan.env_dict)] == []
     refused = lint(plan.accelerate, machine("cpu-only"), {**plan.env_dict, "ACCELERATE_USE_CPU": "1"})
     assert any("DEEPSPEED with ACCELERATE_USE_CPU set: accelerate then skips DeepSpeed and trains DDP" in f.message for f in refused)
+    assert any("DS_ACCELERATOR=cpu but 8x-h100-sxm has GPUs" in f.message
+               for f in lint(plan.accelerate, machine("8x-h100-sxm"), plan.env_dict))  # a CPU config on a GPU box
     gpu_config = make_plan(machine("8x-h100-sxm"), PlanOptions(strategy="deepspeed-zero3"))
     assert any("has 0 usable GPU(s)" in f.message for f in lint(gpu_config.accelerate, machine("cpu-only"), gpu_config.env_dict))
 
