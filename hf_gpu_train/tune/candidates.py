@@ -51,13 +51,16 @@ class Candidate:
     packing: bool | str | None = None
     checkpoint_layers: str = "all"  # with gradient_checkpointing: all | every-N | selective (finetune config's key)
     offload_activations: bool = False
+    # another strategy than the launch config's own, measured in a launch of its own config (tune's strategy round,
+    # strategies.py); None: the config's own strategy
+    strategy: str | None = None
 
     @property
     def key(self) -> str:
         """Stable text key (cache, de-duplication); the levers appear only when they are not the default."""
         packing = "-" if self.packing is None else str(self.packing).lower()
         levers = (f"|{self.checkpoint_layers}" if self.gradient_checkpointing and self.checkpoint_layers != "all" else "") + (
-            "|offload" if self.offload_activations else "")
+            "|offload" if self.offload_activations else "") + (f"|{self.strategy}" if self.strategy else "")
         return (f"mb{self.micro_batch}xga{self.accumulation}|ckpt{int(self.gradient_checkpointing)}|w{self.dataloader_num_workers}"
                 f"|{self.precision}|compile{int(self.torch_compile)}|pack{packing}{levers}")
 
@@ -76,6 +79,8 @@ class Candidate:
             parts.append("torch.compile")
         if self.packing is not None:
             parts.append({True: "packing", False: "no packing"}.get(self.packing, f"packing {self.packing}"))
+        if self.strategy:
+            parts.append(self.strategy)
         return ", ".join(parts)
 
     def config_values(self, world_size: int) -> dict:

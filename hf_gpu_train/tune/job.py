@@ -30,6 +30,7 @@ from ..plan.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, 
 from . import hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
 from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space
+from .strategies import own_strategy, parse_strategies, shards
 
 
 class TuneError(UsageError):
@@ -51,6 +52,30 @@ class TuneJob:
     identity: Mapping[str, object]
     machine: str
     notes: tuple[str, ...] = ()  # plan values this job does not start from, and why
+    own_strategy: str = "single"  # the strategy the config launches, in the planner's words
+    strategies: tuple[str, ...] = ()  # --strategies: the others the strategy round measures, in order (strategies.py)
+    shape: Mapping[str, object] = dataclasses.field(default_factory=dict)  # what the memory check needs beside the values
+
+    @property
+    def searches(self) -> bool:
+        """Whether the search runs (trials of one shared model: DDP or one process), or only the strategy round."""
+        return not shards(self.own_strategy)
+
+    def memory_check(self, candidate_values: Mapping[str, object], strategy: str | None = None):
+        """The planner's check of these values (``plan.resolution.check_memory``) under the config's strategy, or under
+        ``strategy`` (the memory planner's name: ddp, fsdp-shard-grad-op, deepspeed-zero3, ...); None without a memory
+        plan."""
+        return _memory_check(self.plan, self.values, self.world_size, self.shape, candidate_values, strategy)
+
+
+def _memory_check(plan, values: Mapping[str, object], world: int, shape: Mapping[str, object],
+                  candidate_values: Mapping[str, object], strategy: str | None = None):
+    if plan.memory is None:
+        return None
+    if strategy is not None:
+        plan = replace(plan, memory=replace(plan.memory, strategy=strategy))
+    merged = {**values, **candidate_values}
+    return check_memory(plan, merged, world_size=world, levers=shape_levers(SimpleNamespace(**merged)), **shape)
 
 
 def parse_script_args(script: str, script_args: list[str]) -> tuple[str | None, list[str]]:
@@ -91,9 +116,10 @@ def _for_machine(plan, profile):
 
 def load_job(config_file: str, script: str, script_args: list[str], launch_settings: Mapping[str, object],
              axes: tuple[str, ...] = DEFAULT_AXES, profile=None, environ: Mapping[str, str] | None = None,
-             memory_budget_bytes: int | None = None) -> TuneJob:
+             memory_budget_bytes: int | None = None, strategies: str | None = None) -> TuneJob:
     """Read and check everything; ``profile``: a snapshot for a dry plan (None: this machine, detected);
-    ``memory_budget_bytes``: a candidate fits only when its measured peak stays under it (--memory-budget-gib)."""
+    ``memory_budget_bytes``: a candidate fits only when its measured peak stays under it (--memory-budget-gib);
+    ``strategies``: --strategies as given (None: the config's own strategy only)."""
 
     environ = os.environ if environ is None else environ
     if hooks.problem(environ):
@@ -108,13 +134,17 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     if plan.num_machines > 1:
         raise TuneError(f"{path.name} launches {plan.num_machines} machines: tune on one (a config written with "
                         "--num-machines 1 for the same GPUs) and use its plan's values on every node")
-    sharded = str(plan.strategy.value or "")
-    if sharded.startswith(("fsdp", "deepspeed", "cpu-fsdp")):
+    own = own_strategy(plan)
+    others = parse_strategies(strategies, own, world_size_of(plan, launch_settings), path.name)
+    if shards(own) and not others:
         # trials share one loaded model: a model FSDP already sharded keeps the first trial's wrapping and precision,
         # and the OOM recovery (which keeps a trial's ranks together) steps aside under FSDP and DeepSpeed
-        raise TuneError(f"{path.name} shards the model ({sharded}): tune measures trials on one shared model with DDP or "
-                        "one process; tune a DDP config of the same GPUs (`hf-gpu-train config --strategy ddp`), then use "
-                        "its micro-batch in the sharded run, or compare sharded settings with separate launches")
+        raise TuneError(f"{path.name} shards the model ({plan.strategy.value}): tune searches with trials on one shared model "
+                        "with DDP or one process; tune a DDP config of the same GPUs (`hf-gpu-train config --strategy ddp`), "
+                        "then use its micro-batch in the sharded run, or measure this strategy against others at the plan's "
+                        "values, one launch each, with --strategies (e.g. --strategies ddp,deepspeed-zero2)")
+    if shards(own):
+        axes = ()  # one launch of this config measures one trial: the strategy round only
     recipe, overrides = parse_script_args(script, script_args)
     cfg, explicit = load_config_and_keys(recipe, overrides)
     plan, scoped = _scoped_to_this_job(plan, cfg, profile)
@@ -129,16 +159,19 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     vision = task.images
     seq_len, image_size = (None, cfg.image_size) if vision else (cfg.max_length, None)
 
+    shape = {"seq_len": seq_len, "image_size": image_size, "method": cfg.method, "lora_rank": cfg.lora_r}
+
     def memory_check(candidate_values: dict):
-        merged = {**values, **candidate_values}
-        return check_memory(plan, merged, world_size=world, seq_len=seq_len, image_size=image_size, method=cfg.method,
-                            lora_rank=cfg.lora_r, levers=shape_levers(SimpleNamespace(**merged)))
+        return _memory_check(plan, values, world, shape, candidate_values)
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),
                         layered=not task.images, memory_budget_bytes=memory_budget_bytes,
                         planned_micro_batch=planned_micro, planned_workers=plan.value("dataloader_num_workers"), axes=axes)
     space = plan_space(inputs, memory_check if plan.memory is not None else None)
+    if shards(own):
+        space = replace(space, notes=(f"{own} shards the model: no search (its trials would share one wrapped model); the "
+                                      "strategy round measures the plan's values under each strategy, one launch each",))
     if profile is None:
 
         profile = detect()
@@ -150,7 +183,8 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
                      "test": hooks.cache_key_part(environ)})  # a trial hook and its settings ({} without one)
     return TuneJob(config_file=path, plan=plan, recipe=recipe, overrides=tuple(overrides), recipe_keys=recipe_keys, fixed=fixed,
                    values=values, world_size=world, space=space, cache_key=key, identity=identity,
-                   machine=profile.name or profile.host.hostname, notes=tuple(scoped))
+                   machine=profile.name or profile.host.hostname, notes=tuple(scoped), own_strategy=own, strategies=others,
+                   shape=shape)
 
 
 def _scoped_to_this_job(plan, cfg, profile):

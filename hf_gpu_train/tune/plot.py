@@ -26,6 +26,8 @@ def _series_name(result: TrialResult) -> str:
         parts.append("compile")
     if c.packing is not None:
         parts.append("packing" if c.packing else "padding")
+    if c.strategy:  # the strategy round: a trial of another strategy at the search's winner
+        parts.append(c.strategy)
     return ", ".join(parts)
 
 

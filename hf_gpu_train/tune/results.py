@@ -50,6 +50,8 @@ class TrialResult:
     seconds: float = 0.0
     from_cache: bool = False
     memory_budget_bytes: int | None = None  # tune --memory-budget-gib: the peak must stay under it too
+    launched_strategy: str | None = None  # what the trial's Trainer ran (its accelerator's state), in the planner's words
+    peak_by_rank_bytes: tuple[int | None, ...] = ()  # each process's peak, rank 0 first (peak_memory_bytes is the largest)
 
     @property
     def within_budget(self) -> bool:
@@ -94,7 +96,8 @@ class TrialResult:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> TrialResult:
-        return cls(**{**data, "candidate": Candidate.from_dict(data["candidate"]), "step_times_s": tuple(data.get("step_times_s", ()))})
+        return cls(**{**data, "candidate": Candidate.from_dict(data["candidate"]), "step_times_s": tuple(data.get("step_times_s", ())),
+                      "peak_by_rank_bytes": tuple(data.get("peak_by_rank_bytes", ()))})
 
     def cached(self) -> TrialResult:
         return replace(self, from_cache=True)
@@ -135,8 +138,9 @@ def faster(a: TrialResult, b: TrialResult, metric: str) -> bool:
 def extras(candidate: Candidate, base: Candidate) -> int:
     """What a candidate asks beyond the run's own settings: fp16 instead of bf16 (loss scaling), torch.compile
     (compile time at every start), checkpointing (recomputation), offloading (copies), other worker counts (processes,
-    memory)."""
-    return (int(candidate.precision != base.precision) + int(candidate.torch_compile and not base.torch_compile)
+    memory), another strategy than the launch config's (another config to launch)."""
+    return (int(candidate.precision != base.precision) + int(candidate.strategy != base.strategy)
+            + int(candidate.torch_compile and not base.torch_compile)
             + int(candidate.gradient_checkpointing and not base.gradient_checkpointing)
             + int(candidate.offload_activations and not base.offload_activations)
             + int(candidate.dataloader_num_workers != base.dataloader_num_workers))
@@ -191,6 +195,9 @@ def _extras_text(candidate: Candidate, base: Candidate) -> str:
         found.append("activation offloading")
     if candidate.dataloader_num_workers != base.dataloader_num_workers:
         found.append(f"{candidate.dataloader_num_workers} workers instead of {base.dataloader_num_workers}")
+    if candidate.strategy != base.strategy:
+        own = "the config's own strategy"
+        found.append(f"{candidate.strategy or own} instead of {base.strategy or own}: another launch config")
     return ", ".join(found) or "nothing more"
 
 

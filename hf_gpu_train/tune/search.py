@@ -343,10 +343,18 @@ def grid(space: CandidateSpace) -> list[Candidate]:
     return found
 
 
+def run_fixed(candidates: list[Candidate], run_trial: RunTrial, warmup_steps: int = WARMUP_STEPS,
+              measure_steps: int | None = None) -> SearchOutcome:
+    """Run these candidates as they are, in order (tune's strategy round: one candidate in a launch of another
+    strategy's config), each measuring ``measure_steps`` (None: the first decides)."""
+    results: list[TrialResult] = []
+    for candidate in candidates:
+        results.append(run_trial(candidate, warmup_steps, measure_steps or measure_steps_of(results)))
+    return SearchOutcome(tuple(results), (), sum(r.seconds for r in results), False)
+
+
 def run_grid(space: CandidateSpace, run_trial: RunTrial, warmup_steps: int = WARMUP_STEPS,
              measure_steps: int | None = None) -> SearchOutcome:
     """Run every candidate (no budget, no early stop), with the same trial runner and step count as the search."""
-    results: list[TrialResult] = []
-    for candidate in grid(space):
-        results.append(run_trial(candidate, warmup_steps, measure_steps or measure_steps_of(results)))
-    return SearchOutcome(tuple(results), (f"grid: {len(results)} candidate(s)",), sum(r.seconds for r in results), False)
+    outcome = run_fixed(grid(space), run_trial, warmup_steps, measure_steps)
+    return replace(outcome, notes=(f"grid: {len(outcome.results)} candidate(s)",))

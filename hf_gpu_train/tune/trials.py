@@ -27,6 +27,9 @@ import torch
 from ..callbacks.devices import device_peak
 from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
+from ..finetune.deepspeed_env import deepspeed_requested, hold_zero3_init
+from ..finetune.fsdp import fsdp_requested
+from ..finetune.launch_plan import strategy_of_state
 from ..finetune.run import attach_pieces, prepare
 from ..finetune.runtime import resolve_runtime
 from ..finetune.tasks import Task, task_for
@@ -56,6 +59,7 @@ class LocalMeasurement:
     rescued_micro_batch: int | None = None
     failed_micro_batch: int | None = None
     measured_steps: int | None = None
+    strategy: str | None = None  # what the trial's Trainer ran, in the planner's words (ddp, deepspeed-zero2, ...)
 
 
 def trial_config(base: FinetuneConfig, candidate: Candidate, world_size: int, warmup_steps: int, measure_steps: int | None,
@@ -98,16 +102,25 @@ class TrialSession:
         state = PartialState(cpu=not self.runtime.on_cuda)  # the process group, before the first trial's Trainer
         self.rank, self.world_size = state.process_index, state.num_processes
         set_seed(cfg.seed)
+        # a ZeRO-3 launch (tune's strategy round): the model loads partitioned, as scripts/finetune.py loads it; held until
+        # the first Trainer's arguments hold DeepSpeed's config
+        self.zero3_init = hold_zero3_init(self.runtime.precision)
         self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
         collator, self.notes = hooks.install(self.model, collator, environ)
-        if type(task_for(cfg.task)).confirm_model is not Task.confirm_model:  # a task that checks its model (causal LM)
+        # a task that checks its model (causal LM): here, on the device the trials train on; in a launch that shards the
+        # model (the strategy round) on the Trainer's model once it exists, as scripts/finetune.py checks it (before
+        # FSDP or DeepSpeed wraps it, a rank may hold no weights: FSDP's efficient loading, ZeRO-3's partitions)
+        self.confirm_on_trainer = fsdp_requested(environ) or deepspeed_requested(environ)
+        if type(task_for(cfg.task)).confirm_model is Task.confirm_model:
+            self.confirm_on_trainer = False
+        elif not self.confirm_on_trainer:
             self._confirm_model()
         self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
 
     def _confirm_model(self) -> None:
         """The task's check of the model (a causal LM's chunked head) as scripts/finetune.py makes it, on the device the
-        trials train on (tune refuses sharded launches: each process holds the whole model, which its first Trainer
-        would move there anyway)."""
+        trials train on (DDP or one process: each process holds the whole model, which its first Trainer would move
+        there anyway)."""
         quantized = getattr(self.model, "hf_device_map", None) or getattr(self.model, "is_loaded_in_4bit", False)
         if self.runtime.on_cuda and not quantized:
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
@@ -148,11 +161,19 @@ class TrialSession:
         if runtime.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         trainer = recovery = telemetry = meter = None
+        ran = None
         outcome: tuple[str, str] = (OK, "")
         resident = PeakResident() if not runtime.on_cuda else contextlib.nullcontext()
         try:
             trainer = build_trainer(cfg, runtime, self.model, layout.train, self.validation, layout.collator, self.processing_class,
                                     trainer_class=Trainer)
+            self.zero3_init = None  # the Trainer's arguments hold DeepSpeed's config from here
+            ran = strategy_of_state(trainer.accelerator.state)
+            if self.confirm_on_trainer:
+                self.confirm_on_trainer = False
+                line = task_for(cfg.task).confirm_model(trainer.model, cfg, runtime.precision)
+                if line and self.rank == 0:
+                    print(f"tune: {line}", flush=True)
             try:  # selective checkpointing, offloading: as scripts/finetune.py applies them
                 apply_levers(trainer, cfg, runtime)
             except UsageError as error:  # a lever this setting rules out: the same config on every rank, before any step
@@ -193,7 +214,8 @@ class TrialSession:
             tokens=meter.measured_tokens if meter else 0, step_times_s=tuple(meter.step_times) if meter else (),
             data_wait_s=sum(meter.data_waits) if meter else 0.0, peak_memory_bytes=peak, device_memory_bytes=total,
             rescued_micro_batch=recovery.micro_batch if recovery is not None and failed else None,
-            failed_micro_batch=min(failed) if failed else None, measured_steps=meter.measure_steps if meter else measure_steps)
+            failed_micro_batch=min(failed) if failed else None, measured_steps=meter.measure_steps if meter else measure_steps,
+            strategy=ran)
         self._close(trainer, recovery, telemetry, meter)
         trainer = recovery = telemetry = meter = None  # the last references: the collection below frees them
         if candidate.torch_compile:
@@ -236,7 +258,8 @@ def combine(candidate: Candidate, local: list[LocalMeasurement], warmup_steps: i
     common = dict(peak_memory_bytes=max(peaks) if peaks else None, device_memory_bytes=min(totals) if totals else None,
                   rescued_micro_batch=min(rescued) if rescued else None, failed_micro_batch=min(failed) if failed else None,
                   warmup_steps=warmup_steps, measured_steps=measure_steps, seconds=round(seconds, 3),
-                  memory_budget_bytes=memory_budget_bytes)
+                  memory_budget_bytes=memory_budget_bytes, launched_strategy=local[0].strategy,
+                  peak_by_rank_bytes=tuple(m.peak_memory_bytes for m in local))
     times = [m.measured_s for m in local]
     if status in (FAILED, SKIPPED) or None in times or not times:
         return TrialResult(candidate, status, reason, **common)

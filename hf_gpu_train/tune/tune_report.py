@@ -45,8 +45,9 @@ def _num(value: float | None, fmt: str = ",.1f") -> str:
 
 
 def planner_error(result: TrialResult, space: CandidateSpace) -> tuple[int | None, float | None]:
-    """(the planner's estimate in bytes, its error against the measured peak in percent) for this trial."""
-    verdict = space.verdict(result.candidate)
+    """(the planner's estimate in bytes, its error against the measured peak in percent) for this trial (the space's
+    verdicts are the config's own strategy's: none for a trial of another)."""
+    verdict = None if result.candidate.strategy else space.verdict(result.candidate)
     if verdict is None:
         return None, None
     if result.peak_memory_bytes is None or not result.ran:
@@ -59,18 +60,31 @@ def checkpointing_text(c) -> str:
     return {"all": "on"}.get(c.checkpointing, c.checkpointing) + (" + offload" if c.offload_activations else "")
 
 
-def trial_rows(results: list[TrialResult], space: CandidateSpace) -> list[list[str]]:
+def _per_rank(result: TrialResult) -> str:
+    return "/".join(_gib(peak) for peak in result.peak_by_rank_bytes) or "-"
+
+
+def trial_rows(results: list[TrialResult], space: CandidateSpace, own_strategy: str | None = None) -> list[list[str]]:
+    """The table of trials; ``own_strategy`` (the config's, when the strategy round ran): a strategy column and each
+    process's peak."""
     header = ["#", "micro-batch", "accum.", "checkpointing", "workers", "precision", "compile", space.metric, "samples/s",
               "step spread %", "peak GiB", "planner GiB", "planner error %", "data wait %", "warm-up s", "compile s", "trial s", "result"]
+    if own_strategy is not None:
+        header[1:1] = ["strategy"]
+        header[header.index("peak GiB") + 1:header.index("peak GiB") + 1] = ["peak GiB per rank"]
     rows = [header]
     for i, r in enumerate(results, 1):
         c = r.candidate
         estimate, error = planner_error(r, space)
-        rows.append([str(i), str(c.micro_batch), str(c.accumulation), checkpointing_text(c),
-                     str(c.dataloader_num_workers), c.precision, "on" if c.torch_compile else "off", _num(r.throughput(space.metric)),
-                     _num(r.samples_per_s), _num(r.spread_pct), _gib(r.peak_memory_bytes), _gib(estimate),
-                     _num(error, "+.1f"), _num(r.data_wait_pct), _num(r.warmup_s), _num(r.compile_s),
-                     _num(r.seconds) + (" (saved)" if r.from_cache else ""), r.verdict()])
+        row = [str(i), str(c.micro_batch), str(c.accumulation), checkpointing_text(c),
+               str(c.dataloader_num_workers), c.precision, "on" if c.torch_compile else "off", _num(r.throughput(space.metric)),
+               _num(r.samples_per_s), _num(r.spread_pct), _gib(r.peak_memory_bytes), _gib(estimate),
+               _num(error, "+.1f"), _num(r.data_wait_pct), _num(r.warmup_s), _num(r.compile_s),
+               _num(r.seconds) + (" (saved)" if r.from_cache else ""), r.verdict()]
+        if own_strategy is not None:
+            row[1:1] = [c.strategy or own_strategy]
+            row[header.index("peak GiB per rank"):header.index("peak GiB per rank")] = [_per_rank(r)]
+        rows.append(row)
     return rows
 
 
@@ -80,7 +94,8 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def render_report(facts: RunFacts, space: CandidateSpace, choice: Choice, results: list[TrialResult], notes: list[str],
-                  plot_name: str | None) -> str:
+                  plot_name: str | None, own_strategy: str | None = None) -> str:
+    """``own_strategy``: the config's, when the strategy round ran (the table names each trial's strategy)."""
     ran = [r for r in results if r.ran and not r.from_cache]
     startup = "every measurement reused from the saved ones" if facts.startup_s is None else f"model and data loaded in {facts.startup_s:.1f} s"
     lines = [MARK, f"# hf-gpu-train tune: {facts.config_file}", "",
@@ -98,7 +113,7 @@ def render_report(facts: RunFacts, space: CandidateSpace, choice: Choice, result
     else:
         lines.append(f"**{choice.winner.candidate.describe()}**")
     lines += [""] + [f"- {reason}" for reason in choice.reasons]
-    lines += ["", "## Trials", "", *_table(trial_rows(results, space)), ""]
+    lines += ["", "## Trials", "", *_table(trial_rows(results, space, own_strategy)), ""]
     if plot_name:
         lines += [f"![{space.metric} and peak memory against the micro-batch]({plot_name})", ""]
     lines += ["## How the search went, and what it did not try", ""]

@@ -7,7 +7,7 @@ still leaves what it measured. The spec is written by ``cli/tune.py``::
 
     {"recipe": "recipes/x.yaml" | null, "overrides": ["key=value", ...], "space": CandidateSpace, "budget_s": 60,
      "warmup_steps": 2, "measure_steps": null, "cached": {candidate key: TrialResult}, "results_path": ...,
-     "output_dir": ..., "search": "tune" | "grid"}
+     "output_dir": ..., "search": "tune" | "grid" | "fixed", "candidates": [Candidate, ...] (with "fixed")}
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..finetune.launch_plan import apply_launch_plan
 from ..process_group import exit_process
 from .candidates import Candidate, CandidateSpace
 from .results import TrialResult
-from .search import run_grid, run_search
+from .search import run_fixed, run_grid, run_search
 
 RESULTS_FORMAT = "hf_gpu_train.tune_trials"
 
@@ -84,8 +84,8 @@ def run(spec: dict, started: float) -> int:
     startup_s = time.perf_counter() - started
     for note in session.notes:
         print(f"tune: {note}", flush=True)
-    print(f"tune: model and data loaded in {startup_s:.1f} s on {world} process(es); budget {spec['budget_s']:.0f} s of trials",
-          flush=True)
+    budget = "" if spec.get("search") == "fixed" else f"; budget {spec['budget_s']:.0f} s of trials"
+    print(f"tune: model and data loaded in {startup_s:.1f} s on {world} process(es){budget}", flush=True)
     results_path = Path(spec["results_path"])
     done: list[TrialResult] = []
     doc = {"format": RESULTS_FORMAT, "startup_s": round(startup_s, 2), "world_size": world, "trials": [], "complete": False}
@@ -103,6 +103,9 @@ def run(spec: dict, started: float) -> int:
     cached = {k: TrialResult.from_dict(v) for k, v in spec.get("cached", {}).items()}
     if spec.get("search") == "grid":  # benchmarks/tune_vs_grid.py: every candidate, for comparison
         outcome = run_grid(space, run_trial, spec["warmup_steps"], spec.get("measure_steps"))
+    elif spec.get("search") == "fixed":  # tune's strategy round: these candidates in this launch, no search
+        outcome = run_fixed([Candidate.from_dict(c) for c in spec["candidates"]], run_trial, spec["warmup_steps"],
+                            spec.get("measure_steps"))
     else:
         outcome = run_search(space, spec["budget_s"], run_trial, cached, spec["warmup_steps"], spec.get("measure_steps"))
     _broadcast(None, world)  # the others leave their loop (after an error every process stops instead)

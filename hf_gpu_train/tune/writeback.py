@@ -50,9 +50,11 @@ def tuned_axes(space: CandidateSpace) -> dict[str, bool]:
             "compile": len(space.compile) > 1, "packing": len(space.packing) > 1}
 
 
-def plan_values(winner: Candidate, space: CandidateSpace, reason: str) -> dict[str, PlanValue]:
-    """The plan values tune decided, in FinetuneConfig's words (gradient_accumulation_steps recorded with them)."""
-    axes = tuned_axes(space)
+def plan_values(winner: Candidate, space: CandidateSpace, reason: str, every_value: bool = False) -> dict[str, PlanValue]:
+    """The plan values tune decided, in FinetuneConfig's words (gradient_accumulation_steps recorded with them);
+    ``every_value``: every value of the candidate, tuned or not (a strategy's own config, whose plan was made for other
+    values: its launch must run the values measured under it)."""
+    axes = {axis: True for axis in tuned_axes(space)} if every_value else tuned_axes(space)
     found: dict[str, PlanValue] = {}
     world = space.world_size
     if axes["micro_batch"]:
@@ -67,19 +69,22 @@ def plan_values(winner: Candidate, space: CandidateSpace, reason: str) -> dict[s
                              ("workers", "dataloader_num_workers", winner.dataloader_num_workers),
                              ("precision", "precision", winner.precision), ("compile", "torch_compile", winner.torch_compile),
                              ("packing", "packing", winner.packing)):
-        if axes[axis]:
+        # every_value: no packing for a task that has none, no precision where the launch decides it ("auto")
+        if axes[axis] and value is not None and not (key == "precision" and value == "auto"):
             found[key] = PlanValue(value, reason)
     return found
 
 
-def header_block(choice: Choice, results: list[TrialResult], space: CandidateSpace, when: str, report_name: str) -> list[str]:
-    """Comment lines for NAME.yaml: the winner, why, and every trial."""
+def header_block(choice: Choice, results: list[TrialResult], space: CandidateSpace, when: str, report_name: str,
+                 notes: tuple[str, ...] = ()) -> list[str]:
+    """Comment lines for NAME.yaml: the winner, why, ``notes`` (the strategy round's outcome), and every trial."""
     lines = [f"{BLOCK_BEGIN} ({when}): measured on this machine; the table and the plot: {report_name}"]
     if choice.winner is None:
         lines.append("#   no winner: nothing written to the plan")
     else:
         lines.append(f"#   winner: {choice.winner.candidate.describe()} (effective batch {space.effective_batch})")
     lines += [f"#   why: {reason}" for reason in choice.reasons]
+    lines += [f"#   {note}" for note in notes]
     lines.append(f"#   trials ({space.metric} | samples/s | peak GiB | data wait | result):")
     for r in results:
         speed = r.throughput(space.metric)
@@ -109,12 +114,15 @@ def yaml_with_block(text: str, block: list[str], precision: str | None) -> str:
 
 def write_winner(config_file: Path, choice: Choice, results: list[TrialResult], space: CandidateSpace, stamp: str, when: str,
                  recipe: str | None, overrides: list[str], report_name: str, budget_s: float,
-                 data: Mapping | None = None) -> Written:
-    """Back up NAME.plan.json and NAME.yaml, then write the winner's values and the header block."""
+                 data: Mapping | None = None, notes: tuple[str, ...] = (), strategy_config: bool = False) -> Written:
+    """Back up NAME.plan.json and NAME.yaml, then write the winner's values and the header block (``notes``: lines for
+    it). ``strategy_config``: a config tune itself wrote for the winner's strategy (NAME.strategies/S.yaml, written
+    again by every tune: no backup), which takes every value of the winner."""
     plan_path = plan_path_for(config_file)
-    backups = tuple(b for b in (backup(plan_path, stamp), backup(config_file, stamp)) if b is not None)
+    backups = () if strategy_config else tuple(b for b in (backup(plan_path, stamp), backup(config_file, stamp)) if b is not None)
     winner = choice.winner
-    values = plan_values(winner.candidate, space, f"measured by hf-gpu-train tune ({when}): {choice.reasons[0]}") if winner else {}
+    reason = f"measured by hf-gpu-train tune ({when}): {choice.reasons[0]}"
+    values = plan_values(winner.candidate, space, reason, every_value=strategy_config) if winner else {}
     tuned = {"by": "hf-gpu-train tune", "when": when, "recipe": recipe_identity(recipe), "overrides": list(overrides),
              **({"data": dict(data)} if data is not None else {}),
              "keys": sorted(values), "metric": space.metric, "budget_s": budget_s, "effective_batch": space.effective_batch,
@@ -124,6 +132,6 @@ def write_winner(config_file: Path, choice: Choice, results: list[TrialResult], 
     # the winner's precision stays in the plan, scoped to this recipe like every tuned value: NAME.yaml's
     # mixed_precision reaches every run launched with it, so `hf-gpu-train launch` passes --mixed_precision for this
     # recipe only (cli/launch.py)
-    config_file.write_text(yaml_with_block(config_file.read_text(), header_block(choice, results, space, when, report_name),
+    config_file.write_text(yaml_with_block(config_file.read_text(), header_block(choice, results, space, when, report_name, notes),
                                            None))
     return Written(plan_path, config_file, backups, tuple(sorted(values)))
