@@ -17,9 +17,9 @@ group's size is read, not exchanged).
 from __future__ import annotations
 
 import os
-import sys
 
 from ..errors import UsageError
+from .collective_gate import _distributed
 
 
 class LoneRank(UsageError):
@@ -48,9 +48,6 @@ def check_not_alone(trainer, environ=None) -> None:
 
 
 def _group_size() -> int:
-    """The default process group's size; 1 without one (torch not imported here for it: a process without torch has
-    no group)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 1
-    return torch.distributed.get_world_size()
+    """The default process group's size; 1 without a group of several (the collective gate's own test of one)."""
+    dist = _distributed()
+    return dist.get_world_size() if dist is not None else 1
