@@ -20,3 +20,12 @@ def table(rows: Sequence[Sequence[object]], header: bool = True) -> str:
 
 def gib(num_bytes: int | float | None, digits: int = 1) -> str:
     return "?" if num_bytes is None else f"{num_bytes / 2**30:.{digits}f} GiB"
+
+
+def human(n: float) -> str:
+    """Bytes in the largest unit below 1024 of it: 512 B, 1.5 KiB, 18.8 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

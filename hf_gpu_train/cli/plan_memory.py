@@ -11,11 +11,12 @@ from ..errors import UsageError
 from ..hardware.peaks import peak_flops
 from ..levers.plan import host_room_per_process, last_resort_plan
 from ..levers.table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
+from ..plan.evaluation_memory import JOIN_FACTOR, evaluation_memory
 from ..plan.gpus import select_devices
 from ..plan.memory import BREAKDOWN_ROWS, STRATEGIES, TrainingShape, estimate, largest_micro_batch, plan_memory, usable_bytes
 from ..plan.method_choice import recommend_method, useful_micro_batch
 from ..plan.model_spec import adapter_shape, quantized_params
-from ..textfmt import table
+from ..textfmt import human, table
 from .common import add_machine_argument, resolve_profile
 from .config import add_planner_arguments, model_spec_from_args
 
@@ -37,6 +38,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="full fine-tuning (default), LoRA adapters on a 16-bit base, QLoRA adapters on a 4-bit NF4 base, "
                    "or auto: plan each and recommend one")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (adapters on every linear layer but the output head)")
+    p.add_argument("--eval-rows", type=int, metavar="N",
+                   help="rows of the evaluation set: what an evaluation keeps (a language model's logits: rows x seq x "
+                   "vocabulary) and what the fine-tune keeps instead")
     p.add_argument("--prefer-full", action="store_true",
                    help="with --method auto: rank full fine-tuning sharded over the GPUs (FSDP) above LoRA and QLoRA")
     return p
@@ -79,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     adapters = f", LoRA r{args.lora_rank}" if args.method != "full" else ""
     print(f"{spec.name}: {spec.params / 1e6:.1f}M parameters; {count} {devices} x {memory / 2**30:.1f} GiB; "
           f"{args.precision}, {args.optimizer}, seq {args.seq_len}, image {args.image_size}{adapters}")
+    if args.eval_rows is not None:
+        _print_evaluation(args, spec)
     if args.method == "auto":
         return _run_auto(args, spec, shape, memory, count)
     status, strategy = _run_one(args, spec, shape, memory, count)
@@ -87,6 +93,27 @@ def run(args: argparse.Namespace) -> int:
     elif status and shape.method == "full":
         status = _print_last_resort(args, spec, shape, memory, count, strategy)
     return status
+
+
+def _print_evaluation(args, spec) -> None:
+    """An evaluation's own memory (plan/evaluation_memory.py): a language model's logits kept for a compute_metrics,
+    against what the fine-tune keeps (the loss)."""
+    if args.eval_rows < 1:
+        raise UsageError(f"--eval-rows {args.eval_rows}: the evaluation set's rows, at least 1")
+    if not (spec.vocab_size and spec.causal_lm):
+        print(f"\nEvaluation of {args.eval_rows} rows: a classifier's logits are one row of classes per example, small; "
+              "scripts/finetune.py keeps their class ids")
+        return
+    bytes_per_value = 4 if args.precision == "fp32" else 2
+    logits = evaluation_memory(args.eval_rows, args.seq_len, spec.vocab_size, True, "the logits", bytes_per_value)
+    loss = evaluation_memory(args.eval_rows, args.seq_len, spec.vocab_size, True, "the loss only", bytes_per_value)
+    ids = 8.0 * args.eval_rows * args.seq_len * JOIN_FACTOR
+    print(f"\nEvaluation of {args.eval_rows} rows at seq {args.seq_len}, vocabulary {spec.vocab_size} ({args.precision} logits):")
+    print(f"  a Trainer keeping the logits for its compute_metrics: {human(logits.logits_bytes)} at the end of each "
+          "evaluation (on the GPU until then, without eval_accumulation_steps)")
+    print(f"  scripts/finetune.py keeps the loss only (perplexity from it): {human(loss.kept_bytes)}")
+    print(f"  in your own Trainer: preprocess_logits_for_metrics reducing the logits to what the metric reads (token ids: "
+          f"{human(ids)}), and eval_accumulation_steps (predictions on the host)")
 
 
 def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:

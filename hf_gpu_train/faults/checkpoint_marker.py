@@ -34,8 +34,19 @@ SET_ASIDE_DIR = "incomplete-checkpoints"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
+_EACH_NODE = [False]  # save_on_each_node: every node's local rank 0 writes a checkpoint of its own (guard_saves sets it)
+
+
+def save_on_each_node(on: bool) -> None:
+    """Checkpoints are written on every node (``TrainingArguments.save_on_each_node``): each node's local rank 0 marks
+    and sets aside the checkpoints of its own output_dir, not global rank 0 only (whose disk the other nodes do not see)."""
+    _EACH_NODE[0] = bool(on)
+
+
 def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    """The process that writes this node's output_dir: global rank 0, or each node's local rank 0 under
+    ``save_on_each_node``."""
+    return os.environ.get("LOCAL_RANK" if _EACH_NODE[0] else "RANK", "0") == "0"
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:
@@ -116,6 +127,8 @@ def resume_point(resume, output_dir: str | Path):
             (Path(resume).is_dir() and is_half_written(Path(resume))) or (not Path(resume).exists() and _was_set_aside(Path(resume)))):
         folder = Path(resume).parent
     else:
+        if isinstance(resume, (str, os.PathLike)) and _CHECKPOINT.match(Path(resume).name) and Path(resume).is_dir():
+            say_an_inexact_resume(Path(resume))
         return resume
     moved: list[tuple[Path, Path]] = []
     if resume is not True and Path(resume).is_dir() and is_main_process():
@@ -131,7 +144,37 @@ def resume_point(resume, output_dir: str | Path):
     if found is None:
         raise ValueError(f"no complete checkpoint in {folder} to resume from ({asked} was asked for; half-written ones "
                          f"are set aside in {folder / SET_ASIDE_DIR}): train without resume_from_checkpoint to start over")
+    say_an_inexact_resume(found)
     return str(found)
+
+
+def say_an_inexact_resume(checkpoint: Path) -> None:
+    """A checkpoint that holds the model only (``save_only_model=True``): the resume is said not to be exact, and why."""
+    missing = missing_for_an_exact_resume(checkpoint)
+    if missing and is_main_process():
+        log.warning("hf_gpu_train: resuming from %s, which holds the model but not %s (saved with save_only_model=True?): "
+                    "the run goes on with them afresh, not exactly where it stopped. Checkpoints for exact resumes: "
+                    "save_only_model=False (a stop signal's checkpoint always holds them)", Path(checkpoint).name,
+                    " nor ".join(missing))
+
+
+def missing_for_an_exact_resume(checkpoint: Path) -> list[str]:
+    """What a checkpoint lacks for the Trainer to continue the run exactly (``save_only_model=True`` leaves them out):
+    the optimizer's state, the learning-rate scheduler's, the random state. DeepSpeed keeps its optimizer's partitions
+    in ``global_step*/``."""
+    try:
+        names = [p.name for p in Path(checkpoint).iterdir()]
+    except OSError:
+        return []
+    deepspeed = any(name.startswith("global_step") for name in names)
+    missing = []
+    if not deepspeed and not any(name.startswith("optimizer") for name in names):
+        missing.append("the optimizer's state")
+    if "scheduler.pt" not in names and not deepspeed:
+        missing.append("the learning-rate scheduler's")
+    if not any(name.startswith("rng_state") for name in names):
+        missing.append("the random state")
+    return missing
 
 
 def write_marker(checkpoint: Path, step: int, before: Callable[[Path], None] | None = None) -> None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, write_marker
+from ..textfmt import human
+from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
 from .collective_gate import agree_on_control, wait_for_every_rank
 from .resume_epoch import exact_mid_epoch_resume
 
@@ -68,14 +69,6 @@ def _existing(folder: Path) -> Path:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def state_bytes(trainer) -> int:
@@ -176,6 +169,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     rank's. A Trainer without that step is not waited for: its marker is written when the main process finished."""
 
     agreed = agree_on_control(trainer)
+    save_on_each_node(trainer.args.save_on_each_node)  # each node marks its own copy (its local rank 0 writes it)
 
     def checkpoint_folder() -> Path:
         return Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
@@ -185,7 +179,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
 
         def saving(*args, **kwargs):
             folder = folder_of(args, kwargs)
-            main = trainer.is_world_process_zero()
+            main = trainer.args.should_save  # global rank 0, or each node's local rank 0 with save_on_each_node
             with saving_to(trainer, folder, what, words):
                 if mark and main:
                     begin_save(folder, trainer.state.global_step)
@@ -215,4 +209,9 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
 
     trainer.train = train_from_a_complete_checkpoint
     trainer._hf_gpu_train_saves_guarded = True
-    exact_mid_epoch_resume(trainer)  # a resume from any of these checkpoints takes its epoch's sample order
+    # a resume from any of these checkpoints reads the order the run never stopped reads: every epoch's order seeded by
+    # the epoch, and a mid-epoch resume in its epoch's order
+    from .sampler_order import seeded_samplers  # lazy: torch and transformers; guard_saves is imported before them
+
+    seeded_samplers(trainer)
+    exact_mid_epoch_resume(trainer)

@@ -14,10 +14,15 @@ Here, on every rank:
    entered by every rank at every step whatever any rank heard), so every rank saves the same step and stops. The
    step in flight is finished first, all of its gradient-accumulation micro-batches: the checkpoint is at an
    optimizer-step boundary and the resume is exact. A signal during an evaluation lets the evaluation finish, then
-   saves at once (``on_evaluate``); during a save, the save finishes and the run stops (``on_save``).
+   saves at once (``on_evaluate``); during a save, the save finishes and the run stops (``on_save``). An evaluation
+   due at the step where the stop is taken is put off, not run before the save (a generating evaluation can outlast
+   the grace): the checkpoint records it (``DeferredEvaluation``) and the resumed run runs it before its first step,
+   where the uninterrupted run ran it (its metrics, a plateau scheduler, early stopping and the best checkpoint the same).
 3. The checkpoint is the Trainer's own (model, optimizer, scheduler, every rank's RNG, the data position in
    ``trainer_state.json``, the OOM recovery's micro-batch with it), marked complete once every rank wrote its part
-   (``disk_full.guard_saves``). Every rank then waits for the others, and ``train()`` ends the process with
+   (``disk_full.guard_saves``). With ``save_only_model=True`` the scheduled checkpoints hold the model only (the user's
+   choice), but a stop's checkpoint holds the optimizer, scheduler and RNG states too: it is the one the next run
+   continues from. Every rank then waits for the others, and ``train()`` ends the process with
    ``PREEMPTED_EXIT_CODE`` (75, EX_TEMPFAIL: "try again"); the same command resumes from that checkpoint.
 4. A second signal (more than ``DUPLICATE_WINDOW_S`` after the first: a launcher forwarding the scheduler's signal, which
    SLURM also sent to every process, is the same request) ends the process at once, with the same exit code; the grace
@@ -47,9 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from ..launch.grace import GRACE_ENV, RECORD
-from ..launch.rank_report import PREEMPTED_EXIT_CODE, write_preempted, write_worker_pid
+from ..launch.rank_report import PREEMPTED_EXIT_CODE, read_stop_request, write_preempted, write_worker_pid
 from .checkpoint_marker import complete_checkpoints, is_main_process
 from .collective_gate import agree_on_control, any_rank
 from .disk_full import guard_saves, state_bytes
@@ -64,6 +70,21 @@ ASSUMED_WRITE_BYTES_PER_S = 200e6  # before the first save is measured (launch/g
 
 
 DEFAULT_GRACE_SOURCE = "assumed: the schedulers' default (SLURM KillWait, Kubernetes terminationGracePeriodSeconds)"
+# In output_dir from a stop until the next run begins: how a script under plain torchrun or accelerate launch (which end
+# with 1 when a worker exits 75) tells a preemption from a crash: `[ -e OUTPUT_DIR/hf_gpu_train_preempted.json ] && exit 75`
+PREEMPTED_FILE = "hf_gpu_train_preempted.json"
+
+
+def write_preempted_file(output_dir: str, step: int, signum: int | None) -> None:
+    """On the process that writes ``output_dir``: this run stopped for a stop signal at ``step``, resumable."""
+    if not is_main_process():
+        return
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / PREEMPTED_FILE).write_text(json.dumps({"step": step, "signal": signal_name(signum),
+                                                                    "exit_code": PREEMPTED_EXIT_CODE, "time": time.time()}))
+    except OSError:
+        pass  # a courtesy to a launcher that cannot see exit 75; the checkpoint is what matters
 
 
 def grace_seconds(value=None) -> tuple[float, str]:
@@ -92,6 +113,8 @@ class StopRequest:
     at: float = 0.0
     _previous: dict = field(default_factory=dict)
     _pid: int = 0  # the process that installed the handlers
+    _taken: int = 0  # the launcher's noted stop requests this process has taken (launch/rank_report.py)
+    output_dir: str | None = None  # the training run's, for the preempted file of an exit at once
 
     @property
     def requested(self) -> bool:
@@ -106,7 +129,20 @@ class StopRequest:
         for signum in signals:
             if signum not in self._previous:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        self.take_a_noted_request()
         return None
+
+    def take_a_noted_request(self) -> None:
+        """A stop signal the launcher forwarded before this process listened (it ignored it, or it went to its
+        launcher): taken now, once, as if it had just arrived."""
+        noted = read_stop_request()
+        if noted is None or noted[1] <= self._taken:
+            return
+        self._taken = noted[1]
+        if self.signum is None:
+            self.signum, self.at = noted[0], time.monotonic()
+            _say(f"{signal_name(noted[0])} came before this process listened (the launcher noted it): finishing this "
+                 f"step, then saving a checkpoint and stopping (exit {PREEMPTED_EXIT_CODE})")
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
@@ -115,6 +151,8 @@ class StopRequest:
 
     def reset(self) -> None:
         self.signum, self.at = None, 0.0
+        noted = read_stop_request()  # what the launcher noted has been handled with the request just ended
+        self._taken = max(self._taken, noted[1]) if noted else self._taken
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:
@@ -130,7 +168,7 @@ class StopRequest:
         if now - self.at <= DUPLICATE_WINDOW_S:
             return  # the launcher forwarding what the scheduler sent every process: the same request
         _say(f"a second stop signal ({signal_name(signum)}): exiting now; the newest complete checkpoint is kept")
-        _exit_now()
+        _exit_now(self.output_dir, signum)
 
 
 STOP = StopRequest()
@@ -149,8 +187,10 @@ def _say(line: str) -> None:
         pass
 
 
-def _exit_now() -> None:
+def _exit_now(output_dir: str | None = None, signum: int | None = None) -> None:
     write_preempted(int(os.environ.get("RANK", "0")), -1)
+    if output_dir is not None:
+        write_preempted_file(output_dir, -1, signum)
     os._exit(PREEMPTED_EXIT_CODE)
 
 
@@ -192,6 +232,18 @@ def _shield_loader_workers(trainer) -> None:
         setattr(trainer, name, shielded)
 
 
+class DeferredEvaluation(TrainerCallback, ExportableState):
+    """The evaluation a stop signal put off (the step it was due at), saved with the stop's checkpoint in
+    ``trainer_state.json``: the resumed run runs it before its first step. Data only (the Trainer may rebuild it from the
+    checkpoint with ``restore_callback_states_from_checkpoint=True``; ``Preemption`` finds the one it holds)."""
+
+    def __init__(self):
+        self.due_step: int | None = None
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"due_step": self.due_step}}
+
+
 class PreemptionCallback(TrainerCallback):
     """Turns a noted stop signal into the Trainer's own save and stop, at the next step boundary."""
 
@@ -199,7 +251,7 @@ class PreemptionCallback(TrainerCallback):
         self.preemption = preemption
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.preemption.training_began(args)
+        self.preemption.training_began(args, state)
 
     def _ask(self, control, save: bool) -> None:
         p = self.preemption
@@ -210,6 +262,7 @@ class PreemptionCallback(TrainerCallback):
             p.stopping = True
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.preemption.run_the_deferred_evaluation(state)
         self.preemption.step_started = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -258,17 +311,68 @@ class Preemption:
         self.saved_step: int | None = None
         self.stopped_at_step: int | None = None
         self.inactive_reason: str | None = None
+        self.saved_full_state = True  # the last checkpoint holds the optimizer, scheduler and RNG states too
+        self.deferred = DeferredEvaluation()
+        self.evaluation_put_off: int | None = None  # this run put off the evaluation due at this step
         self._said_too_long = False
 
     # -- training ------------------------------------------------------------------------------------------------
-    def training_began(self, args) -> None:
+    def training_began(self, args, state) -> None:
         self.training = True
         self.stopping = False
         self.preempted = False
+        self.evaluation_put_off = None
+        self._find_the_deferred_evaluation(state)
+        self.request.output_dir = args.output_dir
+        if is_main_process():  # a new run: the last one's "preempted" is answered
+            (Path(args.output_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
         write_worker_pid(args.process_index)
         self._record_previous(args.output_dir)
         if args.process_index == 0:
             self._check_grace(args)
+            if args.save_only_model and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+                log.warning("hf_gpu_train: save_only_model=True: the scheduled checkpoints hold the model only, so a run "
+                            "resumed from one of them starts its optimizer, learning-rate schedule and random state "
+                            "afresh, not where this run was; a stop signal's checkpoint holds them too and resumes "
+                            "exactly. For exact resumes from every checkpoint: save_only_model=False")
+
+    def _find_the_deferred_evaluation(self, state) -> None:
+        """The ``DeferredEvaluation`` the Trainer holds now, with the step a resumed checkpoint recorded."""
+        handler = getattr(self.trainer, "callback_handler", None)
+        self.deferred = next((c for c in getattr(handler, "callbacks", []) if isinstance(c, DeferredEvaluation)), self.deferred)
+        if not self.trainer.args.restore_callback_states_from_checkpoint:
+            saved = (getattr(state, "stateful_callbacks", None) or {}).get(DeferredEvaluation.__name__)
+            saved = saved[0] if isinstance(saved, list) and saved else saved
+            self.deferred.due_step = ((saved or {}).get("attributes") or {}).get("due_step")
+        if self.deferred.due_step is not None and self.deferred.due_step != state.global_step:
+            self.deferred.due_step = None  # a checkpoint of another step: not this resume's
+
+    def put_off_the_evaluation(self) -> None:
+        """Before the Trainer logs, evaluates and saves after a step (the flags agreed on every rank): an evaluation due
+        now, with a stop requested on any rank, is put off to the resumed run, and the stop's save comes first."""
+        control, state = self.trainer.control, self.trainer.state
+        if not (self.training and control.should_evaluate and state.global_step < state.max_steps):
+            return  # (the last step's evaluation is the run's own end: no stop, nothing to put off)
+        if not any_rank(self.request.requested):  # every rank asks: should_evaluate is agreed
+            return
+        control.should_evaluate = False
+        control.should_save = control.should_training_stop = True
+        self.stopping = True
+        self.deferred.due_step = self.evaluation_put_off = self.trainer.state.global_step
+
+    def run_the_deferred_evaluation(self, state) -> None:
+        """The first step of a resumed run: the evaluation the stopped run put off, as the uninterrupted run ran it
+        after that step (its metrics logged, a plateau scheduler stepped, the best metric kept), on every rank."""
+        if self.deferred.due_step is None or self.deferred.due_step != state.global_step:
+            return
+        self.deferred.due_step = None
+        if is_main_process():
+            _say(f"running the evaluation due at step {state.global_step}, put off by the stop signal of the run this "
+                 "one resumes")
+        metrics = self.trainer._evaluate(None, None)
+        determine = getattr(self.trainer, "_determine_best_metric", None)
+        if callable(determine):
+            determine(metrics=metrics, trial=None)
 
     def saved(self, args, state) -> None:
         """After a checkpoint: record its step and time (``preemption.json``, read by ``config --save-time-from``),
@@ -285,9 +389,11 @@ class Preemption:
                   f"the {self.grace_s:.0f} s grace ({self.grace_source}): {self._fix()}", file=sys.stderr, flush=True)
 
     def _fix(self) -> str:
+        # never save_only_model: a stop's checkpoint holds the optimizer's state anyway, which an exact resume needs
         return ("ask the scheduler for the warning earlier (SLURM: --signal=B:USR1@SECONDS, `hf-gpu-train config "
                 "--save-time-from OUTPUT_DIR` computes it), a longer grace (KillWait, terminationGracePeriodSeconds), or a "
-                "smaller checkpoint (save_only_model, LoRA)")
+                "smaller model state (LoRA instead of a full fine-tune, or a lighter optimizer: its state is most of a "
+                "checkpoint)")
 
     def _longest_evaluation(self) -> float:
         return max(self.evaluation_seconds, default=0.0)
@@ -355,6 +461,30 @@ def _timed(trainer, name: str, into: list[float]) -> None:
     setattr(trainer, name, timed)
 
 
+def _full_state_for_a_stop(trainer, preemption: Preemption) -> None:
+    """``save_only_model=True`` leaves the optimizer, scheduler, scaler and RNG states out of every checkpoint; a stop's
+    checkpoint is the one the next run continues from, so it gets them (decided on every rank alike: a rank that heard
+    no signal writes its RNG state too). Scheduled saves stay as the user asked."""
+    original = trainer._save_checkpoint
+
+    def saving(*args, **kwargs):
+        settings = trainer.args
+        if not settings.save_only_model:
+            preemption.saved_full_state = True
+            return original(*args, **kwargs)
+        full = any_rank(preemption.training and preemption.request.requested)  # every rank saves: agreed
+        preemption.saved_full_state = full
+        if not full:
+            return original(*args, **kwargs)
+        settings.save_only_model = False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            settings.save_only_model = True
+
+    trainer._save_checkpoint = saving
+
+
 def attach_preemption(trainer, grace: float | None = None, exit: bool = True) -> Preemption:
     """Make a stop signal (SIGTERM, SIGUSR1, SIGUSR2) end ``trainer.train()`` (anyone's Trainer, TRL's included) in a
     complete checkpoint at the next step boundary, on every rank alike, then exit the process with
@@ -371,8 +501,12 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
         return preemption
     if not getattr(trainer, "_hf_gpu_train_saves_guarded", False):
         guard_saves(trainer)
-    agree_on_control(trainer)  # a flag one rank set from its own signal becomes every rank's before the Trainer acts
+    # a flag one rank set from its own signal becomes every rank's before the Trainer acts; then an evaluation due at a
+    # stop is put off to the resumed run
+    agree_on_control(trainer, after_agreement=preemption.put_off_the_evaluation)
     trainer.add_callback(PreemptionCallback(preemption))
+    trainer.add_callback(preemption.deferred)
+    _full_state_for_a_stop(trainer, preemption)
     _timed(trainer, "_save_checkpoint", preemption.save_seconds)
     _timed(trainer, "evaluate", preemption.evaluation_seconds)
     _shield_loader_workers(trainer)
@@ -384,6 +518,7 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
             if trainer.is_world_process_zero():
                 _say("a stop signal came before training began: exiting, nothing new to save")
             write_preempted(trainer.args.process_index, -1)
+            write_preempted_file(trainer.args.output_dir, trainer.state.global_step, preemption.request.signum)
             if preemption.exit:
                 sys.exit(PREEMPTED_EXIT_CODE)
             preemption.preempted = True
@@ -395,9 +530,10 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
             preemption.done()
             raise
         stopped = any_rank(preemption.stopping) and trainer.state.global_step < trainer.state.max_steps
-        if stopped and preemption.saved_step != trainer.state.global_step:
+        if stopped and (preemption.saved_step != trainer.state.global_step or not preemption.saved_full_state):
             # a save strategy that decided against the stop's save (save_strategy="best" at an evaluation that was
-            # not the best): every rank knows both values alike, so every rank saves here
+            # not the best), or a model-only save that a signal reached while it wrote: every rank knows these values
+            # alike, so every rank saves here, the full state
             trainer._save_checkpoint(trainer.model, trial=None)
             preemption.saved_step = trainer.state.global_step
         preemption.write_record(trainer.args.output_dir)
@@ -406,11 +542,14 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
             return result
         preemption.preempted = True
         preemption.stopped_at_step = trainer.state.global_step
+        write_preempted_file(trainer.args.output_dir, trainer.state.global_step, preemption.request.signum)
         kept = complete_checkpoints(trainer.args.output_dir)
         if trainer.is_world_process_zero():
             where = f"{kept[0]} is complete" if kept else "no complete checkpoint was written"
+            put_off = (f"; the evaluation due at step {preemption.evaluation_put_off} was put off (the save came first): "
+                       "the resumed run runs it before its first step" if preemption.evaluation_put_off is not None else "")
             print(f"hf_gpu_train: preemption: stopped at step {trainer.state.global_step} of {trainer.state.max_steps} "
-                  f"for {signal_name(preemption.request.signum)}; {where}; the same command resumes from it",
+                  f"for {signal_name(preemption.request.signum)}; {where}; the same command resumes from it{put_off}",
                   file=sys.stderr, flush=True)
         if not preemption.exit:
             preemption.done()

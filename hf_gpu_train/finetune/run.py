@@ -27,6 +27,7 @@ from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
 from ..faults.preflight_collective import preflight
 from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
 from ..plan.decisions import accelerate_uses_cpu
+from ..plan.evaluation_memory import evaluation_memory
 from ..report.writer import render_report
 from .agreement import check_ranks_agree
 from .checkpoints import (
@@ -105,6 +106,15 @@ def prepare(cfg: FinetuneConfig, runtime):
     """``prepared_for`` as (model, train, validation, collator, processing_class, data), for tune's trials."""
     p = prepared_for(cfg, runtime)
     return p.model, p.train, p.validation, p.collator, p.processing_class, p.data
+
+
+def evaluation_line(task, model, cfg: FinetuneConfig, rows: int, classes: int) -> str:
+    """What an evaluation keeps (``plan/evaluation_memory.py``): a causal LM's loss only, a classifier's class ids,
+    against the logits a compute_metrics reading them would keep."""
+    vocabulary = getattr(getattr(model, "config", None), "vocab_size", None) or 1
+    if task.classifier:
+        return evaluation_memory(rows, 1, max(classes, 1), False, "class ids").reason()
+    return evaluation_memory(rows, cfg.max_length, vocabulary, True, "the loss only").reason()
 
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
@@ -331,6 +341,7 @@ class FinetuneRun:
         lever_lines += [strategy_line] if strategy_line else []
         model_line = self.task.confirm_model(trainer.model, cfg, runtime.precision)  # where the Trainer placed it
         lever_lines += [model_line] if model_line else []
+        lever_lines += [evaluation_line(self.task, trainer.model, cfg, len(validation), len(data.label_names or ()))]
         check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size,
                            "gradient_accumulation_steps": self.accumulation, "effective_batch": self.effective,
                            "precision": runtime.precision, "method": cfg.method,

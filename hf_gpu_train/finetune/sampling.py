@@ -13,28 +13,16 @@ loader calls), so it is the same on every rank, for every world size, and after 
 
 from __future__ import annotations
 
-import torch
 from torch.utils.data import SequentialSampler
-from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import has_length
 
-
-class GlobalLengthGroupedSampler(LengthGroupedSampler):
-    def __init__(self, global_batch: int, lengths: list[int], seed: int):
-        super().__init__(global_batch, lengths=lengths)
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+from ..faults.sampler_order import EpochSeededLengthGroupedSampler, data_seed
 
 
 def group_by_length_over_the_global_batch(trainer) -> None:
-    """Replace the Trainer's length-grouped sampler by ``GlobalLengthGroupedSampler``; other samplers stay.
+    """Replace the Trainer's length-grouped sampler by one grouped over the global batch, seeded by the epoch
+    (``faults.sampler_order.EpochSeededLengthGroupedSampler``); other samplers stay.
 
     ``_get_train_sampler`` is the Trainer's own place for the training sampler (there is no public argument), so
     it is wrapped on this instance, the way OOM recovery wraps ``training_step``."""
@@ -42,10 +30,10 @@ def group_by_length_over_the_global_batch(trainer) -> None:
 
     def sampler(train_dataset=None):
         chosen = build(train_dataset)
-        if type(chosen) is LengthGroupedSampler:
+        if isinstance(chosen, LengthGroupedSampler):  # transformers' own, or already seeded by the epoch (guard_saves)
             args = trainer.args
             global_batch = args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
-            return GlobalLengthGroupedSampler(global_batch, chosen.lengths, seed=args.data_seed or args.seed)
+            return EpochSeededLengthGroupedSampler(global_batch, chosen.lengths, seed=data_seed(args))
         return chosen
 
     trainer._get_train_sampler = sampler

@@ -54,6 +54,32 @@ def worker_pids(folder: Path) -> list[int]:
     return found
 
 
+STOP_REQUEST = "stop-request.json"  # launch/signals.py writes it before it forwards a stop signal
+
+
+def write_stop_request(folder: Path, signum: int) -> None:
+    """The launcher's note of a stop signal it forwards, for a training process that did not listen yet (it starts
+    with SIGUSR1 and SIGUSR2 ignored: ``signals.ignore_warning_signals``) to find once it does. Numbered: a process
+    takes each request once."""
+    path = Path(folder) / STOP_REQUEST
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        number = int(json.loads(path.read_text())["number"]) + 1 if path.is_file() else 1
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"signal": int(signum), "number": number}))
+        os.replace(tmp, path)
+
+
+def read_stop_request(environ=os.environ) -> tuple[int, int] | None:
+    """(signal, number) of the newest stop request the launcher noted, or None."""
+    folder = environ.get(PROGRESS_DIR_ENV)
+    if not folder:
+        return None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        record = json.loads((Path(folder) / STOP_REQUEST).read_text())
+        return int(record["signal"]), int(record["number"])
+    return None
+
+
 def write_preempted(rank: int, step: int, environ=os.environ) -> None:
     """This rank stopped for a stop signal at ``step`` (-1: at once, on a second signal or the grace running out)."""
     _write_json(f"preempted-{rank}.json", {"step": step}, environ)

@@ -10,7 +10,9 @@ action), orphaning workers that are then killed with the job step. And it ends w
 ``hf-gpu-train launch`` therefore: starts the launcher with SIGUSR1 and SIGUSR2 ignored (a training process that
 handles them installs its own handler, ``faults/preemption.py``; one that does not ignores them instead of dying),
 forwards SIGTERM, SIGUSR1 and SIGUSR2 to the training processes themselves (the pids they registered in the
-progress folder, else the launcher's children), and ends with ``PREEMPTED_EXIT_CODE`` when they stopped for it.
+progress folder, else the launcher's children), and ends with ``PREEMPTED_EXIT_CODE`` when they stopped for it. Each
+forwarded signal is also noted in the progress folder first: a training process that does not listen yet (it ignores
+the warning signals until it does) takes the request when it begins to listen, so an early warning is not lost.
 No torch here.
 """
 
@@ -21,7 +23,7 @@ import os
 import signal
 from pathlib import Path
 
-from .rank_report import worker_pids
+from .rank_report import worker_pids, write_stop_request
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 IGNORED_BY_THE_LAUNCHER = (signal.SIGUSR1, signal.SIGUSR2)
@@ -72,6 +74,9 @@ class SignalForwarder:
 
     def _forward(self, signum, frame) -> None:
         self.received.append(signum)
+        # noted first: a training process that does not listen yet (importing, loading its model) ignores SIGUSR1 and
+        # SIGUSR2, and finds the request when it begins to (faults/preemption.py); SLURM sends its warning once
+        write_stop_request(self.progress, signum)
         targets = self.targets()
         for pid in targets:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -19,7 +19,10 @@ steps), and says so once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -182,38 +185,156 @@ class LossWeighting:
         return sum(per_sample[start:stop]) / total
 
 
-def probe_weighting(compute_loss, model, inputs, layout, tolerance: float) -> str | None:
-    """Ask the loss what it averages over: the loss of two samples with different label counts, alone and together.
-    A kind of ``WEIGHTINGS``, ``"unknown"`` when none predicts the pair's loss, or ``UNDECIDED`` when this batch
-    cannot tell (one sample, or two candidates predict the same within ``tolerance``: the two losses are too close)."""
-    size = layout.size(inputs)
-    if size < 2:
-        return UNDECIDED
-    counts = label_counts(inputs)
-    per_sample = layout.per_sample(counts) if counts is not None else [1.0] * size
-    first, second = _most_unequal(per_sample[:16])
+@dataclass(frozen=True)
+class Probe:
+    """What two samples said about a loss: ``kind`` (a key of ``WEIGHTINGS``, ``"normalised"``, ``"unknown"``, or
+    ``UNDECIDED``: this batch cannot tell) and, where no combination of the samples' losses alone gives their loss
+    together, ``deviation``: the gap to the nearest one, relative to the loss together (a term over the whole batch: a
+    router's load-balancing loss, a z-loss, a regulariser of the batch)."""
+
+    kind: str | None
+    deviation: float | None = None
+
+
+@contextlib.contextmanager
+def _quietly(model):
+    """The probes' calls: no gradients, no dropout, and the random state as it was (nothing drawn from the run's)."""
     was_training = model.training
     model.eval()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            alone = [float(compute_loss(model, layout.take(inputs, [i]), num_items_in_batch=None)) for i in (first, second)]
-            together = float(compute_loss(model, layout.take(inputs, [first, second]), num_items_in_batch=None))
+            yield
     finally:
         model.train(was_training)
+
+
+def _alone(splice, pair, index: int, mean: bool):
+    """Sample ``index`` of ``pair`` alone, with a batch-level term split from the pair's (``batch_terms.py``) if known."""
+    return splice(pair, index, mean) if splice is not None else contextlib.nullcontext()
+
+
+def probe_weighting(compute_loss, model, inputs, layout, tolerance: float, splice=None) -> Probe:
+    """Ask the loss what it averages over: the loss of two samples with different label counts, alone and together.
+    ``Probe.kind`` is a kind of ``WEIGHTINGS``, ``"unknown"`` when none predicts the pair's loss (with the deviation), or
+    ``UNDECIDED`` when this batch cannot tell (one sample, or two candidates predict the same within ``tolerance``).
+
+    Two samples whose losses per labelled token are alike (a fresh head: every token near ln(vocabulary)) cannot tell a
+    mean over rows from one over tokens; the same two samples are then asked again with labels that make them differ
+    (each one's labelled positions given the token the model finds most likely, and least likely, and unequal counts):
+    what the loss averages over does not depend on which tokens are labelled. ``splice(pair, index, mean)``: a context
+    in which sample ``index`` alone carries its part of a batch-level term of the pair (``batch_terms.py``)."""
+    size = layout.size(inputs)
+    if size < 2:
+        return Probe(UNDECIDED)
+    counts = label_counts(inputs)
+    per_sample = layout.per_sample(counts) if counts is not None else [1.0] * size
+    first, second = _most_unequal(per_sample[:16])
+    pair = layout.take(inputs, [first, second])
+    natural = _weigh(compute_loss, model, pair, layout, tolerance, splice)
+    if natural.kind is not UNDECIDED:
+        return natural
+    relabelled = _labels_that_differ(compute_loss, model, pair, layout)
+    if relabelled is None:
+        return natural
+    decided = _weigh(compute_loss, model, relabelled, layout, tolerance, splice)
+    return decided if decided.kind not in (UNDECIDED, "unknown") else natural
+
+
+def _weigh(compute_loss, model, pair, layout, tolerance: float, splice) -> Probe:
+    with _quietly(model):
+        alone = []
+        for i in (0, 1):
+            with _alone(splice, pair, i, mean=True):
+                alone.append(float(compute_loss(model, layout.take(pair, [i]), num_items_in_batch=None)))
+        together = float(compute_loss(model, dict(pair), num_items_in_batch=None))
+    if not all(math.isfinite(x) for x in (*alone, together)):
+        return Probe(UNDECIDED)
     predicted = {"rows": sum(alone) / 2, "sum": sum(alone)}
     for kind, shifted in (("tokens", False), ("next-tokens", True)):
-        rows = label_counts(inputs, shifted=shifted)
+        rows = label_counts(pair, shifted=shifted)
         if rows is not None:
             n = layout.per_sample(rows)
-            if n[first] + n[second] > 0:
-                predicted[kind] = (n[first] * alone[0] + n[second] * alone[1]) / (n[first] + n[second])
-    limit = tolerance * max(abs(together), 1e-6)
-    matching = [kind for kind, value in predicted.items() if abs(value - together) <= limit]
+            if n[0] + n[1] > 0:
+                predicted[kind] = (n[0] * alone[0] + n[1] * alone[1]) / (n[0] + n[1])
+    scale = max(abs(together), 1e-6)
+    matching = [kind for kind, value in predicted.items() if abs(value - together) <= tolerance * scale]
     if not matching:
-        return "unknown"
+        return Probe("unknown", min(abs(value - together) for value in predicted.values()) / scale)
     # several candidates predict the pair's loss: equal label counts, or two losses too close to tell the weights apart
-    return matching[0] if len(matching) == 1 else UNDECIDED
+    return Probe(matching[0]) if len(matching) == 1 else Probe(UNDECIDED)
+
+
+def _labels_that_differ(compute_loss, model, pair, layout):
+    """``pair`` with token labels rewritten so its two samples' losses differ (None: no token labels, or no logits to
+    choose the tokens from): sample 0's labelled positions, and its first position, all get the token the model finds
+    most likely there on average; sample 1's, but its first, the least likely; sample 1 keeps half of them when the
+    counts are equal."""
+    labels = pair.get("labels") if hasattr(pair, "get") else None
+    if not (isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[0] == layout.size(pair) == 2):
+        return None
+    try:
+        with _quietly(model):
+            result = compute_loss(model, dict(pair), return_outputs=True, num_items_in_batch=None)
+    except TypeError:  # a compute_loss without return_outputs
+        return None
+    outputs = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+    logits = outputs.get("logits") if hasattr(outputs, "get") else getattr(outputs, "logits", None)
+    if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == labels.shape):
+        return None
+    mask = labels.ne(-100).clone()
+    # the first position labelled in one sample only: a mean over labelled tokens and one over the labelled tokens after
+    # the first (a causal LM's) then weigh the two samples differently (a masked LM never labels position 0 itself)
+    mask[0, 0], mask[1, 0] = True, False
+    kept = mask[1].nonzero().flatten()
+    if len(kept) < 2:
+        return None
+    if int(mask[0].sum()) == int(mask[1].sum()):
+        mask[1, kept[len(kept) // 2:]] = False
+    scores = logits.float()[labels.ne(-100)].mean(0)
+    likely, unlikely = int(scores.argmax()), int(scores.argmin())
+    rewritten = torch.full_like(labels, -100)
+    rewritten[0][mask[0]] = likely
+    rewritten[1][mask[1]] = unlikely
+    return {**pair, "labels": rewritten}
+
+
+def decomposes(compute_loss, model, inputs, layout, num_items_in_batch, tolerance: float, splice=None) -> Probe:
+    """For a loss normalised by ``num_items_in_batch`` (it adds up over micro-batches as it is, each weighed 1): does it?
+    Two samples' loss together against the sum of each alone, all normalised by the same count. A term over the whole
+    batch (a router's load-balancing loss) is counted once per micro-batch and does not add up: ``Probe("unknown",
+    deviation)``. Asked at the pair's own count (the deviation said) and at a thousand times it, where the per-item part
+    is small beside any batch-level term (so a small coefficient is found at any precision)."""
+    size = layout.size(inputs)
+    if size < 2:
+        return Probe(UNDECIDED)
+    counts = label_counts(inputs)
+    per_sample = layout.per_sample(counts) if counts is not None else [1.0] * size
+    first, second = _most_unequal(per_sample[:16])
+    pair = layout.take(inputs, [first, second])
+    items = max(1.0, per_sample[first] + per_sample[second]) if counts is not None else 2.0
+    deviations = []
+    with _quietly(model):
+        for factor in (1, 1000):
+            n = _like(num_items_in_batch, items * factor)
+            together = float(compute_loss(model, dict(pair), num_items_in_batch=n))
+            alone = 0.0
+            for i in (0, 1):
+                with _alone(splice, pair, i, mean=False):
+                    alone += float(compute_loss(model, layout.take(pair, [i]), num_items_in_batch=n))
+            if not (math.isfinite(together) and math.isfinite(alone)):
+                return Probe(UNDECIDED)
+            deviations.append(abs(together - alone) / max(abs(together), 1e-12))
+    return Probe("normalised") if max(deviations) <= tolerance else Probe("unknown", deviations[0])
+
+
+def _like(num_items_in_batch, value: float):
+    """``value`` as the Trainer passes an item count: a tensor where it passed one."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        whole = float(value).is_integer()
+        dtype = num_items_in_batch.dtype if num_items_in_batch.is_floating_point() or whole else torch.float32
+        return torch.tensor(value, dtype=dtype, device=num_items_in_batch.device)
+    return int(value) if float(value).is_integer() else value
 
 
 def _most_unequal(per_sample: list[float]) -> tuple[int, int]:
@@ -233,7 +354,7 @@ def agree_on_weighting(found: str | None, accelerator) -> str | None:
     takes the others' answer; ranks that found different answers make it unknown everywhere."""
     if accelerator.num_processes < 2 or not torch.distributed.is_initialized():
         return found
-    kinds = [None, "unknown", *WEIGHTINGS]
+    kinds = [None, "unknown", "normalised", *WEIGHTINGS]
     mine = torch.zeros(len(kinds), dtype=torch.int64, device=accelerator.device)
     mine[kinds.index(found)] = 1
     torch.distributed.all_reduce(mine)

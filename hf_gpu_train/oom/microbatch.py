@@ -147,8 +147,10 @@ class Pairs(Rows):
         pairs = self.size(inputs)
         rows = [*samples, *(pairs + i for i in samples)]
         chunk = _take_rows(inputs, 2 * pairs, rows)
+        # a tensor with one row per pair is told by its length in the inputs (in the chunk a pair-sized tensor of rows may
+        # have as many rows as the inputs have pairs)
         return {k: (v[samples] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == pairs else chunk[k])
-                for k, v in chunk.items()}
+                for k, v in inputs.items()}
 
     def per_sample(self, per_row: list[float]) -> list[float]:
         pairs = len(per_row) // 2

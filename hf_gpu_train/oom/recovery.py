@@ -50,6 +50,8 @@ from ..errors import UsageError
 from ..faults.collective_gate import agree_on_control
 from ..faults.lone_rank import check_not_alone
 from . import trainer_state as restorable
+from .batch_terms import NotSpliceable, RouterBalanceSplit
+from .evaluation_memory import guard_evaluation_memory
 from .grad_sync import BUCKET_BYTES, GradientReducer, broadcast_buffers
 from .lockstep import END, NO_LIMIT, Lockstep, RanksDiverged, RestartStep, install_gates, remove_gates
 from .loss_scaling import (
@@ -58,17 +60,29 @@ from .loss_scaling import (
     UNDECIDED,
     LossScalingGuard,
     LossWeighting,
+    Probe,
     agree_on_weighting,
+    decomposes,
     guard_loss_scaling,
     probe_weighting,
 )
-from .microbatch import CHUNKS, Pairs, describe_oom, is_oom_error, label_counts, layout_for, loss_items, replaying_micro_steps
+from .microbatch import (
+    CHUNKS,
+    Pairs,
+    describe_oom,
+    is_oom_error,
+    label_counts,
+    layout_for,
+    loss_items,
+    replaying_micro_steps,
+)
 from .remedies import OutOfMemoryAtMicroBatchOne, remedies
 
 log = logging.getLogger("hf_gpu_train.oom")
 SUPPORTED_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU")
 THRASH_STEPS = 3
 GROW_AFTER_STEPS = 50  # clean optimizer steps at a smaller micro-batch before trying twice as many samples again
+ON_INEXACT = ("recover", "stop")  # after an OOM, a loss that does not split exactly: recover approximately, or stop
 
 
 class OOMRecoveryState(TrainerCallback, ExportableState):
@@ -131,8 +145,10 @@ class _RecoveryHooks(TrainerCallback):
 
 class InPlaceOOMRecovery:
     def __init__(self, trainer, guard: LossScalingGuard, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
-                 weighting: LossWeighting | None = None):
+                 weighting: LossWeighting | None = None, on_inexact: str = "recover"):
         self.trainer = trainer
+        self.on_inexact = on_inexact
+        self.inexact: Probe | None = None  # the loss does not split exactly (found at the first steps), with the deviation
         self.weighting = weighting  # what a mean loss averages over: told, or asked of the loss at the first steps
         self._probes = 0  # optimizer steps whose batch was probed for the weighting
         self._provisional = LossWeighting("rows")  # until the weighting is known (_decide_weighting)
@@ -144,6 +160,8 @@ class InPlaceOOMRecovery:
         self._grow_wait = self.grow_after_steps  # doubles each time a grown micro-batch runs out of memory again
         self._grown = False  # the micro-batch grew and has not yet run a whole wait since
         self.layout = layout_for(trainer)  # rows, or chosen/rejected pairs (TRL's DPO)
+        # a mixture-of-experts router's load-balancing loss, split from the whole batch's routing (batch_terms.py)
+        self.batch_terms = None if isinstance(self.layout, Pairs) else RouterBalanceSplit.find(trainer.model)
         self._training_step = trainer.training_step
         self._prediction_step = trainer.prediction_step
         self._compute_loss = trainer.compute_loss
@@ -251,14 +269,18 @@ class InPlaceOOMRecovery:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self.seen_items = num_items_in_batch  # what the Trainer counted (and gathered) for this call
         result = self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        # a loss normalised by the whole batch's item count adds up over micro-batches as it is
-        scale = 1.0 if self._loss_already_scaled(num_items_in_batch) else self.share
+        scale = self._loss_scale()
         if scale == 1.0:
             return result
         if return_outputs:
             loss, outputs = result
             return loss * scale, outputs
         return result * scale
+
+    def _loss_scale(self) -> float:
+        """What the running micro-batch's loss is multiplied by: 1 for a loss normalised by the whole batch's item count
+        (it adds up over micro-batches as it is), else the micro-batch's share of what the mean averages over."""
+        return 1.0 if self._loss_already_scaled(self.seen_items) else self.share
 
     def _loss_already_scaled(self, num_items_in_batch) -> bool:
         """The Trainer's own rule (``Trainer.training_step``): a loss normalised by the whole step's item count adds up
@@ -279,6 +301,8 @@ class InPlaceOOMRecovery:
         CHUNKS.begin_micro_step()
         if fresh:
             self._earlier, self._fatal = [], None
+            if self.batch_terms is not None:
+                self.batch_terms.forget()
             if self.weighting is None and self._probes < PROBE_TRIES:
                 self._decide_weighting(model, inputs, num_items_in_batch)
             self._tallies = restorable.take(self.trainer)  # what a restarted step must not count twice
@@ -306,9 +330,12 @@ class InPlaceOOMRecovery:
                                 self._accumulate(model, *replay[0], micro, distributed=distributed)
                                 replay.pop(0)
                         replaying, events = False, reducer.grad_events
+                        if micro < size:
+                            self._say_an_inexact_split()
+                            self._record_whole_batch(model, inputs, micro)
                         for start, stop in self._ranges(inputs, done, micro):
-                            loss = self._chunk(model, self.layout.slice(inputs, start, stop), num_items_in_batch,
-                                               self._share(inputs, start, stop), arm=syncs and stop == size, distributed=distributed)
+                            loss = self._chunk(model, inputs, start, stop, num_items_in_batch, arm=syncs and stop == size,
+                                               distributed=distributed)
                             total = loss if total is None else total + loss
                             done, events = stop, reducer.grad_events
                 except RestartStep as stop_here:  # a ballot inside someone's collective: every rank starts again
@@ -328,9 +355,9 @@ class InPlaceOOMRecovery:
                 continue
             if failure is not None:
                 self._free_memory()
-                if micro <= 1:
+                if micro <= 1 or self._refuses_to_split():
                     if not distributed:
-                        raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure))
+                        raise self._fatal_error(model, inputs, failure)
                     self._fatal = failure  # raised with every rank, at this micro-step's ballot
                     model.zero_grad(set_to_none=True)
                 else:
@@ -355,8 +382,7 @@ class InPlaceOOMRecovery:
             else:
                 outcome = lock.ballot(END, fatal=self._fatal is not None)
             if outcome.fatal:
-                raise OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, self._fatal or
-                                                          "out of memory at micro-batch 1 on another rank"))
+                raise self._fatal_error(model, inputs, self._fatal)
             if outcome.restart:  # a rank is still inside this micro-step, at a collective: every rank starts again
                 done, total, replay = self._restart(model, reducer, lock, outcome, size, syncs)
                 round_failed = False
@@ -405,35 +431,107 @@ class InPlaceOOMRecovery:
             self.lockstep = Lockstep(num_params=len(reducer.params))
         return self.lockstep
 
-    def _chunk(self, model, chunk, num_items_in_batch, share: float, arm: bool, distributed: bool):
-        """One micro-batch's forward and backward (its loss scaled by ``share`` where the loss is a mean)."""
+    def _chunk(self, model, inputs, start: int, stop: int, num_items_in_batch, arm: bool, distributed: bool):
+        """Samples ``start:stop`` of ``inputs``, forward and backward: the loss scaled by their share where it is a mean,
+        a batch-level term split from the whole batch's (``batch_terms.py``)."""
         if arm:
             self.reducer.arm()
         CHUNKS.begin_chunk()
         self._chunk_tallies = restorable.take(self.trainer)  # put back if this micro-batch fails (it runs again)
-        self.share = share
+        self.share = self._share(inputs, start, stop)
         if distributed:
             model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
-        return self._training_step(model, chunk, num_items_in_batch)
+        with self._splicing(inputs, start, stop, self._loss_scale):
+            return self._training_step(model, self.layout.slice(inputs, start, stop), num_items_in_batch)
 
     def _accumulate(self, model, inputs, num_items_in_batch, micro: int, distributed: bool) -> None:
         """An earlier micro-step computed again, whole, in micro-batches (its loss was already reported; a micro-step
         without sync, so no bucket is armed)."""
+        if micro < self.layout.size(inputs):
+            self._record_whole_batch(model, inputs, micro)
         for begin, stop in self._ranges(inputs, 0, micro):
-            self._chunk(model, self.layout.slice(inputs, begin, stop), num_items_in_batch, self._share(inputs, begin, stop),
-                        arm=False, distributed=distributed)
+            self._chunk(model, inputs, begin, stop, num_items_in_batch, arm=False, distributed=distributed)
+
+    # -- a loss term over the whole batch ------------------------------------------------------------------------------
+    def _record_whole_batch(self, model, inputs, micro: int) -> None:
+        """Before a split micro-step: the whole batch's arguments of a batch-level term (a router's load-balancing
+        loss), from a forward without gradients in micro-batches of ``micro``. An OOM in it is an OOM of the step."""
+        split = self.batch_terms
+        if split is None or split.recorded(inputs):
+            return
+        unwrapped = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        try:
+            with replaying_micro_steps():  # not a training forward: its tokens are not counted
+                split.record(unwrapped, self.layout.split(inputs, micro), self.trainer._prepare_inputs, key=inputs)
+        except NotSpliceable as error:
+            self.batch_terms = None
+            log.warning("OOM recovery: the router's load-balancing loss of %s cannot be split from the whole batch (%s): "
+                        "each micro-batch computes it from its own rows, an approximation", type(unwrapped).__name__, error)
+
+    def _splicing(self, inputs, start: int, stop: int, scale_of):
+        split = self.batch_terms
+        if split is None or stop - start >= self.layout.size(inputs):
+            return contextlib.nullcontext()
+        return split.splicing(inputs, start, stop, self.layout.size(inputs), scale_of)
+
+    def _pair_splice(self, model):
+        """For the first step's probes: sample ``index`` of a pair alone carries its part of the pair's batch-level term
+        (``mean``: the probe weighs the samples' losses itself, so each keeps the whole term's value)."""
+        split = self.batch_terms
+        if split is None:
+            return None
+
+        def splice(pair, index: int, mean: bool):
+            if not split.recorded(pair):
+                split.record(model, [self.layout.take(pair, [0]), self.layout.take(pair, [1])], lambda x: x, key=pair)
+            return split.splicing(pair, index, index + 1, 2, (lambda: 0.5) if mean else (lambda: 1.0))
+
+        return splice
+
+    def _refuses_to_split(self) -> bool:
+        """The loss was found not to split exactly and the user asked to stop rather than recover approximately."""
+        return self.inexact is not None and self.on_inexact == "stop"
+
+    def _say_an_inexact_split(self) -> None:
+        if self.inexact is not None:
+            self._warn_once("inexact-split", "OOM recovery: this split step is approximate: %s's loss does not split into "
+                            "micro-batches exactly (%s); enable_oom_recovery(trainer, on_inexact='stop') stops at the OOM "
+                            "instead", type(self.trainer).__name__, self._deviation_words())
+
+    def _fatal_error(self, model, inputs, failure: str | None) -> Exception:
+        """What ends the run when a step cannot be recovered: one sample does not fit, or (``on_inexact='stop'``) the
+        split would be approximate. On several processes every rank raises it at the same ballot."""
+        if not self._refuses_to_split():
+            return OutOfMemoryAtMicroBatchOne(remedies(self.trainer.args, model, inputs, failure or
+                                                       "out of memory at micro-batch 1 on another rank"))
+        return InexactSplitRefused(
+            f"out of memory at optimizer step {self.trainer.state.global_step} ({failure or 'on another rank'}), and "
+            f"{type(self.trainer).__name__}'s loss does not split into micro-batches exactly ({self._deviation_words()}): "
+            "on_inexact='stop' stops here rather than train other weights. Lower per_device_train_batch_size and raise "
+            "gradient_accumulation_steps by the same factor (the Trainer then computes the batch-level term per "
+            "micro-batch, alike in every run; `hf-gpu-train plan-memory` sizes it), or pass on_inexact='recover' to "
+            "recover approximately; then resume from the last complete checkpoint")
+
+    def _deviation_words(self) -> str:
+        if self.inexact is None or self.inexact.deviation is None:
+            return "another rank's two samples did not add up"
+        return (f"two samples' loss together differs from the combination of each alone by "
+                f"{self.inexact.deviation:.2g} of the loss")
 
     # -- what a micro-batch's loss weighs ----------------------------------------------------------
     def _decide_weighting(self, model, inputs, num_items_in_batch) -> None:
         """At the first optimizer steps, on every rank at once (the probe runs the Trainer's compute_loss, whose
-        collectives must pair up): ask the loss what it averages over, before any weight changes. A loss normalised by
-        ``num_items_in_batch`` adds up over micro-batches as it is and needs no answer."""
+        collectives must pair up): ask the loss what it averages over, and whether it splits at all, before any weight
+        changes. A loss normalised by ``num_items_in_batch`` is weighed 1 in every micro-batch, which is exact only if it
+        is a sum over items: checked on two samples too (``loss_scaling.decomposes``). A batch of one sample is never
+        split: nothing to ask (nor to say) until a batch of two comes."""
         t = self.trainer
+        if self.layout.size(inputs) < 2:
+            return
         prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
         alone = t.accelerator.num_processes < 2  # a probe that fails on one rank of several would leave it out of step
         if self.guard.answer is None and num_items_in_batch is not None:
-            # the loss guard's question first (on two samples: cheap, and it fits where the step does): a loss normalised
-            # by num_items_in_batch needs no other answer
+            # the loss guard's question first (on two samples: cheap, and it fits where the step does)
             few = self.layout.take(prepared, [0, 1]) if self.layout.size(prepared) > 2 else prepared
             try:
                 self.guard.decide(model, few, num_items_in_batch)
@@ -441,43 +539,83 @@ class InPlaceOOMRecovery:
                 if not (alone and is_oom_error(error)):
                     raise
                 self._free_memory()
-        if self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch):
-            self.weighting = LossWeighting("normalised")
-            return
-        # a loss normalised by num_items_in_batch is scaled by 1 at every call whatever the probe finds
+        normalised = self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch)
         self._probes += 1
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        tallies = restorable.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
-        try:
-            found = probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance=_probe_tolerance(t, probed))
-        except Exception as error:  # one process: two samples without gradients did not fit; the next step asks again
-            if not (alone and is_oom_error(error)):
-                raise
-            found = UNDECIDED
-            self._free_memory()
-        finally:
-            restorable.put_back(t, tallies)
-        found = agree_on_weighting(found, t.accelerator)
+        found = self._probe(probed, prepared, num_items_in_batch, normalised, alone)
+        if found.kind == "unknown" and self.batch_terms is not None:  # the router term spliced, and still no match
+            self.batch_terms = None
+            log.warning("OOM recovery: splitting %s's router load-balancing loss from the whole batch's routing did not "
+                        "give the loss of two samples together (off by %.2g of it): not used", type(probed).__name__,
+                        found.deviation or 0.0)
+            found = self._probe(probed, prepared, num_items_in_batch, normalised, alone)
+        kind = agree_on_weighting(found.kind, t.accelerator)
+        name = type(t).__name__
+        if normalised:
+            self.weighting = LossWeighting("normalised")
+            if kind is UNDECIDED and self._probes < PROBE_TRIES:
+                self.weighting = None  # weighed 1 meanwhile (_loss_already_scaled); the next step's batch may tell
+                return
+            if kind == "unknown":
+                self.inexact = Probe("unknown", found.deviation)
+                log.warning("OOM recovery: %s's loss does not add up over micro-batches: it is normalised by "
+                            "num_items_in_batch, but %s. A term computed over the whole batch (a z-loss, a regulariser or "
+                            "contrastive loss of the batch, a router's load-balancing loss of an unknown form) is counted "
+                            "once per micro-batch by a split step, and by gradient accumulation alike. After an OOM: "
+                            "recovered approximately (the default, on_inexact='recover'), or enable_oom_recovery(trainer, "
+                            "on_inexact='stop') stops there with the fix", name, self._deviation_words())
+            elif self.batch_terms is not None and kind == "normalised":
+                log.info("OOM recovery: %s's router load-balancing loss splits exactly: a split step computes each "
+                         "micro-batch's term from the whole batch's routing (checked on two samples)", type(probed).__name__)
+            return
         # until it is known, the labels' shape weighs an OOM of these steps: labelled tokens for token labels (exact too
         # when the batch cannot tell because every sample has as many), rows otherwise
         fallback = "tokens" if label_counts(prepared) is not None else "rows"
-        if found is UNDECIDED and self._probes < PROBE_TRIES:
+        if kind is UNDECIDED and self._probes < PROBE_TRIES:
             self._provisional = LossWeighting(fallback)
             return  # the next step's batch may tell
-        name = type(t).__name__
-        if found == "unknown":
+        if kind == "unknown":
+            self.inexact = Probe("unknown", found.deviation)
             log.warning("OOM recovery: cannot tell what %s.compute_loss averages over: on two samples of different label "
-                        "counts its loss matched neither a mean over rows, nor a mean over labelled tokens, nor a sum. After "
-                        "an OOM micro-batches would be weighed by their share of rows, exact only for a mean over rows. Tell "
-                        "it: enable_oom_recovery(trainer, loss_weighting='rows' | 'tokens' | 'next-tokens' | 'sum', or a "
-                        "function of a micro-batch's inputs returning how many items its loss averages over)", name)
-        elif found is UNDECIDED:
-            found = fallback
+                        "counts its loss matched neither a mean over rows, nor a mean over labelled tokens, nor a sum "
+                        "(%s; a term over the whole batch does that too). After an OOM micro-batches would be weighed by "
+                        "their share of rows, exact only for a mean over rows. Tell it: enable_oom_recovery(trainer, "
+                        "loss_weighting='rows' | 'tokens' | 'next-tokens' | 'sum', or a function of a micro-batch's inputs "
+                        "returning how many items its loss averages over), or stop at an OOM instead: on_inexact='stop'",
+                        name, self._deviation_words())
+        elif kind is UNDECIDED:
+            kind = fallback
             log.warning("OOM recovery: the first %d batches could not tell what %s.compute_loss averages over (their "
-                        "samples' losses were too close, or had the same label counts); micro-batches are weighed by %s. "
-                        "If that is wrong, say it: enable_oom_recovery(trainer, loss_weighting=...)", PROBE_TRIES, name,
-                        LossWeighting(found).describe())
-        self.weighting = LossWeighting(found)
+                        "samples' losses were too close, or had the same label counts, also with labels rewritten to "
+                        "differ); micro-batches are weighed by %s. If that is wrong, say it: enable_oom_recovery(trainer, "
+                        "loss_weighting=...)", PROBE_TRIES, name, LossWeighting(kind).describe())
+        self.weighting = LossWeighting(kind)
+
+    def _probe(self, probed, prepared, num_items_in_batch, normalised: bool, alone: bool) -> Probe:
+        """Two samples of this batch, alone and together, through the Trainer's compute_loss: what the loss averages
+        over (a mean), or whether it adds up (a loss normalised by ``num_items_in_batch``). Its tallies are put back."""
+        t = self.trainer
+        tolerance = _probe_tolerance(t, probed)
+        splice = self._pair_splice(probed)
+        tallies = restorable.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
+        try:
+            if normalised:
+                return decomposes(self._compute_loss, probed, prepared, self.layout, num_items_in_batch, tolerance, splice)
+            return probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance, splice)
+        except NotSpliceable as error:
+            self.batch_terms = None
+            log.warning("OOM recovery: the router's load-balancing loss of %s cannot be split from the whole batch (%s): "
+                        "each micro-batch computes it from its own rows, an approximation", type(probed).__name__, error)
+            return self._probe(probed, prepared, num_items_in_batch, normalised, alone)
+        except Exception as error:  # one process: two samples without gradients did not fit; the next step asks again
+            if not (alone and is_oom_error(error)):
+                raise
+            self._free_memory()
+            return Probe(UNDECIDED)
+        finally:
+            restorable.put_back(t, tallies)
+            if self.batch_terms is not None:
+                self.batch_terms.forget()
 
     def _weighing(self) -> LossWeighting:
         """The weighting in force: known, or until then the labels' shape's (``_decide_weighting``)."""
@@ -664,10 +802,19 @@ class InPlaceOOMRecovery:
         known = self.weighting if self.weighting is not None and self.weighting.kind not in ("normalised", "unknown") else None
         averaging = args.average_tokens_across_devices
         args.average_tokens_across_devices = False  # each micro-batch counts its own items, without a collective
+        size = self.layout.size(inputs)
+        summed = known is not None and known.kind == "sum"
         try:
-            for chunk in self.layout.split(inputs, micro):
+            self._record_whole_batch(model, inputs, micro)  # a batch-level term (a router's) from the whole batch
+            for start in range(0, size, micro):
+                stop = min(size, start + micro)
+                chunk = self.layout.slice(inputs, start, stop)
                 self.seen_items = None
-                parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
+                # each micro-batch's loss then carries the whole batch's term: weighed by shares that add up to 1 (or
+                # its rows' share of it, for a sum)
+                share = (stop - start) / size
+                with self._splicing(inputs, start, stop, (lambda: 1.0) if summed else (lambda s=share: s)):
+                    parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
                 counted = counted or self.seen_items is not None
                 if self.seen_items is not None:
                     items.append(float(self.seen_items))
@@ -682,10 +829,11 @@ class InPlaceOOMRecovery:
                                     "trainer, loss_weighting=...)", "labelled tokens" if label_counts(chunk) else "rows")
         finally:
             args.average_tokens_across_devices = averaging
+            if self.batch_terms is not None:
+                self.batch_terms.forget()
         # a preference batch's rows are every chosen row, then every rejected one: so are the joined micro-batches'
         pairs = [self.layout.size(chunk) for chunk in self.layout.split(inputs, micro)] if isinstance(self.layout, Pairs) else None
-        loss, logits, labels = _combine(parts, items, summed=known is not None and known.kind == "sum" and not counted,
-                                        pairs=pairs)
+        loss, logits, labels = _combine(parts, items, summed=summed and not counted, pairs=pairs)
         # only a loss normalised by the item count it was given is rescaled (TRL's prediction steps give none: their
         # loss is this rank's own mean, and stays one)
         if gathers and counted:
@@ -781,6 +929,10 @@ def step_aside_reason(trainer) -> str | None:
     return None
 
 
+class InexactSplitRefused(UsageError):
+    """An OOM in a step whose loss does not split into micro-batches exactly, with ``on_inexact='stop'``."""
+
+
 class OutOfMemoryWithoutRecovery(UsageError):
     """An out-of-memory error in a Trainer whose in-place recovery stepped aside: the micro-batch is the user's to lower."""
 
@@ -813,7 +965,7 @@ def _name_an_oom_without_recovery(trainer, reason: str) -> None:
 
 
 def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS, bucket_bytes: int = BUCKET_BYTES,
-                        loss_weighting=None) -> InPlaceOOMRecovery:
+                        loss_weighting=None, on_inexact: str = "recover") -> InPlaceOOMRecovery:
     """One line for anyone's Trainer: ``enable_oom_recovery(trainer)`` before ``trainer.train()``. Installs the
     loss-scaling guard too (``loss_scaling.py``): micro-batch scaling needs to know a mean from a sum. ``bucket_bytes``:
     the size of the gradient buckets averaged under DDP (DDP's ``bucket_cap_mb``, 25 MiB).
@@ -826,11 +978,21 @@ def enable_oom_recovery(trainer, grow_after_steps: int | None = GROW_AFTER_STEPS
 
     ``loss_weighting``: what the loss averages over, when the loss itself cannot tell (``loss_scaling.py`` asks it at the
     first steps and says so when it cannot): ``"rows"``, ``"tokens"`` (labelled tokens), ``"next-tokens"`` (a causal LM's
-    shifted labels), ``"sum"``, or a function of a micro-batch's inputs returning how many items its loss averages over."""
+    shifted labels), ``"sum"``, or a function of a micro-batch's inputs returning how many items its loss averages over.
+
+    ``on_inexact``: what an OOM does in a run whose loss was found, at the first step, not to split into micro-batches
+    exactly (a term over the whole batch that no weighting splits; said then, with the measured deviation):
+    ``"recover"`` approximately (the default), or ``"stop"`` with the fix (``InexactSplitRefused``, a usage error). A
+    mixture-of-experts router's load-balancing loss is split exactly (``batch_terms.py``) and checked like the rest."""
     check_not_alone(trainer)
+    if on_inexact not in ON_INEXACT:
+        raise ValueError(f"on_inexact={on_inexact!r} is not one of {', '.join(map(repr, ON_INEXACT))}: 'recover' trains on "
+                         "approximately after an OOM in a step whose loss does not split exactly, 'stop' stops with the fix")
     told = LossWeighting.told(loss_weighting) if loss_weighting is not None else None
     guard = guard_loss_scaling(trainer)
-    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes, weighting=told)
+    guard_evaluation_memory(trainer)  # predictions piling up in an evaluation: said, moved off the GPU, before the OOM
+    recovery = InPlaceOOMRecovery(trainer, guard, grow_after_steps=grow_after_steps, bucket_bytes=bucket_bytes, weighting=told,
+                                  on_inexact=on_inexact)
     reason = step_aside_reason(trainer)
     if reason is not None:
         recovery.stepped_aside = reason

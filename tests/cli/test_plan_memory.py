@@ -134,3 +134,16 @@ def test_plan_memory_and_config_recommend_the_same_levers_on_a_box_short_of_ram(
     with pytest.raises(PlanError):
         make_plan(load_machine(str(small)), PlanOptions(model=from_config(dict(LLAMA3_8B), name="llama-3-8b"), seq_len=16384,
                                                        global_batch=16))
+
+
+def test_the_evaluation_of_a_language_model_is_counted_with_what_the_fine_tune_keeps(llama3_dir, capsys):
+    """issue 36, evaluation's own memory: 2,000 rows of 2,048 tokens of Llama 3's 128,256-token vocabulary, bf16: a
+    Trainer keeping the logits for its compute_metrics holds 2000 x 2048 x 128256 x 2 B, twice at the join: 1.9 TiB."""
+    assert main(["plan-memory", "--machine", "1x-h200", "--model", llama3_dir, "--seq-len", "2048",
+                 "--eval-rows", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "Evaluation of 2000 rows at seq 2048, vocabulary 128256 (bf16 logits):" in out
+    expected = 2000 * 2048 * 128256 * 2 * 2 / 2**40
+    assert f"compute_metrics: {expected:.1f} TiB at the end of each evaluation" in out
+    assert "scripts/finetune.py keeps the loss only (perplexity from it): 7.8 KiB" in out
+    assert main(["plan-memory", "--machine", "1x-h200", "--params", "1e8", "--eval-rows", "0"]) == 2

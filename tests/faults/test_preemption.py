@@ -159,7 +159,7 @@ def test_the_same_request_twice_is_one_a_second_later_one_exits_at_once(monkeypa
     clock = [100.0]
     exits = []
     monkeypatch.setattr(preemption_module.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(preemption_module, "_exit_now", lambda: exits.append(clock[0]))
+    monkeypatch.setattr(preemption_module, "_exit_now", lambda *a: exits.append(clock[0]))
     request = StopRequest()
     request._pid = os.getpid()
     request._handle(signal.SIGTERM, None)
@@ -274,3 +274,161 @@ def test_a_stop_whose_save_something_else_called_off_is_saved_after_train(tmp_pa
     attach_preemption(again)
     again.train(resume_from_checkpoint=True)
     assert_same_params(weights(again), uninterrupted["Trainer"])
+
+
+# -- issue 36, items 2 and 4 ------------------------------------------------------------------------------------------
+
+
+def test_save_only_model_still_leaves_a_checkpoint_that_resumes_exactly(tmp_path, uninterrupted, caplog):
+    """Before: "checkpoint-3 is complete; the same command resumes from it", a folder without optimizer, scheduler or
+    RNG state, and the resumed weights 4.8e-2 off the run never stopped. A stop's checkpoint now holds them."""
+    from transformers.trainer_utils import SaveStrategy
+
+    with caplog.at_level("WARNING", logger="hf_gpu_train.preemption"):
+        stopped, resumed = preempt_then_resume(tmp_path, "Trainer", lambda t: t.add_callback(SignalAt(3, "accumulation")),
+                                               save_only_model=True, save_strategy=SaveStrategy.STEPS, save_steps=2)
+    folder = tmp_path / "out" / "checkpoint-3"
+    assert stopped.stopped_at_step == 3 and (folder / "optimizer.pt").is_file() and (folder / "scheduler.pt").is_file()
+    assert (folder / "rng_state.pth").is_file()
+    assert not (tmp_path / "out" / "checkpoint-2" / "optimizer.pt").exists()  # the scheduled save: as the user asked
+    assert any("save_only_model=True: the scheduled checkpoints hold the model only" in r.getMessage() for r in caplog.records)
+    assert_same_params(weights(resumed), uninterrupted["Trainer"])
+
+
+def test_the_grace_advice_never_recommends_save_only_model():
+    from hf_gpu_train.faults.preemption import Preemption
+
+    assert "save_only_model" not in Preemption._fix(None)
+
+
+class SlowEvaluation(TrainerCallback):
+    """An evaluation that takes ``seconds`` a batch (standing in for generation); records when it ran and when saves
+    began, in this process's monotonic clock."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.evaluated_at, self.saved_at = seconds, [], []
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        import time
+
+        time.sleep(self.seconds)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        import time
+
+        self.evaluated_at.append((state.global_step, time.monotonic()))
+
+
+def test_a_stop_saves_before_a_due_evaluation_and_the_resumed_run_evaluates_first(tmp_path, uninterrupted, capsys):
+    """Before: SIGTERM during step 3 with eval_steps=3 and an evaluation of 1 s a batch: the checkpoint was written 17.6 s
+    after the signal, after the evaluation. Now the save comes first; the evaluation is put off to the resumed run,
+    which runs it before its first step: the same evaluations, at the same steps, as the run never stopped."""
+    import time
+
+    from transformers.trainer_utils import IntervalStrategy
+
+    changes = dict(eval_strategy=IntervalStrategy.STEPS, eval_steps=3, per_device_eval_batch_size=4)
+    slow = SlowEvaluation(0.25)
+    sent = []
+
+    class SignalDuringStep3(SignalAt):
+        def _send(self):
+            if not self.sent:
+                sent.append(time.monotonic())
+            super()._send()
+
+    def arm(t):
+        t.add_callback(SignalDuringStep3(3, "accumulation"))
+        t.add_callback(slow)
+        original = t._save_checkpoint
+
+        def saving(*args, **kwargs):
+            slow.saved_at.append(time.monotonic())
+            return original(*args, **kwargs)
+
+        t._save_checkpoint = saving
+
+    stopped, resumed = preempt_then_resume(tmp_path, "Trainer", arm, **changes)
+    err = capsys.readouterr().err
+    assert stopped.stopped_at_step == 3 and slow.evaluated_at == []  # no evaluation between the signal and the save
+    assert slow.saved_at and slow.saved_at[0] - sent[0] < 2.0, f"the save began {slow.saved_at[0] - sent[0]:.1f} s after"
+    assert "the evaluation due at step 3 was put off" in err
+    evaluations = [h["step"] for h in resumed.state.log_history if "eval_loss" in h]
+    assert evaluations == [3, 6]  # the resumed run ran step 3's first, as the uninterrupted run did
+    whole = trainer_for("Trainer", tmp_path / "whole", **changes)
+    attach_preemption(whole)
+    whole.train()
+    expected = {h["step"]: h["eval_loss"] for h in whole.state.log_history if "eval_loss" in h}
+    assert {h["step"]: h["eval_loss"] for h in resumed.state.log_history if "eval_loss" in h} == pytest.approx(expected)
+    assert_same_params(weights(resumed), uninterrupted["Trainer"])
+
+
+@pytest.mark.parametrize("strategy, data_seed", [("group_by_length", 0), ("group_by_length", None), ("random", 5)])
+def test_a_resume_in_a_later_epoch_reads_the_order_the_run_never_stopped_reads(tmp_path, strategy, data_seed):
+    """issue 36, item 3. Before: train_sampling_strategy="group_by_length" and a stop signal in the second epoch: the
+    resumed weights 1.2e-2 off the run never stopped (the random sampler: 0). transformers' LengthGroupedSampler draws
+    each epoch's order from the global generator, before the Trainer restores the random state from the checkpoint.
+    48 rows, 4 a step: 12 steps an epoch, the signal in step 14."""
+    def make(out):
+        return build("Trainer", str(out), per_device=2, accumulation=2, train_sampling_strategy=strategy,
+                     data_seed=data_seed, max_steps=16)
+
+    whole = make(tmp_path / "whole")
+    attach_preemption(whole)
+    whole.train()
+    out = tmp_path / "out"
+    stopped = make(out)
+    stopped.add_callback(SignalAt(14, "accumulation"))
+    preemption = attach_preemption(stopped)
+    with pytest.raises(SystemExit):
+        stopped.train()
+    preemption.done()
+    assert preemption.stopped_at_step == 14
+    again = make(out)
+    attach_preemption(again)
+    again.train(resume_from_checkpoint=True)
+    assert_same_params(weights(again), weights(whole))
+
+
+def test_a_warning_forwarded_before_a_process_listens_is_taken_when_it_does(tmp_path, monkeypatch):
+    """Also reported in issue 36: hf-gpu-train launch starts the training processes with SIGUSR1 ignored, so SLURM's one
+    warning that reaches a process before it listens (importing, loading its model) was lost. The launcher notes each
+    signal it forwards; a process takes the noted request once when it begins to listen, and never again."""
+    from hf_gpu_train.launch.rank_report import PROGRESS_DIR_ENV
+    from hf_gpu_train.launch.signals import SignalForwarder
+
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(progress))
+    child = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
+    try:
+        forwarder = SignalForwarder(os.getpid(), progress)
+        forwarder.targets = lambda: [child.pid]  # a training process that does not listen yet: it ignores the warning
+        forwarder._forward(signal.SIGUSR1, None)
+        assert child.poll() is None  # the warning reached it and was ignored: lost, until now
+    finally:
+        child.kill()
+    request = StopRequest()
+    request.install(signals=())
+    assert request.requested and request.signum == signal.SIGUSR1
+    request.reset()
+    request.install(signals=())
+    assert not request.requested  # taken once
+    forwarder._forward(signal.SIGTERM, None)  # a second request, later: taken too
+    request.install(signals=())
+    assert request.signum == signal.SIGTERM
+
+
+def test_a_resume_from_a_model_only_checkpoint_says_it_is_not_exact(tmp_path, caplog):
+    from transformers.trainer_utils import SaveStrategy
+
+    first = trainer_for("Trainer", tmp_path / "out", save_only_model=True, save_strategy=SaveStrategy.STEPS, save_steps=2,
+                        max_steps=2)
+    attach_preemption(first)
+    first.train()
+    again = trainer_for("Trainer", tmp_path / "out", save_only_model=True, max_steps=3)
+    attach_preemption(again)
+    with caplog.at_level("WARNING", logger="hf_gpu_train.checkpoints"):
+        again.train(resume_from_checkpoint=True)
+    said = [r.getMessage() for r in caplog.records if "holds the model but not" in r.getMessage()]
+    assert len(said) == 1 and "the optimizer's state" in said[0] and "checkpoint-2" in said[0]

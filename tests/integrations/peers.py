@@ -109,16 +109,17 @@ class CausalRows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def common_args(out: str, per_device: int, accumulation: int = 1) -> dict:
-    return dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
-                gradient_accumulation_steps=accumulation,
-                max_steps=MAX_STEPS, learning_rate=1e-2,
-                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                disable_tqdm=True, seed=0, data_seed=0, adam_epsilon=ADAM_EPSILON, bf16=False)
+def common_args(out: str, per_device: int, accumulation: int = 1, **overrides) -> dict:
+    return dict(dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
+                     gradient_accumulation_steps=accumulation,
+                     max_steps=MAX_STEPS, learning_rate=1e-2,
+                     lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                     disable_tqdm=True, seed=0, data_seed=0, adam_epsilon=ADAM_EPSILON, bf16=False), **overrides)
 
 
-def build(kind: str, out: str, per_device: int, accumulation: int = 1):
-    """(trainer, model): the peer ``kind`` as its documentation builds it, on the tiny Llama."""
+def build(kind: str, out: str, per_device: int, accumulation: int = 1, **overrides):
+    """(trainer, model): the peer ``kind`` as its documentation builds it, on the tiny Llama. ``overrides``: training
+    arguments of the plain Trainer, its subclass and Seq2SeqTrainer (given when it is built: accelerate reads some then)."""
     from datasets import Dataset
 
     tok = tokenizer()
@@ -129,7 +130,7 @@ def build(kind: str, out: str, per_device: int, accumulation: int = 1):
         cls = {"Trainer": Trainer, "subclass": subclass_with_collectives(), "Seq2SeqTrainer": Seq2SeqTrainer}[kind]
         args_cls = Seq2SeqTrainingArguments if kind == "Seq2SeqTrainer" else TrainingArguments
         rows = CausalRows(tok)
-        trainer = cls(model=model, args=args_cls(**common_args(out, per_device, accumulation)), train_dataset=rows,
+        trainer = cls(model=model, args=args_cls(**common_args(out, per_device, accumulation, **overrides)), train_dataset=rows,
                       eval_dataset=torch.utils.data.Subset(rows, range(16)))
     elif kind == "SFTTrainer":
         from trl import SFTConfig, SFTTrainer
@@ -163,8 +164,9 @@ def build(kind: str, out: str, per_device: int, accumulation: int = 1):
 
 # the families whose losses average over other things than a causal LM's (tests/oom/families.py): an
 # encoder-decoder in Seq2SeqTrainer evaluated with generation, token classification and masked LM (means over labelled
-# tokens), and a vision model in a plain Trainer (ViT: its loss is normalised by num_items_in_batch)
-FAMILIES = {"T5Seq2Seq": "t5", "TokenClassification": "token", "MaskedLM": "mlm", "ViT": "vit"}
+# tokens), a vision model in a plain Trainer (ViT: its loss is normalised by num_items_in_batch), and a mixture-of-experts
+# causal LM whose loss adds its router's load-balancing term, computed over the whole batch (Mixtral)
+FAMILIES = {"T5Seq2Seq": "t5", "TokenClassification": "token", "MaskedLM": "mlm", "ViT": "vit", "MoECausalLM": "moe"}
 
 
 def family_trainer(kind: str, out: str, per_device: int, accumulation: int = 1):

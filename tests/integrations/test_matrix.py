@@ -6,7 +6,8 @@ losses and gradient norms and ends with the same trainable weights as the same t
 the whole batch. The peers: the plain ``Trainer``, a subclass whose ``compute_loss`` gathers and all-reduces on every
 call (the pattern that hung TRL's ``SFTTrainer`` on 2 processes), ``Seq2SeqTrainer``, TRL's ``SFTTrainer`` (LoRA,
 prompt/completion) and ``DPOTrainer`` (LoRA, reference by disabling the adapter), and ``GRPOTrainer`` (a reward
-function, generation in the process), where recovery steps aside before training with its reason.
+function, generation in the process), where recovery steps aside before training with its reason; and the families whose
+losses are not a causal LM's (``peers.FAMILIES``), a Mixtral with its router's load-balancing loss among them.
 
 ``python -m pytest tests/integrations/test_matrix.py -s -k matrix_table`` prints the table (README: "Integration matrix").
 """
@@ -27,7 +28,7 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("T5Seq2Seq", "TokenClassification", "MaskedLM", "ViT")  # peers.FAMILIES: other losses than a causal LM's
+FAMILIES = ("T5Seq2Seq", "TokenClassification", "MaskedLM", "ViT", "MoECausalLM")  # peers.FAMILIES: other losses than a causal LM's
 SPLITTABLE = ("Trainer", "subclass", "Seq2SeqTrainer", "SFTTrainer", "DPOTrainer", *FAMILIES)
 ALL = (*SPLITTABLE, "GRPOTrainer")
 # prediction steps that gather across ranks (TRL's compute_loss in eval mode), and generation (predict_with_generate)
@@ -38,6 +39,9 @@ EVALUATED = ("subclass", "SFTTrainer", "T5Seq2Seq")
 # (model_accepts_loss_kwargs=False: without it transformers 5 multiplies these losses by the number of processes, the
 # defect the loss guard corrects)
 PER_RANK_MEAN = ("T5Seq2Seq", "TokenClassification", "MaskedLM")
+# a router's load-balancing term is each rank's own, over its own rows (transformers multiplies it by the number of
+# processes with the token term, and DDP averages): 2 processes are compared with 2 processes without our pieces
+PER_RANK = (*PER_RANK_MEAN, "MoECausalLM")
 EVAL = ("2 processes, evaluation", "2 processes, OOM on rank 1 in evaluation")
 ONE = {"ours, no OOM": dict(per_device=8),
        "OOM in forward": dict(per_device=8, oom=dict(max_batch=4, phase="forward")),
@@ -75,7 +79,7 @@ def runs(tmp_path_factory) -> dict:
             kind=kind, per_device=4, evaluate=True, oom=dict(max_batch=2, rank=1, phase="forward", eval_too=True))
     # GRPO samples completions, the per-rank means average differently on 2 processes: both are compared with 2 processes
     # without our pieces
-    for kind in ("GRPOTrainer", *PER_RANK_MEAN):
+    for kind in ("GRPOTrainer", *PER_RANK):
         plan[file_name(kind, "2 processes, without ours")] = dict(kind=kind, per_device=4, ours=False,
                                                                   mean_loss=kind in PER_RANK_MEAN)
     plan[file_name("GRPOTrainer", "2 processes, ours, no OOM")] = dict(kind="GRPOTrainer", per_device=4)
@@ -106,7 +110,7 @@ def test_the_reference_trains(runs, kind):
 
 def reference_for(runs: dict, kind: str, name: str) -> dict:
     """One process at the whole batch; for a per-rank mean on 2 processes, 2 processes without our pieces."""
-    if name.startswith("2 processes") and kind in PER_RANK_MEAN:
+    if name.startswith("2 processes") and kind in PER_RANK:
         return runs[(kind, "2 processes, without ours")]
     return runs[(kind, "reference")]
 

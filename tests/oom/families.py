@@ -8,7 +8,10 @@ different label lengths for them: the OOM recovery must weigh micro-batches by w
   over rows (a mean over rows, although its labels are token sequences);
 - ``ctc-sum``: the same with ``"sum"`` (transformers' default): a sum over rows, not a mean at all;
 - ``vit``: a ViT image classifier, a mean over rows;
-- ``sequence``: BERT sequence classification, a mean over rows.
+- ``sequence``: BERT sequence classification, a mean over rows;
+- ``moe``: a Mixtral causal LM with its router's load-balancing loss on (``output_router_logits=True``): a sum over
+  labelled next tokens normalised by ``num_items_in_batch``, plus a batch-level term (the product of two means over the
+  whole batch's tokens) that no weighting of micro-batches splits.
 
 No dropout anywhere, so a split batch draws no other masks than the whole one.
 """
@@ -18,14 +21,20 @@ from __future__ import annotations
 import torch
 
 VOCAB = 40
-FAMILIES = ("t5", "bart", "token", "mlm", "ctc", "ctc-sum", "vit", "sequence")
+FAMILIES = ("t5", "bart", "token", "mlm", "ctc", "ctc-sum", "vit", "sequence", "moe")
 SEQ2SEQ = ("t5", "bart")
 
 
-def model(family: str) -> torch.nn.Module:
+def model(family: str, router_aux_loss_coef: float = 0.02) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
+    if family == "moe":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+            output_router_logits=True, router_aux_loss_coef=router_aux_loss_coef, pad_token_id=0, bos_token_id=2,
+            eos_token_id=1, tie_word_embeddings=False))
     if family == "t5":
         return tf.T5ForConditionalGeneration(tf.T5Config(
             vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, dropout_rate=0.0,
@@ -77,6 +86,10 @@ class Rows(torch.utils.data.Dataset):
             elif family == "token":
                 labels = torch.where(torch.arange(seq) < length, torch.randint(0, 5, (seq,), generator=g), -100)
                 self.rows.append({"input_ids": ids, "attention_mask": torch.ones(seq, dtype=torch.long), "labels": labels})
+            elif family == "moe":  # right-padded rows: the router statistics count unpadded tokens only
+                mask = (torch.arange(seq) < max(length, 2)).long()
+                self.rows.append({"input_ids": ids * mask, "attention_mask": mask,
+                                  "labels": torch.where(mask.bool(), ids, -100)})
             elif family == "mlm":
                 masked = torch.arange(seq) < length
                 self.rows.append({"input_ids": torch.where(masked, 2, ids), "attention_mask": torch.ones(seq, dtype=torch.long),
