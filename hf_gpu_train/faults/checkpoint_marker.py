@@ -90,7 +90,10 @@ def set_aside(checkpoint: Path) -> Path:
     aside = checkpoint.parent / SET_ASIDE_DIR
     aside.mkdir(exist_ok=True)
     target = aside / f"{checkpoint.name}.{int(time.time() * 1000)}"
-    checkpoint.rename(target)
+    try:
+        checkpoint.rename(target)
+    except FileNotFoundError:  # another node's writer moved it first (save_on_each_node on a shared filesystem)
+        pass
     return target
 
 

@@ -121,6 +121,19 @@ def any_rank(mine: bool) -> bool:
     return bool(votes.item())
 
 
+def lowest_and_highest(value: int) -> tuple[int, int]:
+    """(the lowest, the highest) of ``value`` over every rank (one all-reduce on the CPU; every rank must call it at the
+    same point)."""
+    import torch
+
+    dist = _distributed()
+    if dist is None:
+        return value, value
+    both = torch.tensor([-int(value), int(value)], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_cpu_group(dist))
+    return -int(both[0]), int(both[1])
+
+
 def agree_on_control(trainer, after_agreement=None) -> bool:
     """Agree the control flags before the Trainer logs, evaluates, saves or stops after a step (whatever callback set
     them, in whatever order callbacks were added), and the stop flags again after a log, evaluation or save (a

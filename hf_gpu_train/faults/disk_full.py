@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..textfmt import human
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
-from .collective_gate import agree_on_control, wait_for_every_rank
+from .collective_gate import agree_on_control, lowest_and_highest, wait_for_every_rank
 from .resume_epoch import exact_mid_epoch_resume
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -35,6 +36,7 @@ NO_SPACE_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded
 # is less than the save needs
 WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed", "unexpected pos")
 MERGED = "the adapter and the merged model"  # a save the size of the whole model, not of a checkpoint
+_STEP = re.compile(r"checkpoint-(\d+)/?$")  # a checkpoint's step, from its folder's name
 
 
 class DiskFullError(UsageError):
@@ -158,6 +160,21 @@ def _rotation_deferred(defer: bool):
         hf_trainer.rotate_checkpoints = real
 
 
+def _same_checkpoint_on_every_node(trainer, chosen) -> None:
+    """``save_on_each_node=True``: each node chose the newest complete checkpoint of its own disk; a node killed between
+    two nodes' markers may hold another step than the others. Every rank compares the step it resumes from (one
+    all-reduce, on every rank: the resume argument is the command's), and different steps stop the run with the fix."""
+    if not (trainer.args.save_on_each_node and isinstance(chosen, (str, Path)) and _STEP.search(str(chosen))):
+        return
+    step = int(_STEP.search(str(chosen)).group(1))
+    lowest, highest = lowest_and_highest(step)
+    if lowest != highest:
+        raise UsageError(f"save_on_each_node=True and the nodes would resume from different checkpoints (steps {lowest} "
+                         f"to {highest}: a node stopped between two nodes' saves). Resume every node from "
+                         f"checkpoint-{lowest}: resume_from_checkpoint=<output_dir>/checkpoint-{lowest} (each node keeps "
+                         "it), or remove the newer ones on the nodes that have them")
+
+
 def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None) -> None:
     """For anyone's Trainer, before ``trainer.train()``: a full disk during ``_save_checkpoint`` or ``save_model``
     becomes ``DiskFullError``; every checkpoint is marked complete once every rank has written it (``before_marker``
@@ -203,8 +220,10 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     def train_from_a_complete_checkpoint(*args, **kwargs):
         if args:
             args = (resume_point(args[0], trainer.args.output_dir), *args[1:])
+            _same_checkpoint_on_every_node(trainer, args[0])
         elif "resume_from_checkpoint" in kwargs:
             kwargs["resume_from_checkpoint"] = resume_point(kwargs["resume_from_checkpoint"], trainer.args.output_dir)
+            _same_checkpoint_on_every_node(trainer, kwargs["resume_from_checkpoint"])
         return train(*args, **kwargs)
 
     trainer.train = train_from_a_complete_checkpoint

@@ -366,6 +366,9 @@ class Preemption:
         if self.deferred.due_step is None or self.deferred.due_step != state.global_step:
             return
         self.deferred.due_step = None
+        strategy = str(getattr(self.trainer.args.eval_strategy, "value", self.trainer.args.eval_strategy))
+        if self.trainer.eval_dataset is None or strategy == "no":  # the resumed run evaluates nothing: neither this
+            return
         if is_main_process():
             _say(f"running the evaluation due at step {state.global_step}, put off by the stop signal of the run this "
                  "one resumes")
@@ -472,7 +475,9 @@ def _full_state_for_a_stop(trainer, preemption: Preemption) -> None:
         if not settings.save_only_model:
             preemption.saved_full_state = True
             return original(*args, **kwargs)
-        full = any_rank(preemption.training and preemption.request.requested)  # every rank saves: agreed
+        # a stop requested on any rank (still so after train() returns, for the save the stop owes): every rank saves
+        # here, so the decision is agreed
+        full = any_rank(preemption.request.requested)
         preemption.saved_full_state = full
         if not full:
             return original(*args, **kwargs)

@@ -39,7 +39,8 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+        yield from get_length_grouped_indices(self.lengths, self.batch_size, generator=generator)
+        self.epoch += 1  # a loop that never calls set_epoch still reads a new order each epoch
 
 
 def data_seed(args) -> int:
@@ -114,7 +115,9 @@ def _detached_copy(sampler):
     """A shallow copy of ``sampler`` whose generators are copies: iterating it moves nothing of the original's."""
     probe = copy.copy(sampler)
     for name, value in list(vars(probe).items()):
-        if isinstance(value, torch.Generator):
+        if isinstance(value, (list, dict, set)):  # a container the sampler may change as it iterates: its own copy
+            setattr(probe, name, copy.copy(value))
+        elif isinstance(value, torch.Generator):
             clone = torch.Generator(device=value.device)
             clone.set_state(value.get_state())
             setattr(probe, name, clone)

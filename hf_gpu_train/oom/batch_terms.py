@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .microbatch import is_oom_error
+
 FUNCTION = "load_balancing_loss_func"
 
 
@@ -83,13 +85,15 @@ class _WholeCall:
 class RouterBalanceSplit:
     """The exact split of ``load_balancing_loss_func`` for one model: record a step's whole batch, then splice."""
 
-    def __init__(self, module):
+    def __init__(self, module, coefficient: float = 0.0):
         self.module = module
+        self.coefficient = coefficient  # what the model multiplies the function's value by before adding it to its loss
         self.original = getattr(module, FUNCTION)
         self._whole: dict[int, list[_WholeCall]] = {}  # id(the micro-step's inputs) -> the whole batch's calls
         self._inputs: dict[int, object] = {}  # keeps those inputs alive while their id is a key
         self._recording: list | None = None
         self._splicing: tuple | None = None  # (calls, start, stop, size, scale) while a micro-batch runs
+        self.broken: str | None = None  # why a live micro-batch's arguments did not fit the recorded batch (then unsplit)
 
     @classmethod
     def find(cls, model) -> RouterBalanceSplit | None:
@@ -103,13 +107,27 @@ class RouterBalanceSplit:
                 continue
             module = sys.modules.get(type(part).__module__)
             if module is not None and callable(getattr(module, FUNCTION, None)):
-                return cls(module)
+                return cls(module, float(getattr(part, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0))))
         return None
 
-    def forget(self) -> None:
-        """A new optimizer step: the recorded batches are not needed any more."""
-        self._whole.clear()
-        self._inputs.clear()
+    def forget(self, key=None) -> None:
+        """The recorded batch of the inputs ``key`` (None: every one) is not needed any more: a micro-step is done (a
+        replay of it records again). What a record holds: every layer's router logits of the micro-step, layers x rows x
+        sequence x experts values (Mixtral 8x7B, 8 rows of 4,096 tokens: 32 x 32,768 x 8 in bf16, 16 MiB)."""
+        if key is None:
+            self._whole.clear()
+            self._inputs.clear()
+        else:
+            self._whole.pop(id(key), None)
+            self._inputs.pop(id(key), None)
+
+    def term_value(self, key) -> float | None:
+        """The whole batch's term as the model adds it to its loss (coefficient x the function's value), for the inputs
+        ``key`` recorded (None: not recorded)."""
+        calls = self._whole.get(id(key))
+        if not calls or any(call.value is None for call in calls):
+            return None
+        return self.coefficient * float(sum(call.value.float().sum() for call in calls))
 
     def recorded(self, inputs) -> bool:
         return id(inputs) in self._whole
@@ -128,6 +146,11 @@ class RouterBalanceSplit:
                 self._recording = []
                 try:
                     model(**forward(prepared))
+                except Exception as error:  # an OOM is the step's; anything else: this model is not recorded this way
+                    if is_oom_error(error):
+                        raise
+                    raise NotSpliceable(f"its forward without labels failed: {type(error).__name__}: "
+                                        f"{str(error).splitlines()[0][:200] if str(error) else ''}") from None
                 finally:
                     calls, self._recording = self._recording, None
                 per_chunk.append(calls)
@@ -188,8 +211,10 @@ class RouterBalanceSplit:
                 leaves.append(tensor)
                 continue
             if tensor.shape[0] != (stop - start) * rows or tensor.shape[1:] != joined.shape[1:]:
-                raise NotSpliceable(f"a micro-batch's {FUNCTION} argument has {tensor.shape[0]} rows, not "
-                                    f"{(stop - start) * rows}")
+                # never an exception inside the model's forward: this micro-batch computes its own term, said after it
+                self.broken = (f"a micro-batch's {FUNCTION} argument has shape {tuple(tensor.shape)}, not "
+                               f"{((stop - start) * rows, *joined.shape[1:])}")
+                return self.original(*args, **kwargs)
             joined = joined.to(device=tensor.device, dtype=tensor.dtype)
             leaves.append(torch.cat([joined[: start * rows], tensor, joined[stop * rows:]]))
         spliced_args, spliced_kwargs = _fill(shape, leaves)
@@ -228,14 +253,21 @@ def _rows(inputs) -> int:
 
 
 def _forward_arguments(model):
-    """What the recording forward passes: the inputs the forward names (no labels: the routing does not read them and
-    the loss over the vocabulary is not needed), with the logits kept for one position where the model allows it."""
-    parameters = inspect.signature(model.forward).parameters
-    named = {name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    """What the recording forward passes: the inputs (no labels: the routing does not read them and the loss over the
+    vocabulary is not needed), with the logits kept for one position where the model takes ``logits_to_keep``. A
+    forward that takes ``**kwargs`` (a PEFT wrapper's) gets every input; one that names its parameters, those."""
+    def parameters(module):
+        return inspect.signature(module.forward).parameters
+
+    own = parameters(model)
+    passes_all = any(p.kind == p.VAR_KEYWORD for p in own.values())
+    named = {name for name, p in own.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    keeps_one = "logits_to_keep" in (named if base is model else {*named, *parameters(base)})
 
     def arguments(inputs) -> dict:
-        kept = {key: value for key, value in inputs.items() if key in named and key != "labels"}
-        if "logits_to_keep" in named:
+        kept = {key: value for key, value in inputs.items() if (passes_all or key in named) and key != "labels"}
+        if keeps_one:
             kept["logits_to_keep"] = 1
         return kept
 

@@ -7,11 +7,14 @@ at the end of the first evaluation, hours in. Here, at the first prediction step
 what that step kept times the rows of the set (twice: the join) is compared with the memory it will sit in:
 
 - on a GPU, without ``eval_accumulation_steps``: more than a tenth of the GPU's free memory sets
-  ``eval_accumulation_steps`` (the predictions then go to the host every few steps; the metrics are the same numbers),
-  said once;
-- on the host: more than half of its available memory is said once, with the size and the fix
-  (``preprocess_logits_for_metrics`` reducing the logits to what the metric reads; the loss alone when the metric is
-  perplexity).
+  ``eval_accumulation_steps`` for that evaluation (the predictions then go to the host every few steps; the metrics
+  are the same numbers; no collective depends on it), said once;
+- on the host: more than half of its available memory, counted for every process of the machine (each holds every
+  rank's predictions, gathered), is said once, with the size and the fix (``preprocess_logits_for_metrics`` reducing
+  the logits to what the metric reads; the loss alone when the metric is perplexity).
+
+A Trainer with a ``preprocess_logits_for_metrics`` (it keeps what that returns) or ``batch_eval_metrics`` (it keeps
+nothing) is left alone.
 
 The Trainer's own evaluation (its ``evaluation_loop``) is wrapped on this instance; what the metric reads cannot be
 changed for the user (a metric of probabilities needs the logits): it is said, not done.
@@ -20,6 +23,7 @@ changed for the user (a metric of probabilities needs the logits): it is said, n
 from __future__ import annotations
 
 import logging
+import os
 
 import psutil
 import torch
@@ -56,7 +60,7 @@ class EvaluationMemoryGuard:
 
         def evaluation_loop(dataloader, *args, **kwargs):
             rows = _dataset_rows(dataloader)
-            step = self.trainer.prediction_step
+            step, accumulation = self.trainer.prediction_step, self.trainer.args.eval_accumulation_steps
             measured = []
 
             def first_step_measured(*a, **kw):
@@ -72,6 +76,7 @@ class EvaluationMemoryGuard:
                 return loop(dataloader, *args, **kwargs)
             finally:
                 self.trainer.prediction_step = step
+                self.trainer.args.eval_accumulation_steps = accumulation  # for this loop only, not saved in the args
 
         self.trainer.evaluation_loop = evaluation_loop
         return self
@@ -80,13 +85,15 @@ class EvaluationMemoryGuard:
         """``result``: the first prediction step's (loss, logits, labels); ``rows``: the set's."""
         if not isinstance(result, tuple) or len(result) < 2 or result[1] is None or not rows:
             return
+        args = self.trainer.args
+        if self.trainer.preprocess_logits_for_metrics is not None or getattr(args, "batch_eval_metrics", False):
+            return  # the Trainer keeps what the user's reduction returns, or nothing (metrics batch by batch)
         kept = list(_tensors(result[1]))
         per_batch = sum(t.numel() * t.element_size() for t in kept)
         batch_rows = next((int(t.shape[0]) for t in kept if t.dim() > 0), 0)
         if not per_batch or not batch_rows:
             return
         self.projected_bytes = per_batch / batch_rows * rows * JOIN_FACTOR
-        args = self.trainer.args
         on_gpu = any(t.is_cuda for t in kept)
         fix = ("preprocess_logits_for_metrics=... reducing them to what the metric reads (class or token ids: "
                "logits.argmax(-1)), or no compute_metrics when the metric is the loss (perplexity)")
@@ -99,11 +106,14 @@ class EvaluationMemoryGuard:
                                  f"({human(per_batch / batch_rows)} a row), more than a tenth of the GPU's free "
                                  f"{human(free)}: eval_accumulation_steps={args.eval_accumulation_steps} moves them to the "
                                  f"host every {args.eval_accumulation_steps} steps (the same metrics). To keep less: {fix}")
+        # every process of this machine holds every rank's predictions, gathered
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         available = psutil.virtual_memory().available
-        if self.projected_bytes > HOST_SHARE * available:
+        if self.projected_bytes * local > HOST_SHARE * available:
             self._say("host", f"this evaluation keeps its predictions for compute_metrics: {human(self.projected_bytes)} "
-                              f"for {rows} rows ({human(per_batch / batch_rows)} a row, joined at the end), more than half "
-                              f"of the host's available {human(available)}: it may run out of memory at its end. {fix}")
+                              f"for {rows} rows ({human(per_batch / batch_rows)} a row, joined at the end) in each of this "
+                              f"machine's {local} process(es), more than half of the host's available {human(available)}: "
+                              f"it may run out of memory at its end. {fix}")
 
     def _say(self, key: str, message: str) -> None:
         if key not in self._said:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import trainer_state as restorable
-from .microbatch import label_counts
+from .microbatch import is_oom_error, label_counts
 
 log = logging.getLogger("hf_gpu_train.loss_scaling")
 MEAN, SUM, UNKNOWN = "mean", "sum-normalised", "unknown"
@@ -214,16 +214,19 @@ def _alone(splice, pair, index: int, mean: bool):
     return splice(pair, index, mean) if splice is not None else contextlib.nullcontext()
 
 
-def probe_weighting(compute_loss, model, inputs, layout, tolerance: float, splice=None) -> Probe:
+def probe_weighting(compute_loss, model, inputs, layout, tolerance: float, splice=None, relabelled: bool = False) -> Probe:
     """Ask the loss what it averages over: the loss of two samples with different label counts, alone and together.
     ``Probe.kind`` is a kind of ``WEIGHTINGS``, ``"unknown"`` when none predicts the pair's loss (with the deviation), or
     ``UNDECIDED`` when this batch cannot tell (one sample, or two candidates predict the same within ``tolerance``).
 
     Two samples whose losses per labelled token are alike (a fresh head: every token near ln(vocabulary)) cannot tell a
-    mean over rows from one over tokens; the same two samples are then asked again with labels that make them differ
-    (each one's labelled positions given the token the model finds most likely, and least likely, and unequal counts):
-    what the loss averages over does not depend on which tokens are labelled. ``splice(pair, index, mean)``: a context
-    in which sample ``index`` alone carries its part of a batch-level term of the pair (``batch_terms.py``)."""
+    mean over rows from one over tokens, nor (a masked LM never labels its first position) one over tokens from one over
+    the tokens after the first. ``relabelled``: the same two samples asked with labels that make them differ (each
+    one's labelled positions given the token the model finds most likely there, and least likely; the first position
+    labelled in one only; unequal counts): what a loss averages over does not depend on which tokens are labelled. The
+    caller asks so when no rank could tell (the calls of compute_loss are the same on every rank: a pair that cannot be
+    relabelled here is asked as it is). ``splice(pair, index, mean)``: a context in which sample ``index`` alone carries
+    its part of a batch-level term of the pair (``batch_terms.py``)."""
     size = layout.size(inputs)
     if size < 2:
         return Probe(UNDECIDED)
@@ -231,14 +234,11 @@ def probe_weighting(compute_loss, model, inputs, layout, tolerance: float, splic
     per_sample = layout.per_sample(counts) if counts is not None else [1.0] * size
     first, second = _most_unequal(per_sample[:16])
     pair = layout.take(inputs, [first, second])
-    natural = _weigh(compute_loss, model, pair, layout, tolerance, splice)
-    if natural.kind is not UNDECIDED:
-        return natural
-    relabelled = _labels_that_differ(compute_loss, model, pair, layout)
-    if relabelled is None:
-        return natural
-    decided = _weigh(compute_loss, model, relabelled, layout, tolerance, splice)
-    return decided if decided.kind not in (UNDECIDED, "unknown") else natural
+    if relabelled:
+        differing = _labels_that_differ(model, pair, layout)
+        found = _weigh(compute_loss, model, differing if differing is not None else pair, layout, tolerance, splice)
+        return found if differing is not None and found.kind != "unknown" else Probe(UNDECIDED)
+    return _weigh(compute_loss, model, pair, layout, tolerance, splice)
 
 
 def _weigh(compute_loss, model, pair, layout, tolerance: float, splice) -> Probe:
@@ -265,20 +265,22 @@ def _weigh(compute_loss, model, pair, layout, tolerance: float, splice) -> Probe
     return Probe(matching[0]) if len(matching) == 1 else Probe(UNDECIDED)
 
 
-def _labels_that_differ(compute_loss, model, pair, layout):
+def _labels_that_differ(model, pair, layout):
     """``pair`` with token labels rewritten so its two samples' losses differ (None: no token labels, or no logits to
     choose the tokens from): sample 0's labelled positions, and its first position, all get the token the model finds
     most likely there on average; sample 1's, but its first, the least likely; sample 1 keeps half of them when the
-    counts are equal."""
+    counts are equal. The logits come from the model's own forward without labels (never the Trainer's compute_loss:
+    no collective, no tally)."""
     labels = pair.get("labels") if hasattr(pair, "get") else None
     if not (isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[0] == layout.size(pair) == 2):
         return None
     try:
         with _quietly(model):
-            result = compute_loss(model, dict(pair), return_outputs=True, num_items_in_batch=None)
-    except TypeError:  # a compute_loss without return_outputs
+            outputs = model(**{key: value for key, value in pair.items() if key != "labels"})
+    except Exception as error:  # a model that needs what a Trainer of its own passes: the pair is asked as it is
+        if is_oom_error(error):
+            raise
         return None
-    outputs = result[1] if isinstance(result, tuple) and len(result) > 1 else None
     logits = outputs.get("logits") if hasattr(outputs, "get") else getattr(outputs, "logits", None)
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == labels.shape):
         return None
@@ -287,11 +289,11 @@ def _labels_that_differ(compute_loss, model, pair, layout):
     # the first (a causal LM's) then weigh the two samples differently (a masked LM never labels position 0 itself)
     mask[0, 0], mask[1, 0] = True, False
     kept = mask[1].nonzero().flatten()
-    if len(kept) < 2:
+    if len(kept) < 2 or not labels.ne(-100).any():
         return None
     if int(mask[0].sum()) == int(mask[1].sum()):
         mask[1, kept[len(kept) // 2:]] = False
-    scores = logits.float()[labels.ne(-100)].mean(0)
+    scores = logits[labels.ne(-100)].float().mean(0)
     likely, unlikely = int(scores.argmax()), int(scores.argmin())
     rewritten = torch.full_like(labels, -100)
     rewritten[0][mask[0]] = likely
@@ -315,16 +317,17 @@ def decomposes(compute_loss, model, inputs, layout, num_items_in_batch, toleranc
     items = max(1.0, per_sample[first] + per_sample[second]) if counts is not None else 2.0
     deviations = []
     with _quietly(model):
-        for factor in (1, 1000):
+        for factor in (1, 1000):  # both asked whatever the first says: every rank makes the same calls
             n = _like(num_items_in_batch, items * factor)
             together = float(compute_loss(model, dict(pair), num_items_in_batch=n))
             alone = 0.0
             for i in (0, 1):
                 with _alone(splice, pair, i, mean=False):
                     alone += float(compute_loss(model, layout.take(pair, [i]), num_items_in_batch=n))
-            if not (math.isfinite(together) and math.isfinite(alone)):
-                return Probe(UNDECIDED)
-            deviations.append(abs(together - alone) / max(abs(together), 1e-12))
+            deviations.append(abs(together - alone) / max(abs(together), 1e-12)
+                              if math.isfinite(together) and math.isfinite(alone) else math.nan)
+    if any(math.isnan(d) for d in deviations):
+        return Probe(UNDECIDED)
     return Probe("normalised") if max(deviations) <= tolerance else Probe("unknown", deviations[0])
 
 

@@ -295,14 +295,20 @@ class InPlaceOOMRecovery:
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._supported(model):
             return self._training_step(model, inputs, num_items_in_batch)
+        try:
+            return self._step_in_place(model, inputs, num_items_in_batch)
+        finally:
+            if self.batch_terms is not None:  # a micro-step's recorded router logits go with it (a replay records again)
+                self.batch_terms.forget(inputs)
+
+    def _step_in_place(self, model, inputs, num_items_in_batch):
+        """One micro-step of the Trainer's, whole or (after an OOM) in micro-batches, on every rank in step."""
         size = self.layout.size(inputs)
         self._last_batch = max(self._last_batch, size)  # the whole batch (an epoch's short last batch is not it)
         fresh, self.fresh = self.fresh, False
         CHUNKS.begin_micro_step()
         if fresh:
             self._earlier, self._fatal = [], None
-            if self.batch_terms is not None:
-                self.batch_terms.forget()
             if self.weighting is None and self._probes < PROBE_TRIES:
                 self._decide_weighting(model, inputs, num_items_in_batch)
             self._tallies = restorable.take(self.trainer)  # what a restarted step must not count twice
@@ -340,6 +346,8 @@ class InPlaceOOMRecovery:
                             done, events = stop, reducer.grad_events
                 except RestartStep as stop_here:  # a ballot inside someone's collective: every rank starts again
                     restart = stop_here.outcome
+                except _SplitNotExact as refused:  # on_inexact='stop': stopped with every rank, as an OOM at one sample
+                    failure = str(refused)
                 except Exception as error:  # only OOM is handled; everything else is re-raised untouched
                     if not is_oom_error(error):
                         raise
@@ -350,7 +358,7 @@ class InPlaceOOMRecovery:
                 finally:
                     self.share = 1.0
             if restart is not None:
-                done, total, replay = self._restart(model, reducer, lock, restart, size, syncs)
+                done, total, replay = self._restart(model, inputs, reducer, lock, restart, size, syncs)
                 round_failed = False
                 continue
             if failure is not None:
@@ -384,7 +392,7 @@ class InPlaceOOMRecovery:
             if outcome.fatal:
                 raise self._fatal_error(model, inputs, self._fatal)
             if outcome.restart:  # a rank is still inside this micro-step, at a collective: every rank starts again
-                done, total, replay = self._restart(model, reducer, lock, outcome, size, syncs)
+                done, total, replay = self._restart(model, inputs, reducer, lock, outcome, size, syncs)
                 round_failed = False
                 continue
             if outcome.diverged:
@@ -406,14 +414,13 @@ class InPlaceOOMRecovery:
             reducer.apply(outcome)
             return total
 
-    def _restart(self, model, reducer, lock, outcome, size: int, syncs: bool):
+    def _restart(self, model, inputs, reducer, lock, outcome, size: int, syncs: bool):
         """Every rank, on the same ballot: end the gradient round, take the smallest micro-batch, and compute this
         optimizer step again from its first micro-step (the Trainer's tallies put back as they were at its start)."""
         if syncs:
             reducer.complete_round()
         if outcome.fatal:
-            raise OutOfMemoryAtMicroBatchOne(f"out of memory at micro-batch 1 ({self._fatal or 'on another rank'}): "
-                                             "use bf16/fp16, a shorter max_length or a smaller image_size")
+            raise self._fatal_error(model, inputs, self._fatal)
         lock.pending_failure = False
         self._adopt(outcome.micro_batch, size)  # the loop tells the next ballots from the state
         model.zero_grad(set_to_none=True)
@@ -442,7 +449,12 @@ class InPlaceOOMRecovery:
         if distributed:
             model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail
         with self._splicing(inputs, start, stop, self._loss_scale):
-            return self._training_step(model, self.layout.slice(inputs, start, stop), num_items_in_batch)
+            loss = self._training_step(model, self.layout.slice(inputs, start, stop), num_items_in_batch)
+        broken = self.batch_terms.broken if self.batch_terms is not None else None
+        if broken:  # this micro-batch computed its own router term (said): the step goes on approximately
+            unwrapped = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            self._split_broke(type(unwrapped).__name__, broken)
+        return loss
 
     def _accumulate(self, model, inputs, num_items_in_batch, micro: int, distributed: bool) -> None:
         """An earlier micro-step computed again, whole, in micro-batches (its loss was already reported; a micro-step
@@ -453,7 +465,7 @@ class InPlaceOOMRecovery:
             self._chunk(model, inputs, begin, stop, num_items_in_batch, arm=False, distributed=distributed)
 
     # -- a loss term over the whole batch ------------------------------------------------------------------------------
-    def _record_whole_batch(self, model, inputs, micro: int) -> None:
+    def _record_whole_batch(self, model, inputs, micro: int, training: bool = True) -> None:
         """Before a split micro-step: the whole batch's arguments of a batch-level term (a router's load-balancing
         loss), from a forward without gradients in micro-batches of ``micro``. An OOM in it is an OOM of the step."""
         split = self.batch_terms
@@ -464,9 +476,17 @@ class InPlaceOOMRecovery:
             with replaying_micro_steps():  # not a training forward: its tokens are not counted
                 split.record(unwrapped, self.layout.split(inputs, micro), self.trainer._prepare_inputs, key=inputs)
         except NotSpliceable as error:
-            self.batch_terms = None
-            log.warning("OOM recovery: the router's load-balancing loss of %s cannot be split from the whole batch (%s): "
-                        "each micro-batch computes it from its own rows, an approximation", type(unwrapped).__name__, error)
+            self._split_broke(type(unwrapped).__name__, str(error), training)
+
+    def _split_broke(self, model_name: str, why: str, training: bool = True) -> None:
+        """The router split cannot be made for this model (its recording or a micro-batch's arguments did not fit the
+        whole batch's): from here the split is approximate, said once, and ``on_inexact='stop'`` stops at this OOM."""
+        self.batch_terms = None
+        self.inexact = Probe("unknown", None)
+        log.warning("OOM recovery: the router's load-balancing loss of %s cannot be split from the whole batch (%s): "
+                    "each micro-batch computes it from its own rows, an approximation", model_name, why)
+        if self.on_inexact == "stop" and training:  # (an evaluation's loss is said, not stopped for)
+            raise _SplitNotExact(f"the router's load-balancing loss of {model_name} cannot be split exactly ({why})")
 
     def _splicing(self, inputs, start: int, stop: int, scale_of):
         split = self.batch_terms
@@ -514,7 +534,7 @@ class InPlaceOOMRecovery:
 
     def _deviation_words(self) -> str:
         if self.inexact is None or self.inexact.deviation is None:
-            return "another rank's two samples did not add up"
+            return "its batch-level term could not be split from the whole batch, or another rank's samples did not add up"
         return (f"two samples' loss together differs from the combination of each alone by "
                 f"{self.inexact.deviation:.2g} of the loss")
 
@@ -524,9 +544,13 @@ class InPlaceOOMRecovery:
         collectives must pair up): ask the loss what it averages over, and whether it splits at all, before any weight
         changes. A loss normalised by ``num_items_in_batch`` is weighed 1 in every micro-batch, which is exact only if it
         is a sum over items: checked on two samples too (``loss_scaling.decomposes``). A batch of one sample is never
-        split: nothing to ask (nor to say) until a batch of two comes."""
+        split: nothing to ask (nor to say) while the configured batch is one sample.
+
+        Every rank makes the same calls of ``compute_loss`` (someone's may gather across ranks): what a rank found is
+        agreed before any call that depends on it (a second question with labels that differ, a probe without the
+        router split)."""
         t = self.trainer
-        if self.layout.size(inputs) < 2:
+        if t.args.per_device_train_batch_size < 2 or (t.accelerator.num_processes < 2 and self.layout.size(inputs) < 2):
             return
         prepared = t._prepare_inputs(inputs)  # what compute_loss sees (on the device)
         alone = t.accelerator.num_processes < 2  # a probe that fails on one rank of several would leave it out of step
@@ -542,14 +566,13 @@ class InPlaceOOMRecovery:
         normalised = self.guard.answer is not None and self._loss_already_scaled(num_items_in_batch)
         self._probes += 1
         probed = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        found = self._probe(probed, prepared, num_items_in_batch, normalised, alone)
-        if found.kind == "unknown" and self.batch_terms is not None:  # the router term spliced, and still no match
+        found, kind = self._probe(probed, prepared, num_items_in_batch, normalised, alone)
+        if kind == "unknown" and self.batch_terms is not None:  # the router term spliced, and still no match (agreed)
             self.batch_terms = None
             log.warning("OOM recovery: splitting %s's router load-balancing loss from the whole batch's routing did not "
                         "give the loss of two samples together (off by %.2g of it): not used", type(probed).__name__,
                         found.deviation or 0.0)
-            found = self._probe(probed, prepared, num_items_in_batch, normalised, alone)
-        kind = agree_on_weighting(found.kind, t.accelerator)
+            found, kind = self._probe(probed, prepared, num_items_in_batch, normalised, alone)
         name = type(t).__name__
         if normalised:
             self.weighting = LossWeighting("normalised")
@@ -591,31 +614,49 @@ class InPlaceOOMRecovery:
                         "loss_weighting=...)", PROBE_TRIES, name, LossWeighting(kind).describe())
         self.weighting = LossWeighting(kind)
 
-    def _probe(self, probed, prepared, num_items_in_batch, normalised: bool, alone: bool) -> Probe:
-        """Two samples of this batch, alone and together, through the Trainer's compute_loss: what the loss averages
-        over (a mean), or whether it adds up (a loss normalised by ``num_items_in_batch``). Its tallies are put back."""
+    def _probe(self, probed, prepared, num_items_in_batch, normalised: bool, alone: bool) -> tuple[Probe, str | None]:
+        """(what this rank's two samples said, what every rank agreed): two samples of this batch, alone and together,
+        through the Trainer's compute_loss: what the loss averages over (a mean), or whether it adds up (a loss
+        normalised by ``num_items_in_batch``); a mean that no pair could tell is asked again with labels that differ,
+        on every rank when every rank could not tell. Its tallies are put back."""
         t = self.trainer
         tolerance = _probe_tolerance(t, probed)
-        splice = self._pair_splice(probed)
         tallies = restorable.take(t)  # TRL files metrics at every compute_loss call: the probe's are not the run's
         try:
             if normalised:
-                return decomposes(self._compute_loss, probed, prepared, self.layout, num_items_in_batch, tolerance, splice)
-            return probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance, splice)
-        except NotSpliceable as error:
-            self.batch_terms = None
-            log.warning("OOM recovery: the router's load-balancing loss of %s cannot be split from the whole batch (%s): "
-                        "each micro-batch computes it from its own rows, an approximation", type(probed).__name__, error)
-            return self._probe(probed, prepared, num_items_in_batch, normalised, alone)
+                found = self._asking(lambda splice: decomposes(self._compute_loss, probed, prepared, self.layout,
+                                                               num_items_in_batch, tolerance, splice), probed, alone)
+                return found, agree_on_weighting(found.kind, t.accelerator)
+            found = self._asking(lambda splice: probe_weighting(self._compute_loss, probed, prepared, self.layout, tolerance,
+                                                                splice), probed, alone)
+            kind = agree_on_weighting(found.kind, t.accelerator)
+            if kind is UNDECIDED:  # no rank could tell: every rank asks again, with labels that differ
+                found = self._asking(lambda splice: probe_weighting(self._compute_loss, probed, prepared, self.layout,
+                                                                    tolerance, splice, relabelled=True), probed, alone)
+                kind = agree_on_weighting(found.kind, t.accelerator)
+            return found, kind
+        finally:
+            restorable.put_back(t, tallies)
+            if self.batch_terms is not None:
+                self.batch_terms.forget()
+
+    def _asking(self, ask, probed, alone: bool) -> Probe:
+        """``ask(splice)`` with the router split when there is one (without, where it cannot be recorded for this model:
+        the same on every rank), and an OOM of one process's probe an answer for the next step."""
+        try:
+            try:
+                return ask(self._pair_splice(probed))
+            except NotSpliceable as error:
+                self.batch_terms = None
+                log.warning("OOM recovery: the router's load-balancing loss of %s cannot be split from the whole batch "
+                            "(%s): each micro-batch computes it from its own rows, an approximation", type(probed).__name__,
+                            error)
+                return ask(None)
         except Exception as error:  # one process: two samples without gradients did not fit; the next step asks again
             if not (alone and is_oom_error(error)):
                 raise
             self._free_memory()
             return Probe(UNDECIDED)
-        finally:
-            restorable.put_back(t, tallies)
-            if self.batch_terms is not None:
-                self.batch_terms.forget()
 
     def _weighing(self) -> LossWeighting:
         """The weighting in force: known, or until then the labels' shape's (``_decide_weighting``)."""
@@ -805,7 +846,7 @@ class InPlaceOOMRecovery:
         size = self.layout.size(inputs)
         summed = known is not None and known.kind == "sum"
         try:
-            self._record_whole_batch(model, inputs, micro)  # a batch-level term (a router's) from the whole batch
+            self._record_whole_batch(model, inputs, micro, training=False)  # a router's term from the whole batch
             for start in range(0, size, micro):
                 stop = min(size, start + micro)
                 chunk = self.layout.slice(inputs, start, stop)
@@ -815,6 +856,8 @@ class InPlaceOOMRecovery:
                 share = (stop - start) / size
                 with self._splicing(inputs, start, stop, (lambda: 1.0) if summed else (lambda s=share: s)):
                     parts.append(self._prediction_step(model, chunk, prediction_loss_only, ignore_keys=ignore_keys))
+                if self.batch_terms is not None and self.batch_terms.broken:
+                    self._split_broke(type(model).__name__, self.batch_terms.broken, training=False)
                 counted = counted or self.seen_items is not None
                 if self.seen_items is not None:
                     items.append(float(self.seen_items))
@@ -827,10 +870,12 @@ class InPlaceOOMRecovery:
                                     "weighed by the labels' shape (%s); a loss that averages otherwise (CTC's per-row "
                                     "mean, a sum) gets an approximate evaluation loss. Tell it: enable_oom_recovery("
                                     "trainer, loss_weighting=...)", "labelled tokens" if label_counts(chunk) else "rows")
+            # a router's term of the whole batch, counted once by the whole batch's loss (not rescaled below)
+            router_term = self.batch_terms.term_value(inputs) if self.batch_terms is not None else None
         finally:
             args.average_tokens_across_devices = averaging
             if self.batch_terms is not None:
-                self.batch_terms.forget()
+                self.batch_terms.forget(inputs)
         # a preference batch's rows are every chosen row, then every rejected one: so are the joined micro-batches'
         pairs = [self.layout.size(chunk) for chunk in self.layout.split(inputs, micro)] if isinstance(self.layout, Pairs) else None
         loss, logits, labels = _combine(parts, items, summed=summed and not counted, pairs=pairs)
@@ -841,7 +886,10 @@ class InPlaceOOMRecovery:
                 mine = torch.tensor(sum(items), device=self.trainer.accelerator.device)
                 global_items = self.trainer.accelerator.gather(mine).sum()
             if loss is not None:  # the whole batch's loss is this rank's sum over every rank's item count, x world
-                loss = loss * sum(items) * self.trainer.accelerator.num_processes / float(global_items)
+                world, share = self.trainer.accelerator.num_processes, sum(items) / float(global_items)
+                loss = loss * share * world
+                if router_term is not None:  # the item-normalised part is rescaled, the router's term is this rank's own
+                    loss = loss + router_term * world * (1 - share)
         return loss, logits, labels
 
     def agree_on_eval_micro_batch(self) -> None:
@@ -927,6 +975,10 @@ def step_aside_reason(trainer) -> str | None:
                 "completions and counts its calls), so a step cannot be run again in micro-batches; if it runs out of "
                 "memory, lower per_device_train_batch_size and raise gradient_accumulation_steps (or steps_per_generation)")
     return None
+
+
+class _SplitNotExact(Exception):
+    """Inside a step: the split cannot be exact and ``on_inexact='stop'`` asked to stop (routed as a failure)."""
 
 
 class InexactSplitRefused(UsageError):

@@ -168,3 +168,26 @@ def test_the_trainers_rotation_waits_for_the_marker_of_the_checkpoint_that_repla
         trainer.train()
     assert (out / "checkpoint-1" / COMPLETE_MARKER).is_file()  # still there, complete
     assert not (out / "checkpoint-2" / COMPLETE_MARKER).exists()
+
+
+def test_with_save_on_each_node_nodes_that_would_resume_from_different_steps_stop_with_the_fix(tmp_path, monkeypatch):
+    """Review finding (issue 36): each node picks the newest complete checkpoint of its own disk; a node stopped between
+    two nodes' saves holds another step. The ranks compare the step (one all-reduce); here the other node has step 2."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_gpu_train.errors import UsageError
+    from hf_gpu_train.faults import disk_full
+    from hf_gpu_train.faults.checkpoint_marker import COMPLETE_MARKER
+    from tests.callbacks.tiny import TokenDataset, tiny_bert
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    (folder / COMPLETE_MARKER).write_text("{}")
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to="none", use_cpu=True,
+                             save_on_each_node=True, disable_tqdm=True)
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=TokenDataset(n=8))
+    disk_full.guard_saves(trainer)
+    monkeypatch.setattr(disk_full, "lowest_and_highest", lambda step: (2, step))
+    with pytest.raises(UsageError, match="resume from different checkpoints.*checkpoint-2"):
+        trainer.train(resume_from_checkpoint=True)

@@ -432,3 +432,15 @@ def test_a_resume_from_a_model_only_checkpoint_says_it_is_not_exact(tmp_path, ca
         again.train(resume_from_checkpoint=True)
     said = [r.getMessage() for r in caplog.records if "holds the model but not" in r.getMessage()]
     assert len(said) == 1 and "the optimizer's state" in said[0] and "checkpoint-2" in said[0]
+
+
+def test_a_signal_during_a_model_only_save_still_ends_in_a_checkpoint_that_resumes_exactly(tmp_path, uninterrupted):
+    """Review finding: the signal reached the run while save_only_model wrote its scheduled checkpoint-2: the save after
+    train() returned was model-only again (training had ended), and the run called it complete."""
+    from transformers.trainer_utils import SaveStrategy
+
+    stopped, resumed = preempt_then_resume(tmp_path, "Trainer", lambda t: signal_during_save(t, 2), save_only_model=True,
+                                           save_strategy=SaveStrategy.STEPS, save_steps=2)
+    folder = tmp_path / "out" / "checkpoint-2"
+    assert stopped.stopped_at_step == 2 and (folder / "optimizer.pt").is_file() and (folder / "rng_state.pth").is_file()
+    assert_same_params(weights(resumed), uninterrupted["Trainer"])

@@ -86,7 +86,8 @@ def test_under_plain_torchrun_a_preemption_is_told_from_a_crash_by_the_file_it_l
     torchrun = (f"{sys.executable} -m torch.distributed.run --nproc-per-node 2 --master-port {free_port()} "
                 f"{Path(__file__).with_name('torchrun_probe.py')} {out}")
     # the line docs/faults.md gives for a script under plain torchrun or accelerate launch
-    line = f'{torchrun}; code=$?; [ "$code" -ne 0 ] && [ -e {out}/{PREEMPTED_FILE} ] && code=75; exit $code'
+    line = (f'rm -f {out}/{PREEMPTED_FILE}; {torchrun}; code=$?; [ "$code" -ne 0 ] && [ -e {out}/{PREEMPTED_FILE} ] && '
+            'code=75; exit $code')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == PREEMPTED_EXIT_CODE, done.stderr[-3000:]

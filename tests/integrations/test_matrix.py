@@ -32,7 +32,7 @@ FAMILIES = ("T5Seq2Seq", "TokenClassification", "MaskedLM", "ViT", "MoECausalLM"
 SPLITTABLE = ("Trainer", "subclass", "Seq2SeqTrainer", "SFTTrainer", "DPOTrainer", *FAMILIES)
 ALL = (*SPLITTABLE, "GRPOTrainer")
 # prediction steps that gather across ranks (TRL's compute_loss in eval mode), and generation (predict_with_generate)
-EVALUATED = ("subclass", "SFTTrainer", "T5Seq2Seq")
+EVALUATED = ("subclass", "SFTTrainer", "T5Seq2Seq", "MoECausalLM")
 # a loss that is each rank's own mean over its labelled tokens: DDP averages the ranks' means, which is not one process's
 # mean over every token when the ranks hold different token counts (the Trainer's semantics, not ours): 2 processes with
 # our pieces are compared with 2 processes of the same trainer without them, told that its loss is a mean
