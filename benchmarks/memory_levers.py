@@ -1,7 +1,7 @@
 """Memory levers (issue 19): peak memory and speed of each lever added in turn, torchtune-style, on the real
 SmolLM2-135M-Instruct (the shipped recipe smollm2_lora_demo: its chat rows, packed into rows of max_length).
 
-Levers, each added to the ones above (the order of hf_gpu_train/levers/table.py): the chunked LM head and loss
+Levers, each added to the ones above (the order of hf_gpu_train/plan/lever_table.py): the chunked LM head and loss
 (``chunked_lm_loss``), the optimizer step in the backward (``optimizer_in_backward``, full fine-tuning only), selective
 checkpointing (``checkpoint_layers=selective``), lean selective checkpointing (``selective-lean``, replacing it),
 checkpointing every layer (``checkpoint_layers=all``, replacing that).

@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: dict[str, int] = {
     "": 0,  # the package's top-level modules (errors, textfmt, svg, ...)
     "hardware": 1,
+    "collectives": 1,  # what every rank does together: below oom/ and faults/, which both use it
     "doctor": 2,
-    "plan": 2, "levers": 2,  # the planner plans the levers; a lever reads the planner's shape of a step
+    "plan": 2,  # the planner, the levers' planning included (plan/lever_table.py, plan/lever_plan.py)
+    "levers": 3,  # where each lever is applied in a run: reads the planner's shape of a step, never the other way
     # from a plan to processes, and what runs inside anyone's Trainer; none of them needs the planner to know it
     "launch": 3, "oom": 3, "faults": 3,
     "report": 3,  # renders files a run left: never reaches back into the callbacks that write them

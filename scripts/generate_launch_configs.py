@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_gpu_train.hardware.snapshot import load_machine, reference_machine_names  # noqa: E402
-from hf_gpu_train.launch.render import render_env, render_sbatch, render_yaml  # noqa: E402
+from hf_gpu_train.launch.render import render_env, render_yaml  # noqa: E402
+from hf_gpu_train.launch.slurm import render_sbatch  # noqa: E402
 from hf_gpu_train.plan.decisions import PlanError  # noqa: E402
 from hf_gpu_train.plan.document import render_plan_json  # noqa: E402
 from hf_gpu_train.plan.planner import PlanOptions, make_plan  # noqa: E402

@@ -440,16 +440,16 @@ def check_deepspeed(steps: int = 8) -> bool:
 
 
 def check_zero() -> bool:
-    """Issue 31: ZeRO-2 and ZeRO-3 against one plain process, equality and memory per rank (hf_gpu_train/tune/on_gpu_zero.py:
+    """Issue 31: ZeRO-2 and ZeRO-3 against one plain process, equality and memory per rank (scripts/gpu_checks/zero_against_one_process.py:
     the runs, the comparisons and their tolerances)."""
-    from hf_gpu_train.tune.on_gpu_zero import check_zero as zero_against_one_process
+    from scripts.gpu_checks.zero_against_one_process import check_zero as zero_against_one_process
 
     section("DeepSpeed ZeRO-2 / ZeRO-3 against one process: equality, and memory per rank against the planner")
     return zero_against_one_process(ROOT)
 
 
 def check_tune_on_gpu() -> bool:
-    from hf_gpu_train.tune.on_gpu import check_tune
+    from scripts.gpu_checks.tune_on_gpu import check_tune
 
     section("hf-gpu-train tune")
     return check_tune(ROOT)

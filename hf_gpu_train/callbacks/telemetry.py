@@ -16,7 +16,7 @@ device sync reads the counters and one collective gathers the ranks' summaries (
 
 That gather is entered on a decision every rank shares, never on a flag one rank set alone: a callback may set
 ``control.should_log`` from what only its rank sees. So the control flags are agreed across the ranks after each step
-(``faults/collective_gate.agree_on_control``, the same the watchdog uses, installed once: one all-reduce of 5
+(``collectives/control_flags.agree_on_control``, the same the watchdog uses, installed once: one all-reduce of 5
 integers on the CPU per step, left out where every callback sets its flags alike on every rank), and telemetry emits
 right after that agreement, where the Trainer then logs its loss: every rank gathers, or none. A Trainer without that step (not transformers') gathers only at the logging schedule's
 steps, which every rank computes alike, and logs any other step's figures from its own rank.
@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..faults.collective_gate import agree_on_control
-from ..faults.lone_rank import check_not_alone
+from ..collectives.control_flags import agree_on_control
+from ..collectives.lone_rank import check_not_alone
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.nvml import PynvmlBackend
 from ..hardware.peaks import peak_flops
+from ..oom import OOMRecoveryState
 from .devices import cuda_memory, model_device, nvml_handles_for, torch_bus_id
 from .flops import (
     ModelFlops,
@@ -204,7 +205,7 @@ class TelemetryCallback(TrainerCallback):
         return control
 
     def _after_agreement(self) -> None:
-        """The flags are every rank's here (``collective_gate.agree_on_control``), and the Trainer logs next."""
+        """The flags are every rank's here (``collectives.control_flags.agree_on_control``), and the Trainer logs next."""
         trainer = self.trainer
         control, state = trainer.control, trainer.state
         if (control.should_log and not self.emitting and self.sampler is not None and not self._closed
@@ -349,7 +350,7 @@ class TelemetryCallback(TrainerCallback):
         """The in-place OOM recovery's current micro-batch, when it is on and has shrunk it."""
         handler = getattr(self.trainer, "callback_handler", None)
         for callback in getattr(handler, "callbacks", []):
-            if type(callback).__name__ == "OOMRecoveryState":
+            if isinstance(callback, OOMRecoveryState):
                 return callback.micro_batch
         return None
 

@@ -11,7 +11,7 @@ import shutil
 import sys
 
 from .. import __version__
-from ..closed_pipe import EXIT_CLOSED_PIPE, until_the_pipe_closes  # noqa: F401 (EXIT_CLOSED_PIPE: the status, see closed_pipe)
+from ..closed_pipe import until_the_pipe_closes
 from ..errors import UsageError
 from ..fast_exit import end_quickly
 

@@ -12,7 +12,8 @@ from ..errors import UsageError
 from ..hardware.snapshot import load_machine
 from ..launch.grace import grace_for
 from ..launch.render import accelerate_command, launch_command, render_env, render_yaml, torchrun_command
-from ..launch.targets import OPTIONS, TargetSettings, check_partition, get_target, job_name_for, slurm_time_limit, target_names
+from ..launch.slurm import check_partition, slurm_time_limit
+from ..launch.targets import OPTIONS, TargetSettings, get_target, job_name_for, target_names
 from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
 from ..plan.document import no_memory_plan, render_plan_json
 from ..plan.model_spec import ModelSpec, resolve_model

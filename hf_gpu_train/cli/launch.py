@@ -38,7 +38,7 @@ from ..launch.rank_report import (
 from ..launch.signals import SignalForwarder, ignore_warning_signals
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
-from ..plan.machine_match import detect_this_machine, scope_to_this_machine
+from ..plan.machine_match import detect_this_machine
 from ..plan.run_environment import binding_target
 from ..plan.run_plan_file import (
     PLAN_ENV,
@@ -51,6 +51,7 @@ from ..plan.run_plan_file import (
     read_run_plan,
     tuned_keys_for,
 )
+from ..plan.scope import scope_to_this_machine
 from . import example
 
 USAGE = "hf-gpu-train launch [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT [SCRIPT_ARGS ...]"

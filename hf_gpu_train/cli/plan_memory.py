@@ -9,13 +9,14 @@ from dataclasses import replace
 
 from ..errors import UsageError
 from ..hardware.peaks import peak_flops
-from ..levers.plan import host_room_per_process, last_resort_plan
-from ..levers.table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
 from ..plan.evaluation_memory import JOIN_FACTOR, evaluation_memory
 from ..plan.gpus import select_devices
-from ..plan.memory import BREAKDOWN_ROWS, STRATEGIES, TrainingShape, estimate, largest_micro_batch, plan_memory, usable_bytes
+from ..plan.lever_plan import host_room_per_process, last_resort_plan
+from ..plan.lever_table import format_rows, host_memory_note, lever_table, pcie_bytes_per_second
+from ..plan.memory import BREAKDOWN_ROWS, TrainingShape, estimate, largest_micro_batch, plan_memory, usable_bytes
 from ..plan.method_choice import recommend_method, useful_micro_batch
 from ..plan.model_spec import adapter_shape, quantized_params
+from ..plan.strategies import AUTO_CANDIDATES, MULTI_PROCESS, STRATEGIES, replica_strategy
 from ..textfmt import human, table
 from .common import add_machine_argument, resolve_profile
 from .config import add_planner_arguments, model_spec_from_args
@@ -117,19 +118,19 @@ def _print_evaluation(args, spec) -> None:
 
 
 def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
-    """The per-lever table and the recommended set (levers/table.py), on the plan's strategy; 0 when the
+    """The per-lever table and the recommended set (plan/lever_table.py), on the plan's strategy; 0 when the
     recommended set fits, 1 when nothing does."""
 
 
     per_gpu = math.ceil(args.global_batch / count)
-    useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (levers/plan.py)
+    useful = useful_micro_batch(spec, shape, per_gpu)  # the threshold `config` plans the levers with (plan/lever_plan.py)
     peak = peak_flops(getattr(gpu, "name", None), args.precision) if gpu is not None else None
     pcie = pcie_bytes_per_second(getattr(gpu, "pcie_link_gen", None), getattr(gpu, "pcie_link_width", None))
     # offloading bounded by the host's RAM as `config` bounds it, so both commands recommend the same levers
     room = host_room_per_process(spec, shape, strategy, count, _host_ram(args), count)
     levers = lever_table(spec, shape, strategy, memory, useful, per_gpu_batch=per_gpu, peak_flops=peak, pcie_bytes_per_s=pcie,
                          host_bytes_per_process=room)
-    print(f"\nMemory levers ({shape.method}, {strategy if count > 1 else '1 GPU'}; hf_gpu_train/levers/table.py):")
+    print(f"\nMemory levers ({shape.method}, {strategy if count > 1 else '1 GPU'}; hf_gpu_train/plan/lever_table.py):")
     print(table(format_rows(levers)))
     for note in levers.notes:
         print(f"  {note}")
@@ -153,14 +154,14 @@ def _host_ram(args) -> int | None:
 
 
 def _print_last_resort(args, spec, shape, memory, count, strategy) -> int:
-    """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (levers/plan.py)."""
+    """DeepSpeed ZeRO-3 with the optimizer and parameters in CPU memory, where no lever makes it fit (plan/lever_plan.py)."""
 
     ram = _host_ram(args)
     plan = last_resort_plan(spec, memory, count, shape, args.global_batch, (strategy,), ram, count)
     if plan is None:
         print("Last resort, DeepSpeed ZeRO-3 with CPU offload: does not fit either" + (" (or the host's RAM cannot hold it)" if ram else ""))
         return 1
-    print(f"\nLast resort: {plan.strategy} (`hf-gpu-train config --strategy deepspeed-zero3 ...`)")
+    print(f"\nLast resort: {plan.strategy} (`hf-gpu-train config --strategy {STRATEGIES[plan.strategy].base} ...`)")
     _print_plan(plan, count, args.global_batch, memory)
     for reason in plan.reasons[1:]:
         print(f"  {reason}")
@@ -173,9 +174,9 @@ def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:
 
     rows = [["Strategy", "Fixed (GiB)", "Act./sample (GiB)", "Max micro-batch", "With checkpointing"]]
     if shape.method == "full":
-        strategies = ("single",) if count == 1 else STRATEGIES
+        strategies = (replica_strategy(False),) if count == 1 else MULTI_PROCESS
     else:
-        strategies = ("single",) if count == 1 else ("ddp",)  # adapters on a whole base per GPU
+        strategies = (replica_strategy(count > 1),)  # adapters on a whole base per GPU
     for strategy in strategies:
         fixed = estimate(spec, shape, strategy)
         rows.append([strategy if count > 1 else "single", f"{(fixed.total - fixed.activations) / 2**30:.2f}",
@@ -185,7 +186,7 @@ def _run_one(args, spec, shape, memory, count) -> tuple[int, str]:
     if shape.method != "full":
         order = strategies
     else:
-        order = ("single",) if count == 1 else ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
+        order = (replica_strategy(False),) if count == 1 else AUTO_CANDIDATES
     plan = plan_memory(spec, memory, count, shape, args.global_batch, strategies=order)
     if plan is None:
         print("\nDoes not fit even at micro-batch 1 with checkpointing: more GPUs, a lighter optimizer, a shorter sequence"

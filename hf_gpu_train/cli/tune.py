@@ -36,6 +36,7 @@ from ..tune.plot import write_plot
 from ..tune.results import FAILED, SKIPPED, TrialResult, choose
 from ..tune.search import DEFAULT_BUDGET_S, WARMUP_STEPS, run_search
 from ..tune.strategies import BY_NAME as STRATEGY_NAMES
+from ..tune.strategies import ROUND as STRATEGY_ROUND
 from ..tune.strategies import command_text, own_strategy, strategies_folder, strategy_config_argv
 from ..tune.tune_report import RunFacts, render_report, report_paths, trial_rows, write_report
 from ..tune.writeback import write_winner
@@ -70,8 +71,8 @@ def own_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-steps", type=int, default=None, help="measured steps per trial (default: about 2 s of steps)")
     p.add_argument("--strategies", metavar="LIST",
                    help="also measure these distribution strategies against the config's own, each in a launch of its own "
-                   "config (written to NAME.strategies/) at the search's winning values: all (ddp, deepspeed-zero2, "
-                   f"deepspeed-zero3, fsdp), own, or names from {','.join(STRATEGY_NAMES)} (default: the config's own only: "
+                   f"config (written to NAME.strategies/) at the search's winning values: all ({', '.join(STRATEGY_ROUND)}), "
+                   f"own, or names from {','.join(STRATEGY_NAMES)} (default: the config's own only: "
                    "each strategy costs a launch, and the planner chose the config's by memory); the fastest that fits wins. "
                    "A config that shards the model (FSDP, DeepSpeed) is tuned only this way")
     p.add_argument("--memory-budget-gib", type=float, default=None,

@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..collectives.control_flags import agree_on_control
+from ..collectives.cpu_votes import lowest_and_highest, wait_for_every_rank
 from ..errors import UsageError
 from ..textfmt import human
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
-from .collective_gate import agree_on_control, lowest_and_highest, wait_for_every_rank
 from .resume_epoch import exact_mid_epoch_resume
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -182,7 +183,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     to a half-written checkpoint resumes from the newest complete one (``checkpoint_marker.resume_point``).
 
     Waiting for every rank before the marker is a collective, so the control flags that decide a save are agreed
-    across the ranks first (``collective_gate.agree_on_control``): a save one rank's callback asked for alone is every
+    across the ranks first (``collectives.control_flags.agree_on_control``): a save one rank's callback asked for alone is every
     rank's. A Trainer without that step is not waited for: its marker is written when the main process finished."""
 
     agreed = agree_on_control(trainer)

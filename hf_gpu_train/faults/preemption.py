@@ -10,7 +10,7 @@ Here, on every rank:
 1. The signal handler only notes the signal (nothing else is safe inside a handler), on whichever ranks it reached:
    one rank, every rank, or none (the launcher forwards it to its workers: ``launch/signals.py``).
 2. At the next step boundary the rank that heard it sets ``should_save`` and ``should_training_stop``; the ranks agree
-   on the flags before the Trainer acts on them (``collective_gate.agree_on_control``: one all-reduce of the flags,
+   on the flags before the Trainer acts on them (``collectives.control_flags.agree_on_control``: one all-reduce of the flags,
    entered by every rank at every step whatever any rank heard), so every rank saves the same step and stops. The
    step in flight is finished first, all of its gradient-accumulation micro-batches: the checkpoint is at an
    optimizer-step boundary and the resume is exact. A signal during an evaluation lets the evaluation finish, then
@@ -54,12 +54,13 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..collectives.control_flags import agree_on_control
+from ..collectives.cpu_votes import any_rank
+from ..collectives.lone_rank import check_not_alone
 from ..launch.grace import GRACE_ENV, RECORD
 from ..launch.rank_report import PREEMPTED_EXIT_CODE, read_stop_request, write_preempted, write_worker_pid
 from .checkpoint_marker import complete_checkpoints, is_main_process
-from .collective_gate import agree_on_control, any_rank
 from .disk_full import guard_saves, state_bytes
-from .lone_rank import check_not_alone
 
 log = logging.getLogger("hf_gpu_train.preemption")
 

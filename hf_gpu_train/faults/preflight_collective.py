@@ -29,9 +29,9 @@ import socket
 import time
 from datetime import timedelta
 
+from ..collectives.cpu_votes import CPU_GROUP, cpu_group
 from ..errors import UsageError
 from ..process_group import launch_attempt
-from .collective_gate import _CPU_GROUP, _cpu_group
 
 DEFAULT_TIMEOUT_S = 60.0
 _KEY = "hf_gpu_train/preflight"
@@ -139,9 +139,9 @@ def check_collectives(seconds: float, device) -> None:
     _wait(dist.broadcast(sent, src=0, async_op=True), "the preflight broadcast", seconds)
     if not torch.equal(sent.cpu(), torch.arange(4, dtype=torch.float32)):
         raise PreflightError(f"the preflight broadcast arrived as {sent.tolist()} on rank {rank}: run hf-gpu-train doctor")
-    if dist.get_backend() != "gloo":  # the gloo group the Trainer's flags are agreed on (collective_gate), made now
+    if dist.get_backend() != "gloo":  # the gloo group the Trainer's flags are agreed on (collectives/cpu_votes.py), made now
 
-        _wait(dist.all_reduce(torch.ones(1), group=_cpu_group(dist, timedelta(seconds=seconds)), async_op=True),
+        _wait(dist.all_reduce(torch.ones(1), group=cpu_group(dist, timedelta(seconds=seconds)), async_op=True),
               "the preflight all-reduce on the gloo group (GLOO_SOCKET_IFNAME)", seconds)
     if device is not None and torch.device(device).type == "cuda":
         _check_local_pairs(seconds, device)
@@ -209,7 +209,7 @@ def _run_timeout(seconds: float, device) -> str:
 
     setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     setter(timedelta(seconds=seconds))
-    for group in _CPU_GROUP:  # the flags' gloo group, made with the preflight's timeout
+    for group in CPU_GROUP:  # the flags' gloo group, made with the preflight's timeout
         setter(timedelta(seconds=seconds), group)
     try:  # the rendezvous store too: later groups (FSDP's, TRL's, DeepSpeed's) exchange their ids through it
         store = dist.distributed_c10d._get_default_store()

@@ -30,10 +30,11 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..collectives.lone_rank import check_not_alone
+from ..collectives.wrappers import on_default_group, wrap_collectives
 from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
 from ..process_group import rendezvous_store
 from .collective_gate import make_collective_safe, new_namespace, publish_position
-from .lone_rank import check_not_alone
 
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
@@ -124,15 +125,11 @@ def track_collectives(progress: Progress) -> None:
     """Count every collective entered on the default group and note the one this rank waits in. A rank that waits
     in its n-th collective while another has entered fewer is waiting for that other rank: the count names the
     culprit even when both ranks are in the same phase (a token-count gather while the other rank's loader hangs)."""
-    from ..oom.lockstep import wrap_collectives
-
     _TRACKED[:] = [progress]
     wrap_collectives("_hf_gpu_train_tracked", _tracked)
 
 
 def _tracked(name: str, collective):
-    from ..oom.lockstep import on_default_group
-
     def tracked(*args, **kwargs):
         progress = _TRACKED[0] if _TRACKED else None
         if progress is None or not on_default_group(kwargs) or progress.in_collective:

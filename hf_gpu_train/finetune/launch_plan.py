@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..launch.launched_strategy import launched_strategy, same_strategy
+from ..launch.launched_strategy import launched_strategy
 from ..levers.from_config import planned_levers_that_hold, shape_levers
 from ..plan.machine_match import detect_this_machine, unset_planned_variables
 from ..plan.run_plan import (
@@ -23,7 +23,8 @@ from ..plan.run_plan import (
     plan_record,
     resolve_with_plan,
 )
-from ..plan.scope import plan_fingerprint, scope
+from ..plan.scope import plan_fingerprint, same_strategy, scope
+from ..plan.strategies import deepspeed_name, fsdp_name
 from .config import FinetuneConfig
 from .plan_scope import run_fingerprint
 from .tasks.base import task_for
@@ -126,12 +127,12 @@ def strategy_of_state(state) -> str | None:
         else:
             reshard = "SHARD_GRAD_OP" not in str(plugin.sharding_strategy)
             offload = bool(getattr(plugin.cpu_offload, "offload_params", False))
-        return ("fsdp" if reshard else "fsdp-shard-grad-op") + ("-offload" if offload else "")
+        return fsdp_name(reshard, offload)
     if kind == "DEEPSPEED":
         plugin = state.deepspeed_plugin
         zero = (plugin.deepspeed_config or {}).get("zero_optimization") or {}
         device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
-        return f"deepspeed-zero{plugin.zero_stage}" + ("-offload" if device not in ("none", "") else "")
+        return deepspeed_name(plugin.zero_stage, device not in ("none", ""))
     if kind == "NO":
         return "single"
     return "ddp" if kind.startswith("MULTI_") else None

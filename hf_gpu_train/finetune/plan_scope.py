@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..plan.machine_match import hardware_record
 from ..plan.model_spec import resolve_model
 from ..plan.run_plan_file import Job, data_stamps
-from ..plan.scope import Fingerprint, ModelId, Shape, canonical_name, plan_fingerprint, scope
+from ..plan.scope import Fingerprint, ModelId, Shape, canonical_name, hardware_record, plan_fingerprint, scope
 from .causal_lm.smollm2 import converted_dir, is_converted
 from .config import FinetuneConfig
 from .tasks.base import task_for

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..plan.strategies import EVERYTHING, STRATEGIES
+
 ASSUMED_WRITE_BYTES_PER_S = 200e6  # a network file system under load; a local NVMe writes 10x faster
 FIXED_SECONDS = 30.0  # the step in flight, the ranks agreeing, the exit; no model at all still needs this
 UNKNOWN_SAVE_SECONDS = 60.0  # no model in the plan: a guess, said as one
@@ -55,9 +57,10 @@ def checkpoint_bytes(plan) -> float | None:
     weights = b.adapter_weights if b.method != "full" else b.weights
     states = b.optimizer + b.master_weights
     ranks = plan.processes_per_machine
-    if b.strategy in ("ddp", "single"):
+    row = STRATEGIES.get(b.strategy)
+    if row is not None and row.replicated:
         return weights + states
-    weights_sharded = b.strategy.startswith("deepspeed-zero3") or b.strategy in ("fsdp", "fsdp-offload")
+    weights_sharded = row is not None and row.shards == EVERYTHING
     return (weights * ranks if weights_sharded else weights) + states * ranks
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-# how a plan's strategy compares with a launched one belongs to the plan's fingerprint (plan/scope.py)
-from ..plan.scope import REPLICATED, planned_strategy, same_strategy, why_launched  # noqa: F401
+from ..plan.strategies import deepspeed_name, fsdp_name, replica_strategy
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
@@ -62,11 +61,11 @@ def launched_strategy(environ: Mapping[str, str], on_cpu: bool = False) -> str:
     deepspeed = deepspeed_launch(environ)
     if deepspeed is not None and not cpu_flag:
         stage, offload = deepspeed
-        return f"deepspeed-zero{stage}" + ("-offload" if offload else "")
+        return deepspeed_name(stage, offload)
     if _flag(environ, "ACCELERATE_USE_FSDP") and (several or on_cpu):
         reshard = str(environ.get("FSDP_RESHARD_AFTER_FORWARD", "true")).lower()
         if reshard in ("no_shard", "3"):  # FSDP1's NO_SHARD replicates, as DDP does
-            return "ddp" if several else "single"
-        base = "fsdp-shard-grad-op" if reshard in ("false", "shard_grad_op", "2", "hybrid_shard_zero2", "5") else "fsdp"
-        return base + ("-offload" if _flag(environ, "FSDP_OFFLOAD_PARAMS") else "")
-    return "ddp" if several else "single"
+            return replica_strategy(several)
+        kept = reshard in ("false", "shard_grad_op", "2", "hybrid_shard_zero2", "5")  # gathered until the backward
+        return fsdp_name(reshard_after_forward=not kept, offload=_flag(environ, "FSDP_OFFLOAD_PARAMS"))
+    return replica_strategy(several)

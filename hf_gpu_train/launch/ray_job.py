@@ -20,6 +20,7 @@ from .. import __version__
 from ..plan.deepspeed_config import accelerate_keys, deepspeed_path_for
 from ..plan.planner import LaunchPlan
 from ..plan.run_plan_file import GENERATED_MARK, PLAN_ENV, plan_path_for
+from ..plan.strategies import strategy
 from .accelerate_env import launch_environment
 
 RAY_ENTRY = "hf_gpu_train.finetune.ray_train"  # named, not imported: launch/ sits below finetune/
@@ -80,6 +81,13 @@ def ray_entrypoint(plan: LaunchPlan) -> str:
             + (" --use-gpu" if scaling.use_gpu else ""))
 
 
+def _run_under_ray(name: str) -> bool:
+    """Whether this project has run the strategy under Ray Train: replicated processes (DDP on GPUs, gloo DDP on CPU
+    processes) and one GPU; the others, one CPU process included, go through accelerate's variables untried."""
+    row = strategy(name)
+    return row.replicated and (row.several_processes or not row.on_cpu)
+
+
 def ray_submit_command(plan: LaunchPlan, runtime_env_path: str | Path) -> str:
     return (f"ray job submit --working-dir . --runtime-env {shlex.quote(Path(runtime_env_path).as_posix())} -- "
             f"{ray_entrypoint(plan)}")
@@ -102,7 +110,7 @@ def render_ray_runtime_env(plan: LaunchPlan, config_path: str | Path, runtime_en
     ]
     if plan.cpu_binding is not None:
         header.append(f"# Not applied under Ray: the plan's CPU binding ({plan.cpu_binding.method}); Ray places the workers")
-    if plan.strategy not in ("single", "ddp", "cpu-ddp"):
+    if not _run_under_ray(plan.strategy):
         header.append(f"# {plan.strategy}: through accelerate's variables below, as under torchrun; this project has run DDP "
                       "under Ray Train, not yet this strategy")
     lines = [*header, "env_vars:"]

@@ -19,11 +19,10 @@ from ..plan.planner import LaunchPlan
 from .grace import Grace
 from .kubeflow import DEFAULT_WORKDIR, render_pytorchjob, render_trainjob
 from .ray_job import RAY_ENTRY, RAY_SUFFIX, ray_submit_command, render_ray_runtime_env
-from .render import render_sbatch
 from .skypilot import render_skypilot
+from .slurm import sbatch_file
 
-__all__ = ["OPTIONS", "Rendered", "Target", "TargetSettings", "get_target", "job_name_for", "register_target",
-           "slurm_time_limit", "target_names"]
+__all__ = ["OPTIONS", "Rendered", "Target", "TargetSettings", "get_target", "job_name_for", "register_target", "target_names"]
 
 # The options of `config` a target may read, by their flag; a target that reads none of one makes the flag an error.
 OPTIONS = {"image": "--image", "workdir": "--workdir", "save_time_from": "--save-time-from", "time_limit": "--time-limit",
@@ -104,46 +103,6 @@ def job_name_for(name: str) -> str:
     return slug[:40].rstrip("-")
 
 
-_SLURM_TIME = re.compile(r"(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?)"
-                         r"|(?:(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)")
-SLURM_TIME_FORMATS = "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS"
-
-
-def slurm_time_limit(value: str) -> int:
-    """Seconds of a SLURM ``--time`` value (``sbatch(1)``: "minutes", "minutes:seconds", "hours:minutes:seconds",
-    "days-hours", "days-hours:minutes", "days-hours:minutes:seconds"); a UsageError naming the formats otherwise."""
-    found = _SLURM_TIME.fullmatch(value.strip())
-    problem = None if found else "not a SLURM time"
-    if found and found["days"] is not None:
-        parts = [int(found["days"]), int(found["dh"]), int(found["dm"] or 0), int(found["ds"] or 0)]
-        if parts[1] > 23 or parts[2] > 59 or parts[3] > 59:
-            problem = "hours above 23 or minutes or seconds above 59"
-        seconds = ((parts[0] * 24 + parts[1]) * 60 + parts[2]) * 60 + parts[3]
-    elif found:
-        fields = [int(x) for x in (found["a"], found["b"], found["c"]) if x is not None]
-        if len(fields) == 1:
-            seconds = fields[0] * 60
-        elif len(fields) == 2:
-            seconds = fields[0] * 60 + fields[1]
-            problem = "seconds above 59" if fields[1] > 59 else None
-        else:
-            seconds = (fields[0] * 60 + fields[1]) * 60 + fields[2]
-            problem = "minutes or seconds above 59" if fields[1] > 59 or fields[2] > 59 else None
-    if problem is None and seconds <= 0:
-        problem = "no time at all"
-    if problem is not None:
-        raise UsageError(f"--time-limit {value!r}: {problem}; SLURM's formats are {SLURM_TIME_FORMATS} "
-                         "(e.g. --time-limit 04:00:00 or --time-limit 2-00:00:00)")
-    return seconds
-
-
-def check_partition(value: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*", value):
-        raise UsageError(f"--partition {value!r}: a SLURM partition name (letters, digits, '_', '.', '-'), or several "
-                         "separated by commas (e.g. --partition gpu or --partition gpu,gpu-long)")
-    return value
-
-
 def _in_project(path: Path, settings: TargetSettings) -> str:
     """``path`` (one of the files of ``--output``) relative to the project directory, as the job sees it (a
     container's workdir, SkyPilot's synced one)."""
@@ -181,16 +140,10 @@ def _check_scheduled_gpus(plan: LaunchPlan, target: str) -> None:
 
 
 def _sbatch(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
-    if settings.time_limit is not None and slurm_time_limit(settings.time_limit) <= 2 * settings.grace.seconds:
-        # the warning would come at (or before) the start: every requeued job would stop again before a step
-        raise UsageError(f"--time-limit {settings.time_limit}: the job needs {settings.grace.seconds} s of warning before "
-                         f"its limit to save a checkpoint ({settings.grace.describe()}), which leaves too little of "
-                         f"{slurm_time_limit(settings.time_limit)} s to train: ask for more than "
-                         f"{2 * settings.grace.seconds} s, or measure the save (--save-time-from OUTPUT_DIR)")
     path = settings.path(".sbatch")
-    text = render_sbatch(plan, yaml_path, script, time_limit=settings.time_limit, partition=settings.partition,
-                         grace=settings.grace)
-    return Rendered(((path, text),), (f"On SLURM: sbatch {path}  (one task per node, c10d rendezvous; grace {settings.grace.describe()})",))
+    text, line = sbatch_file(plan, yaml_path, script, path, time_limit=settings.time_limit, partition=settings.partition,
+                             grace=settings.grace)
+    return Rendered(((path, text),), (line,))
 
 
 def _accelerate(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:

@@ -16,7 +16,7 @@ Exact: a copy out and back is bitwise the same tensor (tests/levers/test_memory_
 the CPU, with ``offload_cpu_tensors``; the GPU saving is measured by ``scripts/gpu_check.py``). On a CPU run the
 activations already live in host memory: ``attach`` says so and does nothing. The copies back are made on the compute
 stream when the backward needs each tensor (no prefetch): the planner counts them as never hidden
-(``levers/table.py``). Not beside FSDP or DeepSpeed, whose gathered parameters the hooks would copy too.
+(``plan/lever_table.py``). Not beside FSDP or DeepSpeed, whose gathered parameters the hooks would copy too.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .lockstep import COST, END, Outcome, raw
+from ..collectives.wrappers import raw
+from .lockstep import COST, END, Outcome
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 Vote = Outcome  # what a round's ballot decided (lockstep.py)

@@ -27,19 +27,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from ..collectives.wrappers import on_default_group, raw, unwrap_collectives, wrap_collectives
+
 NO_LIMIT = 2**31 - 1  # "the whole batch" in the micro-batch vote
 GATE, END = 1, 2  # where a ballot is taken: before a collective, at the end of a micro-step
-GATED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-         "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter",
-         "scatter_object_list", "all_to_all", "all_to_all_single", "barrier", "all_reduce_coalesced",
-         "all_gather_coalesced", "monitored_barrier")
-# the collectives as torch defines them: this package's own (gradient buckets, ballots) never pass a gate
-raw = SimpleNamespace(**{name: getattr(dist, name) for name in GATED if hasattr(dist, name)})
 
 
 class Cost:
@@ -142,24 +137,6 @@ class Lockstep:
 _ACTIVE: list[Lockstep] = []
 
 
-def on_default_group(kwargs) -> bool:
-    """Whether a collective call runs on the default group (a sub-group's collective is not every rank's)."""
-    return kwargs.get("group") in (None, dist.group.WORLD)
-
-
-def wrap_collectives(mark: str, wrap) -> None:
-    """Put ``wrap(name, collective)`` around each of ``torch.distributed``'s collectives not carrying ``mark`` yet
-    (idempotent). The wrapper keeps the collective as ``__wrapped__``: it can be taken off again. Accelerate, TRL and
-    most code look the collectives up on ``torch.distributed`` at call time, so they reach the wrapper."""
-    for name in GATED:
-        current = getattr(dist, name, None)
-        if current is not None and not getattr(current, mark, False):
-            wrapper = wrap(name, current)
-            wrapper.__name__, wrapper.__wrapped__ = name, current
-            setattr(wrapper, mark, True)
-            setattr(dist, name, wrapper)
-
-
 def _gated(name: str, collective):
     def gated(*args, **kwargs):
         lockstep = _ACTIVE[-1] if _ACTIVE else None
@@ -175,16 +152,16 @@ def _gated(name: str, collective):
     return gated
 
 
+GATE_MARK = "_hf_gpu_train_gated"
+
+
 def install_gates() -> None:
-    """Put the gates on ``torch.distributed``'s collectives (idempotent). Outside an ``attempt`` they call the
-    collective at once."""
-    wrap_collectives("_hf_gpu_train_gated", _gated)
+    """Put the gates on ``torch.distributed``'s collectives (idempotent; ``collectives/wrappers.py``). Outside an
+    ``attempt`` they call the collective at once."""
+    wrap_collectives(GATE_MARK, _gated)
 
 
 def remove_gates() -> None:
     if _ACTIVE:
         return
-    for name in GATED:
-        current = getattr(dist, name, None)
-        if getattr(current, "_hf_gpu_train_gated", False):
-            setattr(dist, name, current.__wrapped__)
+    unwrap_collectives(GATE_MARK)

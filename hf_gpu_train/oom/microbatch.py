@@ -1,8 +1,10 @@
-"""Recognise out-of-memory errors and cut a batch into micro-batches."""
+"""Recognise out-of-memory errors (and free what they held), and how a batch divides into samples: its layout (rows,
+or a preference batch's pairs) slices it where the micro-batch policy's ranges say (``policy.py``)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +32,13 @@ def is_oom_error(error: BaseException) -> bool:
 def describe_oom(error: BaseException) -> str:
     """One line to keep from the error, so the exception (and the tensors its traceback holds) can go."""
     return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+
+
+def free_memory() -> None:
+    """After an OOM, outside the ``except`` block that held the error (its traceback holds tensors: pytorch #18853)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def batch_size(inputs: Mapping[str, Any]) -> int:
@@ -103,10 +112,6 @@ class Rows:
 
     def slice(self, inputs: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
         return slice_batch(inputs, start, stop)
-
-    def split(self, inputs: Mapping[str, Any], micro: int) -> list[dict[str, Any]]:
-        size = self.size(inputs)
-        return [self.slice(inputs, start, min(size, start + micro)) for start in range(0, size, micro)]
 
     def take(self, inputs: Mapping[str, Any], samples: list[int]) -> dict[str, Any]:
         """The batch of these samples, in this order."""

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..levers.plan import LEVER_KEYS, lever_settings, levers_apply
+from .lever_plan import LEVER_KEYS, lever_settings, levers_apply
 from .memory import HEADROOM_FRACTION, usable_bytes
 from .model_spec import model_fingerprint
 from .planner import LaunchPlan

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..hardware.profile import GpuInfo, GpuPair, HardwareProfile
 from .cpu_binding import TASKSET, decide_cpu_binding
 from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, NCCL_P2P_LEVELS, accelerate_uses_cpu, nccl_path, p2p_level_cutoff, pairs_text
-from .machine_match import differences
+from .scope import differences
 
 ERROR, WARNING = "error", "warning"
 

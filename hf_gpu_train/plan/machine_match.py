@@ -16,9 +16,6 @@ from ..hardware.detect import detect
 from ..hardware.profile import HardwareProfile
 from .run_plan_file import accelerate_precision, plan_before_tune
 
-# the machine's record and its comparison are the machine dimension of the plan's fingerprint
-from .scope import MACHINE_VARIABLES, MEMORY_TOLERANCE, differences, hardware_record, scope_to_this_machine  # noqa: F401
-
 
 def detect_this_machine() -> HardwareProfile:
     """This machine as `hf-gpu-train detect` sees it (NVML and /proc; no torch)."""

@@ -26,14 +26,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .activations import activation_bytes
-from .model_spec import (
-    ModelSpec,
-    largest_parameter,  # noqa: F401 (re-exported: tests and callers import it from here)
-)
+from .model_spec import ModelSpec, largest_parameter
 from .peft_memory import estimate_peft
+from .strategies import AUTO_CANDIDATES, DEEPSPEED, EVERYTHING, FSDP, MULTI_PROCESS, STRATEGIES, Strategy
 from .training_shape import METHODS, TrainingShape
 
-__all__ = ["BREAKDOWN_ROWS", "CUDA_CONTEXT_BYTES", "GIB", "HEADROOM_FRACTION", "METHODS", "OPTIMIZER_BYTES_PER_PARAM", "STRATEGIES",
+__all__ = ["BREAKDOWN_ROWS", "CUDA_CONTEXT_BYTES", "GIB", "HEADROOM_FRACTION", "METHODS", "OPTIMIZER_BYTES_PER_PARAM",
            "ZERO3_SUB_GROUP_SIZE", "MemoryBreakdown", "MemoryPlan", "TrainingShape", "activation_bytes", "estimate",
            "largest_micro_batch", "plan_memory", "usable_bytes", "zero_step_gradients"]
 
@@ -55,8 +53,6 @@ BREAKDOWN_ROWS = ("weights", "frozen base weights", "4-bit base weights (NF4)", 
                   "adapter weights (fp32)", "gradients", "adapter gradients", "optimizer states", "adapter optimizer states",
                   "fp32 master weights", "fp32 gradients at the step", "communication buffers", "gathered parameters",
                   "16-bit working copies", "activations", "CUDA context")
-STRATEGIES = ("ddp", "fsdp-shard-grad-op", "fsdp", "deepspeed-zero2", "deepspeed-zero3",
-              "fsdp-offload", "deepspeed-zero2-offload", "deepspeed-zero3-offload")
 
 
 @dataclass(frozen=True)
@@ -114,28 +110,31 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
     w = 2.0 if shape.precision in ("bf16", "fp16") else 4.0
     layer = float(spec.largest_layer_params or P / max(1, spec.num_layers or 12))
     acts = activation_bytes(spec, shape)
-    offload = strategy.endswith("-offload")
-    base = strategy.removesuffix("-offload")
+    row = STRATEGIES.get(strategy)
+    if row is None:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {MULTI_PROCESS}")
+    offload = row.offload
     zero = dict(weights=0.0, gradients=0.0, optimizer=0.0, master_weights=0.0, comm_buffers=0.0, gathered_params=0.0)
-    if base in ("ddp", "single"):
+    if row.replicated:
         # torch AMP keeps fp32 weights and grads; DDP's reducer keeps gradient buckets beside them. The optimizer in
         # backward (one process) frees each gradient as its parameter steps: two parameters' gradients at once
-        grads = 4 * 2 * largest_parameter(spec) if shape.optimizer_in_backward and base == "single" else 4 * P
-        parts = dict(zero, weights=4 * P, gradients=grads, optimizer=opt * P, comm_buffers=4 * P if base == "ddp" and N > 1 else 0.0)
-    elif base == "fsdp-shard-grad-op":
+        grads = 4 * 2 * largest_parameter(spec) if shape.optimizer_in_backward and not row.several_processes else 4 * P
+        parts = dict(zero, weights=4 * P, gradients=grads, optimizer=opt * P,
+                     comm_buffers=4 * P if row.several_processes and N > 1 else 0.0)
+    elif row.family == FSDP and row.shards != EVERYTHING:  # SHARD_GRAD_OP: the parameters gathered until the backward
         parts = dict(zero, weights=4 * P / N + w * P, gradients=4 * P / N, optimizer=opt * P / N, gathered_params=0.0)
-    elif base == "fsdp":
+    elif row.family == FSDP:
         parts = dict(zero, weights=4 * P / N, gradients=4 * P / N, optimizer=0.0 if offload else opt * P / N,
                      gathered_params=2 * layer * (w + 4))  # current + prefetched unit, params and their grads
         if offload:
             parts.update(weights=0.0, gradients=0.0)
-    elif base == "deepspeed-zero2":
+    elif row.zero_stage == 2:
         # ZeRO keeps its fp32 master partition as a copy in every precision, an fp32 model's included (stage_1_and_2.py:
         # .clone(); stage3.py shares the partition only where a torch.device equals the accelerator's device name, a
         # str, which it never does): 4 bytes a parameter of the partition
         parts = dict(zero, weights=w * P, gradients=w * P / N, optimizer=0.0 if offload else opt * P / N,
                      master_weights=0.0 if offload else 4 * P / N, comm_buffers=2 * w * min(P, 5e8) / 4)
-    elif base == "deepspeed-zero3":
+    else:  # ZeRO-3
         master = 4 * P / N  # a copy in every precision, as ZeRO-2's
         # with the optimizer offloaded, each gradient partition goes to the CPU as it is reduced: the GPU keeps the
         # reduce buckets (transformers sets reduce_bucket_size to hidden^2 elements; two in flight)
@@ -148,9 +147,7 @@ def estimate(spec: ModelSpec, shape: TrainingShape, strategy: str) -> MemoryBrea
         parts = dict(zero, weights=0.0 if offload else w * P / N, gradients=grads,
                      optimizer=0.0 if offload else opt * P / N, master_weights=0.0 if offload else master,
                      gathered_params=max(2 * layer, 2 * largest_parameter(spec)) * w)
-    else:
-        raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
-    parts["gradients"] += unsharded_head_gradient(spec, shape, base, offload, w, N)
+    parts["gradients"] += unsharded_head_gradient(spec, shape, row, w, N)
     parts["step_gradients"] = max(0.0, zero_step_gradients(spec, shape, strategy) - acts)
     return MemoryBreakdown(strategy=strategy, activations=acts, context=CUDA_CONTEXT_BYTES, **parts)
 
@@ -164,23 +161,23 @@ def zero_step_gradients(spec: ModelSpec, shape: TrainingShape, strategy: str) ->
     ZeRO-2 holds 2 + 16 bytes a parameter, ZeRO-3 20, where the planner counted 2 + 14 and 16 without it. The
     activations are freed by then, so ``estimate`` counts what exceeds them: without it, Llama-3-8B under ZeRO-2 on
     2 x 80 GB "fit" at micro-batch 1 (72.8 GiB) while its step needs 15 GiB more than the 67.3 GiB of states."""
-    base = strategy.removesuffix("-offload")
-    if shape.method != "full" or strategy.endswith("-offload") or base not in ("deepspeed-zero2", "deepspeed-zero3"):
+    row = STRATEGIES.get(strategy)
+    if shape.method != "full" or row is None or row.offload or row.family != DEEPSPEED:
         return 0.0
     share = float(spec.params) / max(1, shape.num_gpus)
-    return 4 * (share if base == "deepspeed-zero2" else min(share, ZERO3_SUB_GROUP_SIZE))
+    return 4 * (share if row.zero_stage == 2 else min(share, ZERO3_SUB_GROUP_SIZE))
 
 
-def unsharded_head_gradient(spec: ModelSpec, shape: TrainingShape, base: str, offload: bool, w: float, N: int) -> float:
+def unsharded_head_gradient(spec: ModelSpec, shape: TrainingShape, row: Strategy, w: float, N: int) -> float:
     """The chunked LM head's weight gradient beyond what the strategy counts for it: the head computes it in its
     forward into a whole fp32 buffer (vocabulary x hidden) on every process, held until the backward hands it to the
     sharding (finetune/causal_lm/lm_head_loss.py). One GPU and DDP count every gradient whole already; FSDP and ZeRO-2
     count 1/N of it (Llama-3-8B's head on 8 GPUs: 1.7 GiB more per GPU); ZeRO-3 never gets the chunked head."""
     if not (shape.chunked_loss and spec.causal_lm and spec.vocab_size and spec.hidden_size and shape.method == "full"):
         return 0.0
-    counted = {"fsdp-shard-grad-op": 4 / N, "fsdp": 0.0 if offload else 4 / N, "deepspeed-zero2": w / N}.get(base)
-    if counted is None:
+    if row.replicated or row.zero_stage == 3:
         return 0.0
+    counted = (0.0 if row.offload else 4 / N) if row.family == FSDP else w / N  # FSDP's fp32 shard, ZeRO-2's 16-bit one
     return (4 - counted) * float(spec.vocab_size) * float(spec.hidden_size)
 
 
@@ -218,7 +215,7 @@ class MemoryPlan:
     gpu_memory_bytes: int
     reasons: tuple[str, ...] = ()
     candidates: tuple[tuple[str, bool, int], ...] = field(default=())  # (strategy, checkpointing, max micro-batch)
-    # the memory levers the plan counts (levers/plan.LEVER_KEYS -> FinetuneConfig value; None: the run's own), their
+    # the memory levers the plan counts (lever_plan.LEVER_KEYS -> FinetuneConfig value; None: the run's own), their
     # names, and the host memory the plan puts there (offloaded activations, an offloading strategy's states), bytes
     levers: tuple[tuple[str, object], ...] = ()
     lever_names: tuple[str, ...] = ()
@@ -231,7 +228,7 @@ def plan_memory(
     world_size: int,
     shape: TrainingShape,
     target_global_batch: int,
-    strategies: tuple[str, ...] = ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload"),
+    strategies: tuple[str, ...] = AUTO_CANDIDATES,
     min_micro_batch: int = 4,
 ) -> MemoryPlan | None:
     """The cheapest strategy (in the given order) that fits, the largest micro-batch up to what the

@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 
 from .memory import GIB, MemoryBreakdown, MemoryPlan, TrainingShape, estimate, plan_memory, usable_bytes
 from .model_spec import ModelSpec, adapter_shape, quantized_params
+from .strategies import FSDP, replica_strategy, strategy_names
 
-SHARDED_STRATEGIES = ("fsdp-shard-grad-op", "fsdp")
+SHARDED_STRATEGIES = strategy_names(lambda s: s.family == FSDP and not s.offload)  # full-sharded: CPU offload left out
 USEFUL_MICRO_BATCH = 4  # samples: the planner's threshold for paying checkpointing's recomputation
 USEFUL_TOKENS = 2048  # tokens per micro-batch that fill a GPU's matmuls (module docstring)
 
@@ -100,7 +101,7 @@ def recommend_method(spec: ModelSpec, gpu_memory_bytes: int, gpu_count: int, sha
         raise ValueError("target_global_batch must be >= 1")
     n = max(1, gpu_count)
     useful_at = useful_micro_batch(spec, shape, math.ceil(target_global_batch / n))
-    whole = ("single",) if n == 1 else ("ddp",)
+    whole = (replica_strategy(n > 1),)
     where = "1 GPU" if n == 1 else f"DDP x{n}"
     args = (spec, gpu_memory_bytes, n, shape, target_global_batch, useful_at)
     full = _candidate("full", f"full, {where}", "full", whole, *args)

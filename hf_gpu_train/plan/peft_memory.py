@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from .activations import activation_bytes
 from .model_spec import ModelSpec, adapter_shape, largest_linear, largest_parameter, quantized_params
+from .strategies import DEEPSPEED, EVERYTHING, STRATEGIES, strategy_names
 from .training_shape import TrainingShape
 
 NF4_BYTES_PER_PARAM = 0.5  # two 4-bit codes per byte
@@ -43,8 +44,6 @@ BLOCKSIZE = 64  # first-level quantization block (QLoRA section 2; bitsandbytes'
 DOUBLE_QUANT_BLOCKSIZE = 256  # blocks of first-level absmax per fp32 second-level constant (QLoRA section 2)
 QLORA_BYTES_PER_PARAM = NF4_BYTES_PER_PARAM + 1 / BLOCKSIZE + 4 / (BLOCKSIZE * DOUBLE_QUANT_BLOCKSIZE)  # 4.127 bits
 ADAPTER_DTYPE_BYTES = 4  # fp32 adapters, fp32 gradients
-PEFT_STRATEGIES = ("single", "ddp")  # adapters on a whole base per GPU
-ZERO_STRATEGIES = ("deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero2-offload", "deepspeed-zero3-offload")  # LoRA only
 
 
 def adapter_params(spec: ModelSpec, rank: int) -> int:
@@ -68,10 +67,12 @@ def qlora_parts(spec: ModelSpec) -> tuple[int, int]:
 def estimate_peft(spec: ModelSpec, shape: TrainingShape, strategy: str, optimizer_bytes_per_param: float) -> dict:
     """The MemoryBreakdown fields (bytes per GPU) of LoRA or QLoRA under ``strategy`` (single or ddp; LoRA also under
     DeepSpeed ZeRO)."""
-    if strategy in ZERO_STRATEGIES and shape.method == "lora":
+    row = STRATEGIES.get(strategy)
+    if row is not None and row.family == DEEPSPEED and shape.method in row.adapters:
         return _lora_under_zero(spec, shape, strategy, optimizer_bytes_per_param)
-    if strategy not in PEFT_STRATEGIES:
-        raise ValueError(f"{shape.method} is planned with {' or '.join(PEFT_STRATEGIES)} (a whole frozen base per GPU)"
+    if row is None or not row.replicated:
+        whole_base = " or ".join(strategy_names(lambda s: s.replicated))
+        raise ValueError(f"{shape.method} is planned with {whole_base} (a whole frozen base per GPU)"
                          + (" or, LoRA, under DeepSpeed ZeRO" if shape.method == "lora" else "") + f", not {strategy!r}")
     A = float(adapter_params(spec, shape.lora_rank))
     c = shape.compute_bytes
@@ -86,15 +87,15 @@ def estimate_peft(spec: ModelSpec, shape: TrainingShape, strategy: str, optimize
             transient += c * float(spec.vocab_size * spec.hidden_size)  # the fp32 output head's autocast copy
     return dict(weights=weights, quantized_weights=quantized, adapter_weights=ADAPTER_DTYPE_BYTES * A,
                 gradients=ADAPTER_DTYPE_BYTES * A, optimizer=optimizer_bytes_per_param * A, master_weights=0.0,
-                comm_buffers=ADAPTER_DTYPE_BYTES * A if strategy == "ddp" and shape.num_gpus > 1 else 0.0,
+                comm_buffers=ADAPTER_DTYPE_BYTES * A if row.several_processes and shape.num_gpus > 1 else 0.0,
                 gathered_params=0.0, working_copies=autocast_copies + transient, activations=activation_bytes(spec, shape))
 
 
 def _lora_under_zero(spec: ModelSpec, shape: TrainingShape, strategy: str, optimizer_bytes_per_param: float) -> dict:
     """LoRA's bytes per GPU under DeepSpeed ZeRO-2 or ZeRO-3 (the module docstring)."""
     A, N, c = float(adapter_params(spec, shape.lora_rank)), max(1, shape.num_gpus), shape.compute_bytes
-    offload = strategy.endswith("-offload")
-    stage3 = strategy.startswith("deepspeed-zero3")
+    row = STRATEGIES[strategy]
+    offload, stage3 = row.offload, row.shards == EVERYTHING
     layer = float(spec.largest_layer_params or spec.params / max(1, spec.num_layers or 12))
     base = 0.0 if stage3 and offload else c * float(spec.params) / (N if stage3 else 1)
     # ZeRO-3 gathers module by module: the largest frozen module (an LLM's embedding or head; two decoder layers where

@@ -6,18 +6,29 @@ from dataclasses import dataclass
 
 from ..hardware.peaks import peak_flops
 from ..hardware.profile import GpuInfo, HardwareProfile, MigInstance
-from ..levers.plan import lever_settings, plan_with_levers
-from ..levers.table import pcie_bytes_per_second
 from .cpu_binding import CpuBinding, dataloader_workers, decide_cpu_binding, thread_budget
 from .decisions import DEFAULT_BUSY_THRESHOLD_BYTES, PlanError, check_homogeneous, decide_precision, nccl_environment
 from .deepspeed_config import DEEPSPEED_FILE_PLACEHOLDER, deepspeed_file_for
 from .gpus import select_devices
-from .machine_match import hardware_record
+from .lever_plan import lever_settings, plan_with_levers
+from .lever_table import pcie_bytes_per_second
 from .memory import MemoryPlan, TrainingShape
 from .model_spec import ModelSpec
+from .scope import hardware_record
+from .strategies import (
+    ASKABLE,
+    AUTO,
+    AUTO_CANDIDATES,
+    DEEPSPEED,
+    EVERYTHING,
+    FSDP,
+    REPLICATED,
+    Strategy,
+    replica_strategy,
+    strategy,
+)
 
-STRATEGY_CHOICES = ("auto", "single", "ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero2-offload",
-                    "deepspeed-zero3-offload")
+STRATEGY_CHOICES = (AUTO, *ASKABLE)  # --strategy: plan/strategies.py's rows that can be asked for by name
 DEFAULT_PORT = 29500
 DEFAULT_GLOBAL_BATCH = 32
 
@@ -112,23 +123,19 @@ def _cpu_processes(profile: HardwareProfile, options: PlanOptions) -> tuple[int,
 def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: GpuInfo | None = None,
                  host_ram_bytes: int | None = None, per_machine: int = 1) -> tuple[MemoryPlan | None, str]:
     """(memory plan, strategy) for the GPU case; ``memory`` is what one process can use (a MIG instance's
-    share when it runs on one, never the whole GPU's). The memory levers and the last resort: levers/plan.py."""
+    share when it runs on one, never the whole GPU's). The memory levers and the last resort: lever_plan.py."""
     multi = world_size > 1
-    if options.strategy == "single" or (options.strategy == "auto" and not multi):
-        candidates = ("single",)
-    elif options.strategy in ("auto", "fsdp"):
-        candidates = ("ddp", "fsdp-shard-grad-op", "fsdp", "fsdp-offload") if options.strategy == "auto" else (
-            "fsdp-shard-grad-op", "fsdp", "fsdp-offload")
-    elif options.strategy == "ddp":
-        candidates = ("ddp",)
-    elif options.strategy.endswith("-offload"):  # asked for by name: the optimizer (ZeRO-3: and the weights) in CPU memory
-        candidates = (options.strategy,)
+    asked = _asked(options)
+    if asked is not None:  # asked for by name: the row's choices (an -offload one: the optimizer in CPU memory only)
+        candidates = asked.tries
     else:
-        candidates = (options.strategy, options.strategy + "-offload")
+        candidates = AUTO_CANDIDATES if multi else (replica_strategy(False),)
+    # the last resort (ZeRO-3 with CPU offload) where the planner chooses, or one GPU has nothing else to choose from
+    last_resort = asked is None or not asked.several_processes
     if options.method in ("lora", "qlora"):
         _check_adapters_strategy(options)
-        if not options.strategy.startswith("deepspeed"):
-            candidates = ("ddp",) if multi else ("single",)
+        if asked is None or asked.family != DEEPSPEED:
+            candidates = (replica_strategy(multi),)
     if options.model is None:
         return None, candidates[0]
 
@@ -137,7 +144,7 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: Gp
                           optimizer=options.optimizer, num_gpus=world_size, method=options.method, lora_rank=options.lora_rank)
     plan = plan_with_levers(
         options.model, memory, world_size, shape, options.global_batch, candidates,
-        last_resort=options.strategy in ("auto", "single") and per_what == "GPU",
+        last_resort=last_resort and per_what == "GPU",
         peak_flops=peak_flops(gpu.name, shape.precision) if gpu is not None else None,
         pcie_bytes_per_s=pcie_bytes_per_second(gpu.pcie_link_gen, gpu.pcie_link_width) if gpu is not None else None,
         host_ram_bytes=host_ram_bytes, processes_per_machine=per_machine)
@@ -145,23 +152,27 @@ def _memory_plan(options, memory, precision, world_size, per_what="GPU", gpu: Gp
         raise PlanError(
             f"{options.model.name} ({options.model.params / 1e9:.2f}B parameters) does not fit in {memory / 2**30:.1f} GiB per {per_what} "
             f"with any of {', '.join(candidates)}, even at micro-batch 1 with gradient checkpointing and every memory lever"
-            + (" (and ZeRO-3 with CPU offload)" if options.strategy in ("auto", "single") and options.method == "full" else "")
+            + (" (and ZeRO-3 with CPU offload)" if last_resort and options.method == "full" else "")
             + ": use "
             + ("a larger MIG instance or the whole GPU (disable MIG)" if per_what == "MIG instance" else "more GPUs (--num-machines)")
             + ", a lighter optimizer (--optimizer adafactor or adamw-8bit), a shorter --seq-len"
             + (", --method lora or qlora for a causal LM (`hf-gpu-train plan-memory --model M --method auto` compares them)"
                if options.method == "full" else "")
-            + ("" if options.strategy == "auto" else ", or --strategy auto"))
+            + ("" if asked is None else f", or --strategy {AUTO}"))
     return plan, plan.strategy
+
+
+def _asked(options: PlanOptions) -> Strategy | None:
+    """The row of the strategy asked for by name; None for auto (the planner chooses)."""
+    return None if options.strategy == AUTO else strategy(options.strategy)
 
 
 def _check_adapters_strategy(options: PlanOptions) -> None:
     """Adapters train on one GPU or with DDP (the frozen base is small enough to copy), or under DeepSpeed ZeRO when a
     base is too large for that (PEFT's and DeepSpeed's documented LoRA + ZeRO-3): FSDP of a PEFT model is not planned
     here, and QLoRA's 4-bit base needs bitsandbytes' CUDA layers and a storage dtype ZeRO-3 can partition."""
-    if options.strategy in ("auto", "single", "ddp"):
-        return
-    if options.strategy.startswith("deepspeed") and options.method == "lora":
+    asked = _asked(options)
+    if asked is None or options.method in asked.adapters:
         return
     raise PlanError(f"--method {options.method} with --strategy {options.strategy}: adapters train on one GPU, with DDP"
                     + (" or under DeepSpeed ZeRO (--strategy deepspeed-zero2 or deepspeed-zero3)" if options.method == "lora" else "")
@@ -188,20 +199,19 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     if not gpus:
         per_machine, why = _cpu_processes(profile, options)
         processes = per_machine * options.num_machines
-        strategy = "cpu-ddp" if processes > 1 else "cpu"
-        if options.strategy == "fsdp" and processes > 1:
-            strategy = "cpu-fsdp"
-        elif options.strategy.startswith("deepspeed") and processes > 1:
-            strategy = options.strategy
-        elif options.strategy not in ("auto", "ddp", "single"):
-            raise PlanError(f"--strategy {options.strategy} shards over several processes; on this machine, which has no GPU, "
-                            f"pass --num-processes 2 or more (gloo on the CPU), or use --strategy auto")
+        name = strategy(replica_strategy(processes > 1)).cpu_variant  # cpu, cpu-ddp
+        asked = _asked(options)
+        if asked is not None and not asked.replicated:
+            if processes < 2:
+                raise PlanError(f"--strategy {options.strategy} shards over several processes; on this machine, which has no "
+                                f"GPU, pass --num-processes 2 or more (gloo on the CPU), or use --strategy auto")
+            name = asked.cpu_variant
         if options.method in ("lora", "qlora"):
             _check_adapters_strategy(options)
-        if strategy.startswith("deepspeed"):
-            deepspeed_file = _cpu_deepspeed_settings(acc, settings, env, strategy, options, per_machine)
+        if strategy(name).family == DEEPSPEED:
+            deepspeed_file = _cpu_deepspeed_settings(acc, settings, env, name, options, per_machine)
         else:
-            _cpu_settings(acc, settings, env, strategy, options)
+            _cpu_settings(acc, settings, env, name, options)
         budget = thread_budget(profile, per_machine, None)
         env.append(("OMP_NUM_THREADS", str(budget.cores_per_process), budget.reason))
         workers = dataloader_workers(budget, on_gpu=False)
@@ -211,13 +221,13 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
     else:
         per_machine = len(gpus)
         world = per_machine * options.num_machines
-        memory, strategy = _memory_plan(options, selection.memory_free_bytes, precision, world,
+        memory, name = _memory_plan(options, selection.memory_free_bytes, precision, world,
                                         "GPU" if mig is None else "MIG instance", gpus[0], profile.host.ram_total_bytes, per_machine)
         gpu_ids = selection.visible_devices
         acc["use_cpu"] = False
         settings.append(Setting("gpu_ids", gpu_ids, selection.reason))
         settings.append(Setting("num_processes", world, f"{per_machine} GPU(s) x {options.num_machines} machine(s): the total over all machines"))
-        deepspeed_file = _strategy_settings(acc, settings, strategy, memory, options, per_machine)
+        deepspeed_file = _strategy_settings(acc, settings, name, memory, options, per_machine)
         binding = decide_cpu_binding(profile, gpus)
         if binding is not None:
             key, value = binding.setting
@@ -247,25 +257,26 @@ def make_plan(profile: HardwareProfile, options: PlanOptions = PlanOptions()) ->
         acc["main_process_port"] = options.main_process_port
     for key, value, reason in env:
         settings.append(Setting(key, value, reason))
-    return LaunchPlan(machine=profile.display_name, strategy=strategy, accelerate=acc, env=tuple(env),
+    return LaunchPlan(machine=profile.display_name, strategy=name, accelerate=acc, env=tuple(env),
                       settings=tuple(settings), gpus=gpus, memory=memory, mig_instance=mig, cpu_binding=binding,
                       options=options, dataloader_workers=workers[0], hardware=hardware_record(profile, gpus),
                       deepspeed_file=deepspeed_file)
 
 
-def _cpu_settings(acc, settings, env, strategy, options) -> None:
+def _cpu_settings(acc, settings, env, name, options) -> None:
     """cpu, cpu-ddp, cpu-fsdp: accelerate's MULTI_CPU path starts one process without mpirun, and a MULTI_GPU config on
     a machine without CUDA starts N processes that each think they are alone. MULTI_GPU plus ACCELERATE_USE_CPU=1 in
     the environment gives real gloo DDP (ARCHITECTURE.md, CPU traps)."""
-    acc.update(distributed_type={"cpu-ddp": "MULTI_GPU", "cpu-fsdp": "FSDP"}.get(strategy, "NO"), use_cpu=True)
+    row = strategy(name)
+    acc.update(distributed_type=row.distributed_type, use_cpu=True)
     reasons = {
         "cpu-ddp": "gloo DDP on the CPU through the MULTI_GPU launcher + ACCELERATE_USE_CPU=1 "
                    "(accelerate's MULTI_CPU path would start one process without mpirun)",
         "cpu-fsdp": "FSDP2 over gloo on CPU processes (a rehearsal of the GPU run: accelerate itself turns FSDP on CPU "
                     "processes into DDP, scripts/finetune.py shards anyway; finetune/fsdp.py)",
         "cpu": "one CPU process"}
-    settings.append(Setting("distributed_type", acc["distributed_type"], reasons[strategy]))
-    if strategy == "cpu-fsdp":
+    settings.append(Setting("distributed_type", acc["distributed_type"], reasons[name]))
+    if row.family == FSDP:
         layer = options.model.layer_class if options.model else None
         acc["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                               "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
@@ -274,13 +285,13 @@ def _cpu_settings(acc, settings, env, strategy, options) -> None:
     env.append(("ACCELERATE_USE_CPU", "1", "without it a MULTI_GPU config on a CPU machine starts independent processes"))
 
 
-def _cpu_deepspeed_settings(acc, settings, env, strategy, options, per_machine) -> dict | None:
+def _cpu_deepspeed_settings(acc, settings, env, name, options, per_machine) -> dict | None:
     """DeepSpeed ZeRO on CPU processes: the config a GPU machine gets (the same ``deepspeed_config`` and file), on
     DeepSpeed's CPU accelerator, whose collectives are gloo's without oneCCL (deepspeed accelerator/cpu_accelerator.py).
     What differs is what the device decides: fp32, and no ACCELERATE_USE_CPU, with which accelerate skips DeepSpeed and
     trains DDP (state.py: ``ACCELERATE_USE_DEEPSPEED ... and not cpu``)."""
     deepspeed_file = _strategy_settings(
-        acc, settings, strategy, None, options, per_machine,
+        acc, settings, name, None, options, per_machine,
         why="DeepSpeed's CPU accelerator with gloo collectives, the GPU config's ZeRO on CPU processes (a rehearsal of "
             "the GPU run). A Trainer of your own needs TrainingArguments(use_cpu=True) or ddp_backend='gloo' here: "
             "with neither accelerate gives the processes no backend and each one trains as process 0 of 1 "
@@ -291,67 +302,15 @@ def _cpu_deepspeed_settings(acc, settings, env, strategy, options, per_machine) 
     return deepspeed_file
 
 
-def _strategy_settings(acc, settings, strategy, memory, options, per_machine, why: str | None = None) -> dict | None:
-    """The strategy's accelerate keys and settings; the DeepSpeed config file's contents when it needs one."""
-    deepspeed_file = None
+def _strategy_settings(acc, settings, name, memory, options, per_machine, why: str | None = None) -> dict | None:
+    """The strategy's accelerate keys and settings (its family's renderer: ``FAMILY_SETTINGS``); the DeepSpeed config
+    file's contents when it needs one."""
     world = per_machine * options.num_machines
     why = why or ("; ".join(memory.reasons) if memory else ("one GPU: no distribution" if world == 1 else
                                                             "no --model given: DDP assumed to fit (pass --model for a memory check)"))
-    base = strategy.removesuffix("-offload")
-    offload = strategy.endswith("-offload")
-    if base == "single":
-        acc["distributed_type"] = "NO"
-        settings.append(Setting("distributed_type", "NO", why))
-    elif base == "ddp":
-        acc["distributed_type"] = "MULTI_GPU"
-        settings.append(Setting("distributed_type", "MULTI_GPU", "DDP with NCCL: " + why))
-    elif base.startswith("fsdp"):
-        acc["distributed_type"] = "FSDP"
-        layer = options.model.layer_class if options.model else None
-        cfg = {
-            "fsdp_version": 2,
-            "fsdp_reshard_after_forward": base == "fsdp",
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_offload_params": offload,
-            "fsdp_activation_checkpointing": bool(memory and memory.gradient_checkpointing),
-        }
-        if layer:
-            cfg["fsdp_transformer_layer_cls_to_wrap"] = layer
-        acc["fsdp_config"] = cfg
-        mode = "parameters resharded after forward (ZeRO-3-like)" if base == "fsdp" else "parameters kept between forward and backward (ZeRO-2-like, less traffic)"
-        settings.append(Setting("distributed_type", "FSDP", f"FSDP2, {mode}" + (", parameters offloaded to CPU (last resort)" if offload else "") + ": " + why))
-    else:
-
-        stage = 3 if base == "deepspeed-zero3" else 2
-        acc["distributed_type"] = "DEEPSPEED"
-        if offload:  # the optimizer section DeepSpeed needs to step on the CPU can only come from a file
-            deepspeed_file = deepspeed_file_for(stage, offload_params=stage == 3)
-            acc["deepspeed_config"] = {"deepspeed_config_file": DEEPSPEED_FILE_PLACEHOLDER, "zero3_init_flag": stage == 3}
-        acc["deepspeed_config"] = acc.get("deepspeed_config") or {
-            "zero_stage": stage,
-            "offload_optimizer_device": "cpu" if offload else "none",
-            "offload_param_device": "cpu" if offload and stage == 3 else "none",
-            # no gradient_accumulation_steps / gradient_clipping: left out, accelerate passes "auto" and transformers
-            # fills them from the run's TrainingArguments; a fixed number here would be refused ("mismatches") by
-            # any run that derives another accumulation (another global batch, --num_processes, a tune trial)
-            "zero3_init_flag": stage == 3,
-            **({"zero3_save_16bit_model": True} if stage == 3 else {}),
-        }
-        settings.append(Setting("distributed_type", "DEEPSPEED", f"ZeRO-{stage}" + (" with CPU offload (last resort)" if offload else "") + ": " + why))
-        if options.num_machines > 1:
-            # each node runs its own launch (its machine_rank, the sbatch's srun task): accelerate must start that node's
-            # processes with torchrun; its default multi-node launcher (pdsh) would start the whole job over ssh instead
-            acc["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
-            settings.append(Setting("deepspeed_multinode_launcher", "standard", "one launch per node (machine_rank, the "
-                                    "sbatch's srun task) starting that node's processes with torchrun; accelerate's "
-                                    "default, pdsh, would start every node's processes over ssh from a hostfile"))
-        if offload:
-            settings.append(Setting("deepspeed_config_file", "NAME.deepspeed.json", "ZeRO-Offload steps with DeepSpeed's CPU "
-                                    "Adam, named in the file's optimizer section (with the Trainer's own optimizer DeepSpeed "
-                                    "refuses offloading: zero_force_ds_cpu_optimizer); one parameter group, so weight decay "
-                                    "reaches norms and biases too, and the run's optim is refused"))
+    row = strategy(name)
+    acc["distributed_type"] = row.distributed_type
+    deepspeed_file = FAMILY_SETTINGS[row.family](row, acc, settings, memory, options, why)
     if memory:
         settings.append(Setting("per_device_train_batch_size", memory.micro_batch,
                                 f"largest micro-batch the planner fits is enough for the global batch {options.global_batch}"))
@@ -362,3 +321,68 @@ def _strategy_settings(acc, settings, strategy, memory, options, per_machine, wh
 
         settings.extend(Setting(key, value, reason) for key, value, reason in lever_settings(memory))
     return deepspeed_file
+
+
+def _replicated_settings(row: Strategy, acc, settings, memory, options, why: str) -> None:
+    """One GPU (no distribution) or DDP over NCCL."""
+    settings.append(Setting("distributed_type", row.distributed_type, "DDP with NCCL: " + why if row.several_processes else why))
+
+
+def _fsdp_settings(row: Strategy, acc, settings, memory, options, why: str) -> None:
+    """FSDP2: resharding after the forward where the row shards everything, the parameters offloaded where it offloads."""
+    layer = options.model.layer_class if options.model else None
+    reshard = row.shards == EVERYTHING
+    cfg = {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": reshard,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_offload_params": row.offload,
+        "fsdp_activation_checkpointing": bool(memory and memory.gradient_checkpointing),
+    }
+    if layer:
+        cfg["fsdp_transformer_layer_cls_to_wrap"] = layer
+    acc["fsdp_config"] = cfg
+    mode = ("parameters resharded after forward (ZeRO-3-like)" if reshard
+            else "parameters kept between forward and backward (ZeRO-2-like, less traffic)")
+    offloaded = ", parameters offloaded to CPU (last resort)" if row.offload else ""
+    settings.append(Setting("distributed_type", row.distributed_type, f"FSDP2, {mode}{offloaded}: {why}"))
+
+
+def _deepspeed_settings(row: Strategy, acc, settings, memory, options, why: str) -> dict | None:
+    """DeepSpeed ZeRO of the row's stage; with CPU offload, the config file whose optimizer section steps on the CPU."""
+    stage, offload, deepspeed_file = row.zero_stage, row.offload, None
+    if offload:  # the optimizer section DeepSpeed needs to step on the CPU can only come from a file
+        deepspeed_file = deepspeed_file_for(stage, offload_params=stage == 3)
+        acc["deepspeed_config"] = {"deepspeed_config_file": DEEPSPEED_FILE_PLACEHOLDER, "zero3_init_flag": stage == 3}
+    acc["deepspeed_config"] = acc.get("deepspeed_config") or {
+        "zero_stage": stage,
+        "offload_optimizer_device": "cpu" if offload else "none",
+        "offload_param_device": "cpu" if offload and stage == 3 else "none",
+        # no gradient_accumulation_steps / gradient_clipping: left out, accelerate passes "auto" and transformers
+        # fills them from the run's TrainingArguments; a fixed number here would be refused ("mismatches") by
+        # any run that derives another accumulation (another global batch, --num_processes, a tune trial)
+        "zero3_init_flag": stage == 3,
+        **({"zero3_save_16bit_model": True} if stage == 3 else {}),
+    }
+    offloaded = " with CPU offload (last resort)" if offload else ""
+    settings.append(Setting("distributed_type", row.distributed_type, f"ZeRO-{stage}{offloaded}: {why}"))
+    if options.num_machines > 1:
+        # each node runs its own launch (its machine_rank, the sbatch's srun task): accelerate must start that node's
+        # processes with torchrun; its default multi-node launcher (pdsh) would start the whole job over ssh instead
+        acc["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+        settings.append(Setting("deepspeed_multinode_launcher", "standard", "one launch per node (machine_rank, the "
+                                "sbatch's srun task) starting that node's processes with torchrun; accelerate's "
+                                "default, pdsh, would start every node's processes over ssh from a hostfile"))
+    if offload:
+        settings.append(Setting("deepspeed_config_file", "NAME.deepspeed.json", "ZeRO-Offload steps with DeepSpeed's CPU "
+                                "Adam, named in the file's optimizer section (with the Trainer's own optimizer DeepSpeed "
+                                "refuses offloading: zero_force_ds_cpu_optimizer); one parameter group, so weight decay "
+                                "reaches norms and biases too, and the run's optim is refused"))
+    return deepspeed_file
+
+
+# Each family's renderer of the accelerate config: a new strategy of a family is a row in plan/strategies.py, a new
+# family a row and its renderer here.
+FAMILY_SETTINGS = {REPLICATED: _replicated_settings, FSDP: _fsdp_settings, DEEPSPEED: _deepspeed_settings}

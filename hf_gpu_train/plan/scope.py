@@ -29,9 +29,10 @@ from pathlib import Path
 
 from ..builtin_models import minilm_path
 from ..hardware.profile import HardwareProfile
-from .memory import STRATEGIES, usable_bytes
+from .memory import usable_bytes
 from .model_spec import BUILTIN_MODELS, ModelSpec, model_fingerprint
 from .run_plan_file import APPLIED_KEYS, TUNED, Job, LaunchedAs, RunPlan, job_overrides, plan_before_tune
+from .strategies import CPU_STRATEGIES, DEEPSPEED, FSDP, REPLICATED, STRATEGIES, family_of
 
 # every value a run applies depends on the machine (precision and workers directly, the memory-derived ones on its GPU)
 MACHINE_VALUES = APPLIED_KEYS
@@ -39,7 +40,6 @@ MACHINE_VALUES = APPLIED_KEYS
 MEMORY_KEYS = ("per_device_train_batch_size", "global_batch_size", "gradient_checkpointing", "torch_compile", "packing",
                "chunked_lm_loss", "checkpoint_layers", "offload_activations", "optimizer_in_backward")
 RUN_DIMENSIONS = ("model", "shape", "method")  # one line between them
-REPLICATED = ("single", "ddp")  # the whole model on every process: one process of a DDP plan is not another strategy
 HEAVIER = {"qlora": 0, "lora": 1, "full": 2}
 
 
@@ -165,24 +165,26 @@ def canonical_name(name: str) -> str:
 
 def planned_strategy(strategy: str | None) -> str | None:
     """A plan's strategy in the words of ``launch.launched_strategy`` (the CPU plans' cpu, cpu-ddp, cpu-fsdp)."""
-    return {"cpu": "single", "cpu-ddp": "ddp", "cpu-fsdp": "fsdp"}.get(strategy or "", strategy)
+    row = CPU_STRATEGIES.get(strategy or "")
+    return row.launched_as if row is not None else strategy
 
 
 def same_strategy(planned: str | None, launched: str | None) -> bool:
-    """Whether values sized for ``planned`` hold for ``launched`` (unknown: they do; single and ddp alike)."""
+    """Whether values sized for ``planned`` hold for ``launched`` (unknown: they do; single and ddp alike: one process
+    of a DDP plan is not another strategy, the whole model is on every process)."""
     planned = planned_strategy(planned)
     if planned is None or launched is None:
         return True
-    return planned == launched or (planned in REPLICATED and launched in REPLICATED)
+    return planned == launched or family_of(planned) == family_of(launched) == REPLICATED
 
 
 def why_launched(launched: str, planned: str) -> str:
     """What in the launch made it ``launched`` instead of ``planned``, for the run's one line."""
-    planned = planned_strategy(planned) or "?"
-    if planned.startswith("fsdp") and not launched.startswith("fsdp"):
+    planned_family, launched_family = family_of(planned_strategy(planned)), family_of(launched)
+    if planned_family == FSDP and launched_family != FSDP:
         return "accelerate was launched without ACCELERATE_USE_FSDP"
-    if planned.startswith("deepspeed") and not launched.startswith("deepspeed"):
-        return ("accelerate was launched without ACCELERATE_USE_DEEPSPEED" if launched in REPLICATED
+    if planned_family == DEEPSPEED and launched_family != DEEPSPEED:
+        return ("accelerate was launched without ACCELERATE_USE_DEEPSPEED" if launched_family == REPLICATED
                 else "accelerate was launched for FSDP")
     return "the launch's FSDP or DeepSpeed settings are not the plan's"
 
@@ -368,7 +370,7 @@ def _other_run(draft: _Draft, found: tuple[Difference, ...], planned: Fingerprin
     if not why and strategy is None:
         return []
     if strategy is not None and memory is not None:
-        memory = dataclasses.replace(memory, strategy=strategy[1]) if strategy[1] in (*STRATEGIES, "single") else None
+        memory = dataclasses.replace(memory, strategy=strategy[1]) if strategy[1] in STRATEGIES else None
     return _without_memory_values(draft, memory, why, frozenset() if strategy else keep, strategy)
 
 

@@ -21,7 +21,7 @@ DEFAULT_AXES = tuple(axis for axis in AXES if axis != "packing")
 PACKING_NOTE = ("packing: kept at the run's own ({value}): a step of N packed rows holds several times the examples of a "
                 "step of N padded ones, so the other layout trains on other batches; --axes ...,packing measures it anyway "
                 "(by tokens/s)")
-# Checkpointing policies, cheapest recomputation first (levers/table.py), each keeping less than the one before:
+# Checkpointing policies, cheapest recomputation first (plan/lever_table.py), each keeping less than the one before:
 # selective keeps every matmul's output, one layer in two recomputes half the layers, lean selective recomputes the
 # widening matmuls of every layer (not attention), every layer recomputes the whole forward.
 POLICIES_BY_COST = ("selective", "every-2", "selective-lean", "all")

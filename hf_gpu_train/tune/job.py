@@ -23,10 +23,11 @@ from ..finetune.tasks.base import task_for
 from ..hardware.detect import detect
 from ..levers.from_config import shape_levers
 from ..plan.decisions import accelerate_uses_cpu
-from ..plan.machine_match import detect_this_machine, scope_to_this_machine
+from ..plan.machine_match import detect_this_machine
 from ..plan.memory import usable_bytes
 from ..plan.resolution import check_memory, resolve_with_plan
 from ..plan.run_plan_file import APPLIED_KEYS, plan_before_tune, plan_path_for, read_run_plan
+from ..plan.scope import scope_to_this_machine
 from . import hooks
 from .cache import cache_key, job_identity, machine_fingerprint, software_fingerprint
 from .candidates import DEFAULT_AXES, CandidateSpace, TuneInputs, plan_space

@@ -22,29 +22,32 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import UsageError
-from ..plan.scope import REPLICATED, planned_strategy
+from ..plan.scope import planned_strategy
+from ..plan.strategies import DEEPSPEED, FSDP, REPLICATED, family_of, replica_strategy, strategy_names
 
-# what --strategies all measures beside the config's own (FSDP where the planner allows it; the CPU's is a rehearsal of
-# the GPU run, FSDP2 over gloo); the offload variants are last resorts, slower by design: measured only when named
-ROUND = ("ddp", "deepspeed-zero2", "deepspeed-zero3", "fsdp")
-BY_NAME = (*ROUND, "deepspeed-zero2-offload", "deepspeed-zero3-offload")
+# what --strategies all measures beside the config's own, in this order: DDP, DeepSpeed's ZeRO stages, FSDP (where the
+# planner allows it; the CPU's is a rehearsal of the GPU run, FSDP2 over gloo); the offload variants are last resorts,
+# slower by design: measured only when named
+ROUND = (replica_strategy(True), *strategy_names(lambda s: s.askable and s.family == DEEPSPEED and not s.offload),
+         *strategy_names(lambda s: s.askable and s.family == FSDP))
+BY_NAME = (*ROUND, *strategy_names(lambda s: s.askable and s.offload))
 WORDS = ("all", "own")
 FOLDER_SUFFIX = ".strategies"  # NAME.strategies/S.yaml (.env, .plan.json) beside NAME.yaml
 
 
 def own_strategy(plan) -> str:
     """The strategy the config launches, in the planner's words (``ddp``, ``single``, ``fsdp``, ``deepspeed-zero2``)."""
-    return planned_strategy(str(plan.strategy.value or "")) or "single"
+    return planned_strategy(str(plan.strategy.value or "")) or replica_strategy(False)
 
 
 def shards(strategy: str) -> bool:
     """Whether a strategy wraps the model (FSDP, DeepSpeed): such a launch measures one trial, never a search."""
-    return strategy not in REPLICATED
+    return family_of(strategy) != REPLICATED
 
 
 def _same(asked: str, own: str) -> bool:
     """``--strategy fsdp`` lets the planner pick the FSDP variant: any FSDP config is the config's own FSDP."""
-    return asked == own or (asked == "fsdp" and own.startswith("fsdp"))
+    return asked == own or (asked in strategy_names(lambda s: s.askable and s.family == FSDP) and family_of(own) == FSDP)
 
 
 def parse_strategies(text: str | None, own: str, world_size: int, config_name: str) -> tuple[str, ...]:

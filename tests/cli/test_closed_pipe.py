@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hf_gpu_train.cli import EXIT_CLOSED_PIPE
+from hf_gpu_train.closed_pipe import EXIT_CLOSED_PIPE
 
 
 def run_into_closed_pipe(*args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import yaml
 
 from hf_gpu_train.cli import build_parser, main
 from hf_gpu_train.hardware.snapshot import load_machine, save
-from hf_gpu_train.launch import targets
+from hf_gpu_train.launch import slurm, targets
 from hf_gpu_train.launch.grace import RECORD, Grace
 
 
@@ -54,7 +54,7 @@ def test_the_sbatch_gets_time_limit_partition_and_grace(project, monkeypatch):
         seen.update(kw)
         return "#!/bin/bash\n"
 
-    monkeypatch.setattr(targets, "render_sbatch", fake_sbatch)
+    monkeypatch.setattr(slurm, "render_sbatch", fake_sbatch)
     assert config("--machine", "1x-t4", "--output", "t4", "--target", "slurm", "--time-limit", "04:00:00",
                   "--partition", "gpu,gpu-long", "--params", "1e8") == 0
     assert seen["time_limit"] == "04:00:00" and seen["partition"] == "gpu,gpu-long"
@@ -71,7 +71,7 @@ def test_a_time_limit_slurm_cannot_read_is_a_usage_error(project, capsys, value)
 @pytest.mark.parametrize(("value", "seconds"), [("90", 5400), ("90:30", 5430), ("04:00:00", 14400), ("2-0", 172800),
                                                 ("1-12:30", 131400), ("2-00:00:00", 172800)])
 def test_slurm_time_formats(value, seconds):
-    assert targets.slurm_time_limit(value) == seconds
+    assert slurm.slurm_time_limit(value) == seconds
 
 
 def test_a_bad_partition_is_a_usage_error(project, capsys):

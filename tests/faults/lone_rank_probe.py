@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
-from hf_gpu_train.faults.lone_rank import LoneRank  # noqa: E402
+from hf_gpu_train.collectives.lone_rank import LoneRank  # noqa: E402
 from hf_gpu_train.process_group import leave_process_group  # noqa: E402
 
 out, mode = Path(sys.argv[1]), sys.argv[2]

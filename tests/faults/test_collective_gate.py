@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_gpu_train.faults.collective_gate import FLAGS, agree_flags, not_coming
+from hf_gpu_train.collectives.control_flags import FLAGS, agree_flags
+from hf_gpu_train.faults.collective_gate import not_coming
 from hf_gpu_train.faults.preflight_collective import _ranges, local_pairs
 
 
@@ -119,7 +120,7 @@ def test_the_flags_are_agreed_only_where_a_callback_may_set_one_alone():
     from transformers.trainer_callback import DefaultFlowCallback
 
     from hf_gpu_train.callbacks import attach_telemetry
-    from hf_gpu_train.faults.collective_gate import needs_agreement
+    from hf_gpu_train.collectives.control_flags import needs_agreement
     from hf_gpu_train.faults.watchdog import attach_watchdog
     from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert
 

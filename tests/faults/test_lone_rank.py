@@ -1,4 +1,4 @@
-"""A training process of several whose Trainer sees one (faults/lone_rank.py): refused by the toolkit's pieces with
+"""A training process of several whose Trainer sees one (collectives/lone_rank.py): refused by the toolkit's pieces with
 the fix, on every rank alike. The trap is real in the installed accelerate and transformers: under a DeepSpeed launch
 on CPU processes, TrainingArguments without use_cpu or ddp_backend give each rank a one-process state."""
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_gpu_train.faults.lone_rank import LoneRank, check_not_alone
+from hf_gpu_train.collectives.lone_rank import LoneRank, check_not_alone
 from tests.launching import ROOT, free_port, hf_gpu_train
 
 PROBE = Path(__file__).with_name("lone_rank_probe.py")
@@ -25,7 +25,7 @@ def trainer_seeing(processes: int) -> SimpleNamespace:
 
 
 def test_a_rank_that_sees_one_process_of_several_is_refused_with_the_fix(monkeypatch):
-    import hf_gpu_train.faults.lone_rank as lone_rank
+    import hf_gpu_train.collectives.lone_rank as lone_rank
 
     monkeypatch.setattr(lone_rank, "_group_size", lambda: 2)
     with pytest.raises(LoneRank, match=r"TrainingArguments\(use_cpu=True\) or TrainingArguments\(ddp_backend='gloo'\)"):

@@ -15,7 +15,8 @@ import yaml
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.finetune.config import FinetuneConfig
-from hf_gpu_train.plan.machine_match import detect_this_machine, differences, hardware_record
+from hf_gpu_train.plan.machine_match import detect_this_machine
+from hf_gpu_train.plan.scope import differences, hardware_record
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

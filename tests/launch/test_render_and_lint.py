@@ -7,7 +7,8 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from hf_gpu_train.cli import main
-from hf_gpu_train.launch.render import parse_env, render_env, render_sbatch, render_yaml, torchrun_command
+from hf_gpu_train.launch.render import parse_env, render_env, render_yaml, torchrun_command
+from hf_gpu_train.launch.slurm import render_sbatch
 from hf_gpu_train.plan.lint import ERROR, WARNING, lint
 from hf_gpu_train.plan.planner import PlanOptions, make_plan
 from tests.conftest import REFERENCE_MACHINES

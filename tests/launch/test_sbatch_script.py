@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_gpu_train.launch.render import render_sbatch, render_yaml
+from hf_gpu_train.launch.render import render_yaml
+from hf_gpu_train.launch.slurm import render_sbatch
 from hf_gpu_train.plan.planner import PlanOptions, make_plan
 from hf_gpu_train.plan.run_plan_file import env_path_for
 from tests.launching import executable

@@ -12,7 +12,8 @@ from unittest import mock
 
 import pytest
 
-from hf_gpu_train.launch.render import render_sbatch, render_yaml, torchrun_command
+from hf_gpu_train.launch.render import render_yaml, torchrun_command
+from hf_gpu_train.launch.slurm import render_sbatch
 from hf_gpu_train.plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
 from hf_gpu_train.plan.model_spec import ModelSpec
 from hf_gpu_train.plan.planner import PlanOptions, make_plan

@@ -166,7 +166,7 @@ def test_two_gloo_processes_oom_on_rank_1_only(tmp_path, phase):
 
 
 def test_the_micro_batch_grows_back_by_default_and_backs_off_when_it_fails_again(tmp_path, caplog):
-    from hf_gpu_train.oom.recovery import GROW_AFTER_STEPS
+    from hf_gpu_train.oom.policy import GROW_AFTER_STEPS
 
     _, clean, _ = train(tmp_path, "clean", max_steps=12)
     assert enable_oom_recovery(Trainer(model=exact_bert(), args=oom_args(tmp_path / "d"))).grow_after_steps == GROW_AFTER_STEPS

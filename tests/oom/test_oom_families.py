@@ -202,7 +202,7 @@ def test_a_compute_loss_func_that_returns_a_mean_is_weighed_as_a_mean(tmp_path):
 def test_a_batch_that_cannot_tell_still_weighs_an_oom_there_by_its_labels(tmp_path, monkeypatch, caplog):
     """The first batch's probe cannot decide (equal label counts, or losses too close): an OOM in that very step is
     weighed by labelled tokens for token labels (exact when the counts are equal), never silently by rows."""
-    from hf_gpu_train.oom import recovery as oom
+    from hf_gpu_train.oom import training_step as oom
 
     calls = []
     real = oom.probe_weighting
@@ -281,8 +281,8 @@ def test_a_batch_level_term_that_is_not_split_is_found_at_the_first_step_and_sai
     """Without the router split (as for any batch-level term of a form nobody knows), the first step's check finds that
     two samples do not add up, says so once with the deviation, before any OOM; the OOM then recovers approximately
     (said), or with on_inexact='stop' stops with the fix."""
-    from hf_gpu_train.oom import recovery as oom
-    from hf_gpu_train.oom.recovery import InexactSplitRefused
+    from hf_gpu_train.oom import InexactSplitRefused
+    from hf_gpu_train.oom import training_step as oom
 
     monkeypatch.setattr(oom.RouterBalanceSplit, "find", classmethod(lambda cls, model: None))
     clean, initial, _, _ = train("moe", tmp_path / "clean", recover=False)

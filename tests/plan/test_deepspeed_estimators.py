@@ -69,7 +69,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_gpu_train.builtin_models import minilm_path  # noqa: E402
-from hf_gpu_train.levers.plan import host_bytes_per_process  # noqa: E402
+from hf_gpu_train.plan.lever_plan import host_bytes_per_process  # noqa: E402
 from hf_gpu_train.plan.memory import (  # noqa: E402
     GIB,
     ZERO3_SUB_GROUP_SIZE,

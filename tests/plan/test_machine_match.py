@@ -11,8 +11,8 @@ import pytest
 from hf_gpu_train.cli import main
 from hf_gpu_train.cli.launch import build_launch
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.plan.machine_match import differences, hardware_record, scope_to_this_machine
 from hf_gpu_train.plan.run_plan_file import read_run_plan
+from hf_gpu_train.plan.scope import differences, hardware_record, scope_to_this_machine
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import pytest
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.hardware.snapshot import load_machine
-from hf_gpu_train.plan.machine_match import hardware_record
 from hf_gpu_train.plan.run_plan_file import TUNED, Job, read_run_plan
-from hf_gpu_train.plan.scope import MEMORY_KEYS, ModelId, Shape, plan_fingerprint, scope
+from hf_gpu_train.plan.scope import MEMORY_KEYS, ModelId, Shape, hardware_record, plan_fingerprint, scope
 
 RECIPE = {"path": "/recipes/mine.yaml", "sha256": "a" * 64}
 

@@ -109,7 +109,7 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
 
 
 def test_the_gpu_check_sets_the_planner_estimate_beside_every_measured_peak(tmp_path):
-    from hf_gpu_train.tune.on_gpu import planner_errors
+    from scripts.gpu_checks.tune_on_gpu import planner_errors
     from tests.tune.test_candidates import planned_t4, t4_model
 
     config = planned_t4(tmp_path)

@@ -2,7 +2,7 @@
 tuned on a config planned for this machine and the recipe's model; prints tune's table, the time it took, and the
 memory planner's estimate against every measured peak (its error in percent)::
 
-    from hf_gpu_train.tune.on_gpu import check_tune
+    from scripts.gpu_checks.tune_on_gpu import check_tune
     results["tune"] = check_tune(ROOT)        # in scripts/gpu_check.py's main(); True when every case found a winner
 
 Each case runs `hf-gpu-train config --model MODEL --seq-len MAX_LENGTH --global-batch G` into a temporary folder,
@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..finetune.config import load_config
-from ..finetune.tasks import task_for
-from ..textfmt import table
-from .job import load_job
-from .results import TrialResult
-from .tune_report import planner_error
+from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.tasks import task_for
+from hf_gpu_train.textfmt import table
+from hf_gpu_train.tune.job import load_job
+from hf_gpu_train.tune.results import TrialResult
+from hf_gpu_train.tune.tune_report import planner_error
 
 GIB = 2**30
 

@@ -1,13 +1,13 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on a real GPU, for ``scripts/gpu_check.py --only zero`` (issue 31): each ZeRO run against
 a plain one-process run of the same recipe, and each rank's measured memory against the planner's figure::
 
-    from hf_gpu_train.tune.on_gpu_zero import check_zero
+    from scripts.gpu_checks.zero_against_one_process import check_zero    # in scripts/gpu_check.py
     results["zero"] = check_zero(ROOT)      # True when skipped (no GPU) or every comparison is within its tolerance
 
 Every run takes the toolkit's own path: ``hf-gpu-train config --strategy deepspeed-zero2`` / ``deepspeed-zero3`` (the
 plain run: no --strategy, one GPU: distributed_type NO) with ``--model`` and ``--seq-len``, so that the run records the
 planner's figure for the values it used (run_summary.json, ``plan.memory.estimate_bytes``); then ``hf-gpu-train launch
---config-file NAME.yaml -m hf_gpu_train.tune.on_gpu_zero --config RECIPE key=value ...``. Run as a module, this file is
+--config-file NAME.yaml scripts/gpu_checks/zero_against_one_process.py --config RECIPE key=value ...``. Run as a script, this file is
 the fine-tuning entry point itself (``finetune.run.main``) and one measurement after it: the process's
 ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, written to
 ``$HF_GPU_TRAIN_ZERO_CHECK_PEAKS/peak_rank{RANK}.json`` by every rank (the telemetry summary holds rank 0's only).
@@ -31,7 +31,7 @@ the fine-tuning entry point itself (``finetune.run.main``) and one measurement a
   out-of-memory the planner would not predict.
 
 The deciding code (reading a run's files, the comparisons, the verdict lines) is plain functions of files and numbers,
-tested on the CPU with recorded inputs (tests/tune/test_on_gpu_zero.py); ``rehearse_on_cpu`` runs the whole section
+tested on the CPU with recorded inputs (tests/gpu_checks/test_zero_against_one_process.py); ``rehearse_on_cpu`` runs the whole section
 on CPU processes (DeepSpeed's CPU accelerator, gloo, 2 processes: ZeRO refuses one on a CPU machine), without peaks.
 """
 
@@ -51,19 +51,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..finetune.checkpoints import write_label_map
-from ..finetune.config import load_config
-from ..finetune.data import open_classification_data
-from ..finetune.recipe_names import resolve_recipe
-from ..finetune.run_record import RECORD
-from ..finetune.tasks import task_for
-from ..finetune.text import load_text_model
-from ..process_group import exit_process
-from ..textfmt import gib
+from hf_gpu_train.finetune.checkpoints import write_label_map
+from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.data import open_classification_data
+from hf_gpu_train.finetune.recipe_names import resolve_recipe
+from hf_gpu_train.finetune.run_record import RECORD
+from hf_gpu_train.finetune.tasks import task_for
+from hf_gpu_train.finetune.text import load_text_model
+from hf_gpu_train.plan.strategies import DEEPSPEED, strategy_names
+from hf_gpu_train.process_group import exit_process
+from hf_gpu_train.textfmt import gib
 
 PEAKS_ENV = "HF_GPU_TRAIN_ZERO_CHECK_PEAKS"
-PROBE_MODULE = "hf_gpu_train.tune.on_gpu_zero"
-ZERO_STRATEGIES = ("deepspeed-zero2", "deepspeed-zero3")
+PROBE_SCRIPT = str(Path(__file__).resolve())  # launched as the training script of every run
+ZERO_STRATEGIES = strategy_names(lambda s: s.family == DEEPSPEED and not s.offload)  # each ZeRO stage, optimizer on the GPU
 PLAIN = "single"
 
 
@@ -142,9 +143,9 @@ def write_peak(folder: str | Path, environ: Mapping[str, str] = os.environ) -> P
 
 
 def probe_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
-    """``python -m hf_gpu_train.tune.on_gpu_zero ARGS``: scripts/finetune.py's run with ARGS, then, after a finished run,
+    """``python scripts/gpu_checks/zero_against_one_process.py ARGS``: scripts/finetune.py's run with ARGS, then, after a finished run,
     this process's peaks where ``HF_GPU_TRAIN_ZERO_CHECK_PEAKS`` says."""
-    from ..finetune.run import main  # lazy: the checking process needs none of the run's imports
+    from hf_gpu_train.finetune.run import main  # lazy: the checking process needs none of the run's imports
 
     code = main(list(argv))
     if code == 0 and environ.get(PEAKS_ENV):
@@ -500,7 +501,7 @@ def plan_runs(root: Path, case: ZeroCase, folder: Path, processes: int,
                 f"max_steps={case.steps}", f"per_device_train_batch_size={case.global_batch // n}",
                 f"global_batch_size={case.global_batch}", f"output_dir={out}"]
         cmd = [sys.executable, "-m", "hf_gpu_train", "launch", "--main_process_port", str(_free_port()), "--config-file",
-               f"{config}.yaml", "-m", PROBE_MODULE, *args]
+               f"{config}.yaml", PROBE_SCRIPT, *args]
         peaks = folder / f"{strategy}-peaks"
         runs.append(Launched(strategy, out, peaks, folder / f"{strategy}.log", config_cmd, cmd,
                              {**os.environ, PEAKS_ENV: str(peaks), "PYTHONPATH": pythonpath}))

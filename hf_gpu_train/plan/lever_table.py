@@ -22,10 +22,11 @@ The levers:
   no time, but gradient clipping goes (each parameter steps before the global norm exists): the only lever that
   changes the updates, so it is recommended only when no exact set reaches the micro-batch.
 
-Which levers a strategy offers: the chunked head everywhere but under fp16 (its gradients are made before the loss
-scale reaches them) and ZeRO-3 (which partitions the head's weight outside its forward); selective and one-in-N
-checkpointing, offloading and the optimizer in the backward with a whole model per GPU (one GPU, DDP): FSDP and
-DeepSpeed checkpoint every layer through their own configs, and their gathered parameters would be offloaded too.
+Which levers a strategy offers (its row's ``levers`` in plan/strategies.py): the chunked head everywhere but under fp16
+(its gradients are made before the loss scale reaches them) and ZeRO-3 (which partitions the head's weight outside its
+forward); selective and one-in-N checkpointing and offloading with a whole model per GPU (one GPU, DDP), the optimizer
+in the backward on one GPU: FSDP and DeepSpeed checkpoint every layer through their own configs, and their gathered
+parameters would be offloaded too.
 
 Step time is predicted from FLOPs (6 per parameter and token for full fine-tuning, 4 for adapters, whose base gets no
 weight gradients) at ``ASSUMED_MFU`` of the GPU's dense peak, and PCIe at ``PCIE_EFFICIENCY`` of its link. Estimates
@@ -37,23 +38,23 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from ..plan.activations import narrow_share, offloaded_bytes
-from ..plan.memory import GIB, estimate, largest_micro_batch
-from ..plan.model_spec import ModelSpec
-from ..plan.training_shape import TrainingShape
+from .activations import narrow_share, offloaded_bytes
+from .memory import GIB, estimate, largest_micro_batch
+from .model_spec import ModelSpec
+from .strategies import STRATEGIES
+from .training_shape import TrainingShape
 
 ASSUMED_MFU = 0.4  # of the dense peak: what a well-fed fine-tune reaches on a datacenter GPU
 PCIE_EFFICIENCY = 0.8  # of the link's raw rate, for large pinned copies
 PCIE_GB_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per lane and direction, after encoding
 ASSUMED_PCIE = (4, 16)  # when the link is not known (a --gpu-memory-gib plan): Gen4 x16
 SELECTIVE_COST = 0.05  # assumed: the elementwise ops of a layer recomputed (norms, SiLU, products), no matmul
-WHOLE_MODEL_STRATEGIES = ("single", "ddp")  # every lever; sharded strategies offer fewer (module docstring)
 
 
 def chunk_offered(spec: ModelSpec, shape: TrainingShape, strategy: str) -> bool:
     """Whether the chunked LM head and loss is a lever here (module docstring)."""
     return (bool(spec.causal_lm and spec.vocab_size) and not spec.lm_head_extras and shape.precision != "fp16"
-            and not strategy.startswith("deepspeed-zero3"))
+            and "chunked_lm_loss" in STRATEGIES[strategy].levers)
 
 
 @dataclass(frozen=True)
@@ -187,15 +188,16 @@ def lever_table(spec: ModelSpec, shape: TrainingShape, strategy: str, gpu_memory
     costs = _Costs(spec, shape, micro * shape.seq_len, peak_flops, pcie_bytes_per_s)
     notes = []
     layered = spec.is_transformer_shaped and not spec.activation_bytes_per_sample_fp32
-    whole_model = strategy in WHOLE_MODEL_STRATEGIES
+    offered = STRATEGIES[strategy].levers  # plan/strategies.py
+    partial = layered and "checkpoint_layers" in offered  # selective, lean selective, one layer in N
     chunk = (False, True) if chunk_offered(spec, shape, strategy) else (False,)
-    policies = [None, "all"] + (["selective", "selective-lean"] if layered and whole_model and shape.method != "qlora" else []) + (
-        ["every-2"] if layered and whole_model and (spec.num_layers or 0) >= 4 else [])
-    offload = (False, True) if whole_model else (False,)
-    if not whole_model:
+    policies = [None, "all"] + (["selective", "selective-lean"] if partial and shape.method != "qlora" else []) + (
+        ["every-2"] if partial and (spec.num_layers or 0) >= 4 else [])
+    offload = (False, True) if "offload_activations" in offered else (False,)
+    if not STRATEGIES[strategy].replicated:
         notes.append(f"{strategy}: checkpointing every layer (its own config) and the chunked head where exact; selective "
                      "checkpointing, offloading and the optimizer in the backward need a whole model per GPU")
-    backward_step = (False, True) if shape.method == "full" and strategy == "single" else (False,)
+    backward_step = (False, True) if shape.method == "full" and "optimizer_in_backward" in offered else (False,)
     combos = []
     for chunked, policy, offloaded, in_backward in itertools.product(chunk, policies, offload, backward_step):
         levers = replace(base, chunked_loss=chunked, gradient_checkpointing=policy is not None,

@@ -1,4 +1,4 @@
-"""Issue 19: `hf-gpu-train config` plans the memory levers (levers/plan.py): a model that fits nowhere without
+"""Issue 19: `hf-gpu-train config` plans the memory levers (plan/lever_plan.py): a model that fits nowhere without
 them gets the levers that make it fit, a cheaper set replaces checkpointing every layer where it reaches the useful
 micro-batch, sharded strategies get only what they can run, and DeepSpeed ZeRO-3 with CPU offload is the last resort
 where nothing else fits, checked against the host's RAM."""
@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from hf_gpu_train.levers.plan import host_bytes_per_process, plan_with_levers
-from hf_gpu_train.levers.table import lever_table
 from hf_gpu_train.plan.decisions import PlanError
 from hf_gpu_train.plan.document import plan_document
+from hf_gpu_train.plan.lever_plan import host_bytes_per_process, plan_with_levers
+from hf_gpu_train.plan.lever_table import lever_table
 from hf_gpu_train.plan.memory import estimate, plan_memory, usable_bytes
 from hf_gpu_train.plan.model_spec import from_config
 from hf_gpu_train.plan.planner import PlanOptions, make_plan

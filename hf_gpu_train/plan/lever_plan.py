@@ -16,7 +16,8 @@ The order, and why:
    but it trains what otherwise does not fit at all.
 
 Every value comes with its reason; the levers are values of the plan (``LEVER_KEYS``) that ``scripts/finetune.py``
-applies, scoped like the micro-batch to the model and shape they were planned for.
+applies (``levers/from_config.py``), scoped like the micro-batch to the model and shape they were planned for. Planned
+here beside the planner, applied in ``levers/``: the planner never imports what runs in a Trainer.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..plan.memory import GIB, OPTIMIZER_BYTES_PER_PARAM, MemoryPlan, estimate, plan_memory
-from ..plan.method_choice import useful_micro_batch
-from ..plan.model_spec import ModelSpec
-from ..plan.training_shape import TrainingShape
-from .table import lever_table
+from .lever_table import lever_table
+from .memory import GIB, OPTIMIZER_BYTES_PER_PARAM, MemoryPlan, estimate, plan_memory
+from .method_choice import useful_micro_batch
+from .model_spec import ModelSpec
+from .strategies import ALL_LEVERS, DEEPSPEED, EVERYTHING, FSDP, STRATEGIES, strategy_names
+from .training_shape import TrainingShape
 
-LEVER_KEYS = ("chunked_lm_loss", "checkpoint_layers", "offload_activations", "optimizer_in_backward")
-LAST_RESORT = "deepspeed-zero3-offload"
+LEVER_KEYS = ALL_LEVERS
+# ZeRO-3 with its optimizer and parameters in CPU memory: the least on a GPU, also on one GPU (module docstring)
+LAST_RESORT = strategy_names(lambda s: s.family == DEEPSPEED and s.shards == EVERYTHING and s.offload)[0]
 HOST_FRACTION = 0.8  # of the host's RAM an offloading plan may count on: the data loaders and the OS need the rest
 
 
@@ -45,11 +48,12 @@ def host_bytes_per_process(spec: ModelSpec, shape: TrainingShape, strategy: str,
     """Host memory one process holds for a strategy that offloads to the CPU: FSDP's fp32 parameters, gradients and
     optimizer states (its step runs there), ZeRO-3's fp32 master weights, optimizer states, fp32 gradients and its
     16-bit parameter copy (ZeRO-Offload, Ren et al. 2021, section 4); 0 for the others."""
-    if not strategy.endswith("-offload") or shape.method != "full":
+    row = STRATEGIES.get(strategy)
+    if row is None or not row.offload or shape.method != "full":
         return 0.0
     share = float(spec.params) / max(1, world)
     optimizer = OPTIMIZER_BYTES_PER_PARAM[shape.optimizer]
-    if strategy.startswith("fsdp"):
+    if row.family == FSDP:
         return share * (4 + 4 + optimizer)
     half = 2.0 if shape.precision in ("bf16", "fp16") else 0.0
     return share * (4 + optimizer + 4 + half)

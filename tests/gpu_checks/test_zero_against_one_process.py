@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's `zero` section (hf_gpu_train/tune/on_gpu_zero.py) on the CPU: what it reads from a run's files,
+"""scripts/gpu_check.py's `zero` section (scripts/gpu_checks/zero_against_one_process.py) on the CPU: what it reads from a run's files,
 the comparisons and their verdict lines with synthetic inputs, the peak file a training process writes, `--only zero`
 skipping with its reason where there is no GPU, and (slow) the whole section rehearsed on CPU processes."""
 
@@ -15,8 +15,8 @@ import torch
 from hf_gpu_train.cli import main as cli
 from hf_gpu_train.plan.resolution import check_memory, plan_record, resolve_with_plan
 from hf_gpu_train.plan.run_plan_file import read_run_plan
-from hf_gpu_train.tune import on_gpu_zero as zero
-from hf_gpu_train.tune.on_gpu_zero import (
+from scripts.gpu_checks import zero_against_one_process as zero
+from scripts.gpu_checks.zero_against_one_process import (
     PEAKS_ENV,
     TOLERANCES,
     Peak,
@@ -240,7 +240,7 @@ def test_only_zero_is_a_section_and_skips_with_its_reason_without_a_gpu(monkeypa
 @pytest.mark.slow
 def test_the_section_rehearsed_on_cpu_processes_finds_zero_equal_to_one_process(tmp_path, capsys):
     """The GPU's path but the device: `config --strategy deepspeed-zero2/3` for 2 CPU processes, `launch -m
-    hf_gpu_train.tune.on_gpu_zero`, the files read back and compared (fp32: within the summation-order tolerance)."""
+    scripts.gpu_checks.zero_against_one_process`, the files read back and compared (fp32: within the summation-order tolerance)."""
     from tests.scaling.finetune_cases import text_case
 
     args = text_case(tmp_path)

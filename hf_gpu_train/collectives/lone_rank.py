@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UsageError
-from .collective_gate import _distributed
+from .cpu_votes import several_processes
 
 
 class LoneRank(UsageError):
@@ -48,6 +48,6 @@ def check_not_alone(trainer, environ=None) -> None:
 
 
 def _group_size() -> int:
-    """The default process group's size; 1 without a group of several (the collective gate's own test of one)."""
-    dist = _distributed()
+    """The default process group's size; 1 without a group of several (the votes' own test of one)."""
+    dist = several_processes()
     return dist.get_world_size() if dist is not None else 1

@@ -1,4 +1,4 @@
-"""Issue 19: the per-lever table and the recommended set (levers/table.py), and how the planner counts each
+"""Issue 19: the per-lever table and the recommended set (plan/lever_table.py), and how the planner counts each
 lever (the table through `hf-gpu-train plan-memory`: tests/cli/test_plan_memory.py)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from hf_gpu_train.levers.table import GIB, lever_table
 from hf_gpu_train.plan.activations import activation_bytes, activation_terms, offloaded_bytes
-from hf_gpu_train.plan.memory import estimate, largest_parameter
-from hf_gpu_train.plan.model_spec import ModelSpec
+from hf_gpu_train.plan.lever_table import GIB, lever_table
+from hf_gpu_train.plan.memory import estimate
+from hf_gpu_train.plan.model_spec import ModelSpec, largest_parameter
 from hf_gpu_train.plan.training_shape import TrainingShape
 
 LLAMA_1B = ModelSpec(name="llama-1b", params=1_236_000_000, num_layers=16, hidden_size=2048, num_heads=32, vocab_size=128256,
@@ -47,7 +47,7 @@ def test_the_recommendation_is_the_cheapest_exact_set_that_reaches_the_useful_mi
     every = [replace(shape, micro_batch=4, chunked_loss=c, gradient_checkpointing=p is not None, checkpoint_layers=p or "all",
                      offload_activations=o) for c in (False, True) for p in (None, "selective", "selective-lean", "every-2", "all")
              for o in (False, True)]
-    from hf_gpu_train.levers.table import _Costs, _evaluate
+    from hf_gpu_train.plan.lever_table import _Costs, _evaluate
 
     costs = _Costs(LLAMA_1B, shape, 4 * 4096, H100["peak_flops"], H100["pcie_bytes_per_s"])
     reaching = [s for s in (_evaluate(LLAMA_1B, x, "single", 32 * GIB, costs) for x in every) if s.largest_micro_batch >= 4]

@@ -1,0 +1,4 @@
+"""What every rank of a run of several processes does together, below both ``oom/`` and ``faults/`` (each uses it, and
+neither may import the other): small votes on the CPU (``cpu_votes.py``), the Trainer's control flags agreed before it
+acts on them (``control_flags.py``), ``torch.distributed``'s collectives wrapped and their unwrapped originals
+(``wrappers.py``), and the refusal of a rank of several whose Trainer sees one (``lone_rank.py``)."""
