@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
-from hf_gpu_train.finetune.config import load_config  # noqa: E402
+from hf_gpu_train.finetune.loading import load_config  # noqa: E402
 from hf_gpu_train.finetune.run import finetune, parse_args  # noqa: E402
 from hf_gpu_train.process_group import leave_process_group  # noqa: E402
 

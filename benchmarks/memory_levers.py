@@ -101,9 +101,9 @@ def trl_at(tmp: Path, length: int, release: bool = False) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from sft_vs_trl import run_spec
 
-    from hf_gpu_train.finetune.causal_lm import smollm2
-    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.finetune.run import parse_args
+    from hf_gpu_train.finetune.tasks.language_modeling import smollm2
 
     recipe, files = parse_args(["--config", "smollm2_lora_demo"])  # the shipped recipe (its data files: the config loader finds them)
     cfg = load_config(recipe, files)

@@ -90,9 +90,9 @@ def plan(args) -> dict:
     """Settings from the recipe, the rows, and the step arithmetic that matches TRL's batch to ours."""
     from transformers import AutoTokenizer
 
-    from hf_gpu_train.finetune.causal_lm import smollm2
-    from hf_gpu_train.finetune.causal_lm.packing import best_fit_decreasing
-    from hf_gpu_train.finetune.config import load_config_and_keys
+    from hf_gpu_train.finetune.loading import load_config_and_keys
+    from hf_gpu_train.finetune.tasks.language_modeling import smollm2
+    from hf_gpu_train.finetune.tasks.language_modeling.packing import best_fit_decreasing
 
     cfg, _ = load_config_and_keys(args.recipe, args.recipe_files + shape_overrides(args) + ours_micro_batch(args))
     model_path = str(smollm2.ensure_converted(say)) if cfg.model == smollm2.BUILTIN_NAME else cfg.model

@@ -178,8 +178,8 @@ def run_ours(spec: dict) -> dict:
     import yaml
     from transformers import Trainer
 
-    from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config_and_keys
     from hf_gpu_train.finetune.run import finetune
     from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
@@ -262,7 +262,7 @@ def train_arm(spec: dict) -> dict:
 def encode_validation(tokenizer, rows: list[dict], max_length: int) -> list[tuple[list[int], list[bool]]]:
     """(token ids, is-assistant per token) per conversation: the chat template's rendering, assistant spans found
     by rendering prefixes (answer + end-of-turn token), truncated to max_length."""
-    from hf_gpu_train.finetune.causal_lm.chat import assistant_spans, labels_from_spans
+    from hf_gpu_train.finetune.tasks.language_modeling.chat import assistant_spans, labels_from_spans
 
     out = []
     for row in rows:

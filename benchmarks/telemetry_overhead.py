@@ -56,7 +56,7 @@ def shipped_run(out: str, steps: int, logging_steps: int, telemetry: bool) -> tu
     from transformers import Trainer
 
     from hf_gpu_train.callbacks import TelemetryCallback
-    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.finetune.run import finetune
 
     seen: dict = {}

@@ -87,8 +87,8 @@ def auto_find_batch_size(args: list[str], global_batch: int, oom_above: int, war
     import torch
     from transformers import Trainer, TrainerCallback
 
-    from hf_gpu_train.finetune.config import load_config
-    from hf_gpu_train.finetune.run import parse_args, prepare
+    from hf_gpu_train.finetune.loading import load_config
+    from hf_gpu_train.finetune.run import parse_args, prepared_for
     from hf_gpu_train.finetune.runtime import resolve_runtime
     from hf_gpu_train.finetune.trainer_factory import build_trainer
     from hf_gpu_train.oom import OOMFaultInjector
@@ -98,7 +98,8 @@ def auto_find_batch_size(args: list[str], global_batch: int, oom_above: int, war
                                f"max_steps={warmup + measure}", f"logging_steps={warmup + measure + 1}", "dataloader_num_workers=0",
                                f"output_dir={folder / 'auto'}", "extra={auto_find_batch_size: true}"])
     runtime = resolve_runtime(cfg)
-    model, train, validation, collator, tokenizer, _ = prepare(cfg, runtime)
+    p = prepared_for(cfg, runtime)
+    model, train, validation, collator, tokenizer = p.model, p.train, p.validation, p.collator, p.processing_class
     OOMFaultInjector(max_batch=oom_above).install(model)
 
     class Window(TrainerCallback):

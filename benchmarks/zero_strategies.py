@@ -38,7 +38,7 @@ def make_case(folder: Path, layers: int, hidden: int) -> list[str]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.finetune.causal_lm.tiny import chat_rows, tiny_tokenizer, write_jsonl
+    from tests.finetune.tasks.language_modeling.tiny import chat_rows, tiny_tokenizer, write_jsonl
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ def model_and_tokenizer(name: str):
     if name == "tiny":
         return _tiny()
     if name == "builtin:smollm2":
-        from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
+        from hf_gpu_train.finetune.tasks.language_modeling.smollm2 import ensure_converted
 
         name = str(ensure_converted())
     tokenizer = AutoTokenizer.from_pretrained(name)

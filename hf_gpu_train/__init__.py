@@ -21,7 +21,7 @@ _LAZY = {
     "attach_preemption": ("hf_gpu_train.faults.preemption", "attach_preemption"),
     "make_plan": ("hf_gpu_train.plan.planner", "make_plan"),
     "FinetuneConfig": ("hf_gpu_train.finetune.config", "FinetuneConfig"),
-    "load_config": ("hf_gpu_train.finetune.config", "load_config"),
+    "load_config": ("hf_gpu_train.finetune.loading", "load_config"),
 }
 
 __all__ = ["__version__", "detect", "load_machine", "HardwareProfile", "GpuInfo", "GpuPair", "HostInfo", *_LAZY]

@@ -3,10 +3,12 @@
     python scripts/code_metrics.py [PACKAGE_DIR]
 
 Prints modules and lines per folder, import circles between modules, imports that reach up a layer, the longest
-functions, the branches on a task name (``task ==`` / ``task !=``), imports inside functions, and how many files a
-new task would have to touch (the files that branch on a task name, plus the task's own module). Issue 29's closing
-note gives these figures before and after the layout by concept; ``tests/test_code_quality.py`` holds the lines
-that must stay (no circles, no upward import, imports at the top).
+functions, the branches on a task name (``task ==`` / ``task !=``), imports inside functions, how many files a
+new task would have to touch (the files that branch on a task name, plus the task's own module), the tests of a
+strategy by its name outside the strategy table, the reads of a task's capability flags outside ``finetune/tasks/``,
+and the files the run's whole config reaches (every module with a function that receives it). Issues 29's and 37's
+closing notes give these figures before and after; ``tests/test_code_quality.py`` holds the lines that must stay (no
+circles, no upward import, imports at the top, the strategies read from their table).
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ LAYERS: dict[str, int] = {
     "tune": 6,
     "cli": 7,
 }
+
+# The strategy names and their families as the planner writes them (plan/strategies.py's rows: tests/test_code_quality.py
+# holds the two equal). Written out here so that a tree from before the table is measured the same way.
+STRATEGY_NAMES = frozenset({
+    "single", "ddp", "fsdp", "fsdp-shard-grad-op", "fsdp-offload", "deepspeed-zero2", "deepspeed-zero3",
+    "deepspeed-zero2-offload", "deepspeed-zero3-offload", "cpu", "cpu-ddp", "cpu-fsdp",
+})
+STRATEGY_FAMILIES = ("fsdp", "deepspeed")  # startswith("fsdp"), family == "deepspeed"
+STRATEGY_TABLE = "plan/strategies.py"
 
 TASK_BRANCH = re.compile(r"\btask\s*[!=]=|[!=]=\s*task\b|\btask\s+(?:not\s+)?in\s|[\"']task[\"']\]?\)?\s*[!=]=")
 
@@ -209,8 +220,81 @@ def task_branches(package: Path) -> list[str]:
     for path in sorted(package.rglob("*.py")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
-            found += [f"{path.relative_to(package)}:{number}"] * len(TASK_BRANCH.findall(code))
+            branches = [m for m in TASK_BRANCH.finditer(code) if not re.search(r"\bfor\b", code[:m.start()])]  # a loop
+            found += [f"{path.relative_to(package)}:{number}"] * len(branches)
     return found
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """A string naming a strategy or a family; "cpu" alone is not counted: it is a device's type far more often."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return (node.value in STRATEGY_NAMES and node.value != "cpu") or node.value in STRATEGY_FAMILIES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_strategy(e) for e in node.elts)
+    return False
+
+
+def strategy_string_tests(package: Path) -> tuple[list[str], list[str]]:
+    """(the comparisons of a value with a strategy's name or family, ``==``/``!=``/``in``/``startswith``; the tuples
+    and sets of two or more strategy names bound to a name), outside the strategy table: each is a place a new strategy
+    must be found in. A comparison of a key named "strategy"'s value with another key is not one (no name in it)."""
+    tests, groups = [], []
+    for path in sorted(package.rglob("*.py")):
+        where = str(path.relative_to(package))
+        if where == STRATEGY_TABLE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                if any(_names_a_strategy(side) for side in (node.left, *node.comparators)):
+                    tests.append(f"{where}:{node.lineno}")
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("startswith", "endswith")
+                  and node.args and _names_a_strategy(node.args[0])):
+                tests.append(f"{where}:{node.lineno}")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.Tuple, ast.Set, ast.List, ast.Call)):
+                value = node.value.args[0] if isinstance(node.value, ast.Call) and node.value.args else node.value
+                names = [e for e in getattr(value, "elts", ()) if isinstance(e, ast.Constant) and e.value in STRATEGY_NAMES]
+                if len(names) >= 2:
+                    groups.append(f"{where}:{node.lineno}")
+    return tests, groups
+
+
+def task_flag_reads(package: Path) -> list[str]:
+    """Reads of a task's capability flags (the boolean class attributes of ``finetune/tasks/base.py``'s ``Task``)
+    outside ``finetune/tasks/``: each is a branch a new task's flags must be right for."""
+    base = package / "finetune" / "tasks" / "base.py"
+    if not base.exists():
+        return []
+    flags = set()
+    for node in ast.walk(ast.parse(base.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "Task":
+            for item in node.body:
+                if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                        and "bool" in ast.unparse(item.annotation)):
+                    flags.add(item.target.id)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package)
+        if where.parts[:2] == ("finetune", "tasks"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in flags and isinstance(node.ctx, ast.Load):
+                found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def config_walk(package: Path) -> list[str]:
+    """The modules the run's whole config reaches: those with a function that receives it (a parameter named ``cfg``
+    or annotated ``FinetuneConfig``). A stage given only the keys it reads (``cfg.data_keys()``, ``cfg.options``, a
+    value) is not one."""
+    found = set()
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.arg == "cfg" or "FinetuneConfig" in ast.unparse(a.annotation or ast.Constant(""))
+                       for a in arguments):
+                    found.add(str(path.relative_to(package)))
+    return sorted(found)
 
 
 def measure(package: Path) -> dict:
@@ -231,6 +315,9 @@ def measure(package: Path) -> dict:
         # the files that branch on a task name, the task's own module, and the registry's import of it where tasks
         # are registered (finetune/tasks/__init__.py, as timm's models/__init__.py imports each model module)
         "files_a_new_task_touches": len({b.split(":")[0] for b in branches}) + 1 + (package / "finetune" / "tasks").is_dir(),
+        "strategy_tests": strategy_string_tests(package),
+        "task_flag_reads": task_flag_reads(package),
+        "config_walk": config_walk(package),
     }
 
 
@@ -254,6 +341,15 @@ def main(argv: list[str]) -> int:
           f"{len({b.split(':')[0] for b in figures['task_branches']})} files")
     print(f"imports inside functions: {figures['imports_inside_functions']}")
     print(f"files a new task touches: {figures['files_a_new_task_touches']}")
+    tests, groups = figures["strategy_tests"]
+    print(f"strategy names tested outside {STRATEGY_TABLE}: {len(tests)} in {len({t.split(':')[0] for t in tests})} files; "
+          f"tuples of strategy names: {len(groups)}")
+    for line in groups:
+        print("  tuple " + line)
+    reads = figures["task_flag_reads"]
+    print(f"task capability flags read outside finetune/tasks/: {len(reads)} in {len({r.split(':')[0] for r in reads})} files")
+    print(f"files the run's whole config reaches: {len(figures['config_walk'])} "
+          f"in {len({w.split('/')[0] for w in figures['config_walk']})} folders")
     return 0
 
 

@@ -266,7 +266,7 @@ def check_peft_memory() -> bool:
 
     import torch
 
-    from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
+    from hf_gpu_train.finetune.tasks.language_modeling.smollm2 import ensure_converted
     from hf_gpu_train.plan.memory import estimate
     from hf_gpu_train.plan.model_spec import from_hf_config
     from hf_gpu_train.plan.training_shape import TrainingShape
@@ -320,7 +320,7 @@ def check_memory_levers(length: int = 2048, steps: int = 8) -> bool:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory_levers import LEVERS
 
-    from hf_gpu_train.finetune.causal_lm.smollm2 import ensure_converted
+    from hf_gpu_train.finetune.tasks.language_modeling.smollm2 import ensure_converted
     from hf_gpu_train.plan.memory import estimate
     from hf_gpu_train.plan.model_spec import from_hf_config
     from hf_gpu_train.plan.training_shape import TrainingShape

@@ -114,3 +114,31 @@ def test_an_import_inside_a_function_is_never_read_as_one_at_the_top(tmp_path):
         top = METRICS._top_level_imports(package / "plan" / "lazy.py")
         assert sorted(n.lineno for n in top) == list(range(1, 41))
         assert "plan.lazy" not in METRICS.heavy_modules(package)
+
+
+def test_the_strategies_are_read_from_their_table():
+    """A new strategy is a row of plan/strategies.py (and its renderer): no module tests a strategy by its name or
+    keeps its own tuple of names. The metric's list of names is the table's."""
+    from hf_gpu_train.plan.strategies import CPU_STRATEGIES, STRATEGIES
+
+    assert METRICS.STRATEGY_NAMES == set(STRATEGIES) | set(CPU_STRATEGIES)
+    tests, groups = METRICS.strategy_string_tests(ROOT / "hf_gpu_train")
+    assert not tests and not groups, "\n".join(tests + groups)
+
+
+def test_the_strategy_metric_sees_a_test_a_prefix_and_a_tuple(tmp_path):
+    package = tmp_path / "hf_gpu_train"
+    (package / "plan").mkdir(parents=True)
+    (package / "plan" / "strategies.py").write_text("A = ('ddp', 'fsdp')\n")  # the table itself may name them
+    (package / "plan" / "m.py").write_text(
+        "SHARDED = ('fsdp', 'deepspeed-zero3')\nif s == 'ddp' or s.startswith('deepspeed') or s in ('fsdp',):\n    pass\n"
+        "if device.type == 'cpu':\n    pass\n")
+    assert METRICS.strategy_string_tests(package) == (["plan/m.py:2", "plan/m.py:2", "plan/m.py:2"], ["plan/m.py:1"])
+
+
+def test_the_whole_config_reaches_at_most_twenty_modules():
+    """Each stage is given what it reads (``cfg.data_keys()``, ``cfg.options``, ``cfg.lever_keys()``, values): the
+    modules with a function that receives the whole config stay few (issue 37: 33 before)."""
+    walk = METRICS.config_walk(ROOT / "hf_gpu_train")
+    assert len(walk) <= 20, "\n".join(walk)
+    assert not [w for w in walk if w.split("/")[0] not in ("finetune", "tune")], walk

@@ -359,10 +359,11 @@ def script_problems(words: tuple[str, ...]) -> list[str]:
         if arg == "--config" and i + 1 < len(args):
             problems += file_problems("--config", args[i + 1])
     if script in FINETUNE:
-        from hf_gpu_train.finetune.config import FinetuneConfig
+        from hf_gpu_train.finetune.config import RUN_KEYS
+        from hf_gpu_train.finetune.tasks import TASKS
 
-        keys = {f.name for f in dataclasses.fields(FinetuneConfig)}
-        problems += [f"{arg}: {arg.split('=')[0]} is not a FinetuneConfig key" for arg in args
+        keys = {*RUN_KEYS, *(f.name for task in TASKS.values() for f in dataclasses.fields(task.options))}
+        problems += [f"{arg}: {arg.split('=')[0]} is not a key of the fine-tune's config" for arg in args
                      if "=" in arg and not arg.startswith("-") and arg.split("=")[0] not in keys]
     return problems
 

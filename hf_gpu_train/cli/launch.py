@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import re
 import subprocess
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
-from ..finetune.config import load_config_and_keys
+from ..finetune.loading import load_config_and_keys
 from ..finetune.recipe_names import resolve_recipe
 from ..launch.grace import GRACE_ENV
 from ..launch.rank_report import (
@@ -135,7 +134,7 @@ def _data(recipe: str | None, overrides: list[str]) -> dict | None:
         cfg, _ = load_config_and_keys(recipe, overrides)
     except UsageError:
         return None
-    return data_stamps(dataclasses.asdict(cfg))
+    return data_stamps(cfg.values())
 
 
 def _tuned_precision(plan, script_args: list[str], settings: dict, config: dict) -> tuple[str, str] | None:

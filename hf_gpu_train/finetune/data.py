@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .builtin import BUILTIN_DATASETS
 from .carve import CarvePlan, carve, plan_carve
-from .config import ConfigError, FinetuneConfig
-from .tasks.base import task_for
+from .config import ConfigError, DataKeys
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 IMAGE_VERIFY_LIMIT = 50_000
@@ -53,25 +53,25 @@ def _builder_for(path: str) -> str:
     return FILE_BUILDERS[suffix]
 
 
-def load_raw(cfg: FinetuneConfig):
+def load_raw(keys: DataKeys):
     import datasets
 
-    if cfg.train_file:
-        files = {"train": cfg.train_file}
-        if cfg.validation_file:
-            files["validation"] = cfg.validation_file
+    if keys.train_file:
+        files = {"train": keys.train_file}
+        if keys.validation_file:
+            files["validation"] = keys.validation_file
         for split, path in files.items():
             if not Path(path).is_file():
                 raise ConfigError(f"{split}_file={path!r} does not exist")
         builders = {_builder_for(p) for p in files.values()}
         if len(builders) > 1:
             raise ConfigError(f"train_file and validation_file must be the same type, got {sorted(builders)}")
-        kwargs = {"delimiter": "\t"} if Path(cfg.train_file).suffix.lower() == ".tsv" else {}
+        kwargs = {"delimiter": "\t"} if Path(keys.train_file).suffix.lower() == ".tsv" else {}
         try:
-            return datasets.load_dataset(builders.pop(), data_files=files, **kwargs), cfg.train_file
+            return datasets.load_dataset(builders.pop(), data_files=files, **kwargs), keys.train_file
         except Exception as error:  # pyarrow/pandas parse errors come in many classes
-            raise ConfigError(f"cannot read {cfg.train_file}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
-    name = cfg.dataset
+            raise ConfigError(f"cannot read {keys.train_file}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+    name = keys.dataset
     if name in BUILTIN_DATASETS:
         return BUILTIN_DATASETS[name](), name
     if name.startswith("imagefolder:"):
@@ -83,31 +83,31 @@ def load_raw(cfg: FinetuneConfig):
         raise ConfigError(f"dataset={name!r} does not exist")
     try:
         return datasets.load_dataset(str(Path(name).expanduser()) if Path(name).expanduser().exists() else name,
-                                     cfg.dataset_config), name
+                                     keys.dataset_config), name
     except FileNotFoundError as error:
         raise ConfigError(f"dataset={name!r}: not found ({str(error).splitlines()[0]}); offline, give a local directory or files") from None
     except (ValueError, ConnectionError, OSError) as error:
         raise ConfigError(f"dataset={name!r}: cannot load ({type(error).__name__}: {str(error).splitlines()[0]})") from None
 
 
-def find_splits(raw, cfg: FinetuneConfig):
+def find_splits(raw, keys: DataKeys):
     splits = list(raw.keys())
-    if cfg.train_split not in raw:
-        raise ConfigError(f"train_split={cfg.train_split!r} not in the dataset; it has {splits}")
-    train = raw[cfg.train_split]
-    wanted = cfg.validation_split
+    if keys.train_split not in raw:
+        raise ConfigError(f"train_split={keys.train_split!r} not in the dataset; it has {splits}")
+    train = raw[keys.train_split]
+    wanted = keys.validation_split
     if wanted is not None:
         if wanted not in raw:
             raise ConfigError(f"validation_split={wanted!r} not in the dataset; it has {splits}")
         return train, raw[wanted], False
     for name in ("validation", "valid", "val", "test"):
-        if name in raw and name != cfg.train_split:
+        if name in raw and name != keys.train_split:
             return train, raw[name], False
     return train, None, True
 
 
-def _check_columns(ds, cfg: FinetuneConfig, split: str) -> None:
-    for column, key in task_for(cfg.task).data_columns(cfg).items():
+def _check_columns(ds, columns: dict[str, str], split: str) -> None:
+    for column, key in columns.items():
         if column not in ds.column_names:
             raise ConfigError(f"{key}={column!r} is not a column of the {split} split; its columns are {ds.column_names}")
     if len(ds) == 0:
@@ -178,18 +178,19 @@ def verify_images(ds, column: str, split: str) -> None:
                               "remove or fix the file") from None
 
 
-def open_classification_data(cfg: FinetuneConfig) -> OpenedData:
-    """Load the data and run every check that needs no pass over the rows' contents."""
-    raw, source = load_raw(cfg)
-    train, validation, needs_carve = find_splits(raw, cfg)
-    _check_columns(train, cfg, "train")
+def open_classification_data(keys: DataKeys, columns: dict[str, str], label_column: str) -> OpenedData:
+    """Load the data and run every check that needs no pass over the rows' contents. ``columns``: those every split
+    must have, {column: the key that names it} (the task's ``data_columns``)."""
+    raw, source = load_raw(keys)
+    train, validation, needs_carve = find_splits(raw, keys)
+    _check_columns(train, columns, "train")
     if validation is not None:
-        _check_columns(validation, cfg, "validation")
-    counts = _label_counts(train, cfg.label_column)
+        _check_columns(validation, columns, "validation")
+    counts = _label_counts(train, label_column)
     names = list(counts)
     if len(names) < 2:
-        raise ConfigError(f"label_column={cfg.label_column!r} has a single class {names}: classification needs at least two")
-    plan = plan_carve(counts, cfg.validation_fraction, cfg.label_column) if needs_carve else None
+        raise ConfigError(f"label_column={label_column!r} has a single class {names}: classification needs at least two")
+    plan = plan_carve(counts, keys.validation_fraction, label_column) if needs_carve else None
     return OpenedData(train=train, validation=validation, label_names=names, source=source, carve_plan=plan)
 
 
@@ -201,24 +202,21 @@ def _sample(ds, limit: int | None, seed: int):
     return ds.shuffle(seed=seed).select(range(limit))
 
 
-def process_classification_data(cfg: FinetuneConfig, opened: OpenedData) -> ClassificationData:
-    """The passes over every row: label encoding, the validation carve, sampling, and opening every image."""
+def process_classification_data(keys: DataKeys, label_column: str, opened: OpenedData,
+                                check_rows: Callable[[object, str], None] = lambda ds, split: None) -> ClassificationData:
+    """The passes over every row: label encoding, the validation carve, sampling, and ``check_rows(split, name)`` (the
+    task's look at every row: the image task opens every image)."""
     names = opened.label_names
     notes = []
-    train = _encode_labels(opened.train, cfg.label_column, names, "train")
+    train = _encode_labels(opened.train, label_column, names, "train")
     if opened.carve_plan is not None:
-        train, validation = carve(train, opened.carve_plan, names, cfg.seed)
+        train, validation = carve(train, opened.carve_plan, names, keys.seed)
         if opened.carve_plan.note:
             notes.append(opened.carve_plan.note)
     else:
-        validation = _encode_labels(opened.validation, cfg.label_column, names, "validation")
-    train = _sample(train, cfg.max_train_samples, cfg.seed)
-    validation = _sample(validation, cfg.max_eval_samples, cfg.seed)
-    task = task_for(cfg.task)
-    task.check_rows(train, cfg, "train")  # images opened, for the image task
-    task.check_rows(validation, cfg, "validation")
+        validation = _encode_labels(opened.validation, label_column, names, "validation")
+    train = _sample(train, keys.max_train_samples, keys.seed)
+    validation = _sample(validation, keys.max_eval_samples, keys.seed)
+    check_rows(train, "train")
+    check_rows(validation, "validation")
     return ClassificationData(train=train, validation=validation, label_names=names, source=opened.source, notes=notes)
-
-
-def load_classification_data(cfg: FinetuneConfig) -> ClassificationData:
-    return process_classification_data(cfg, open_classification_data(cfg))

@@ -7,7 +7,7 @@ that, so two things would go wrong under ZeRO-3:
 
 - the model would load whole on every process (no ``deepspeed.zero.Init``): 8 processes of an 8B model in fp32 hold
   256 GB of host memory before DeepSpeed partitions anything;
-- the chunked LM head (``causal_lm/lm_head_loss.py``) would be installed, and it reads the head's weight outside the
+- the chunked LM head (``tasks/language_modeling/lm_head_loss.py``) would be installed, and it reads the head's weight outside the
   head's own forward, where ZeRO-3 keeps it partitioned.
 
 ``hold_zero3_init`` does before loading what accelerate does for a script without a Trainer
@@ -52,7 +52,7 @@ def _config_file(environ) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def deepspeed_optimizer_line(cfg, environ=None) -> str | None:
+def deepspeed_optimizer_line(extra: dict, weight_decay: float, environ=None) -> str | None:
     """A DeepSpeed config file with an ``optimizer`` section (a ZeRO-Offload plan's NAME.deepspeed.json) steps the
     parameters with DeepSpeed's optimizer, not the Trainer's: ``optim`` would be ignored (refused, named), and every
     trainable parameter is one group, so weight decay reaches norms and biases too, which the Trainer's AdamW leaves
@@ -65,11 +65,11 @@ def deepspeed_optimizer_line(cfg, environ=None) -> str | None:
     if not isinstance(optimizer, dict):
         return None
     path = environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
-    if "optim" in cfg.extra:
-        raise ConfigError(f"extra={{optim: {cfg.extra['optim']}}}: the DeepSpeed config {path} names its own optimizer "
+    if "optim" in extra:
+        raise ConfigError(f"extra={{optim: {extra['optim']}}}: the DeepSpeed config {path} names its own optimizer "
                           f"({optimizer.get('type')}), which steps the parameters instead; drop optim, or the file's optimizer "
                           "section (DeepSpeed then refuses optimizer offloading with the Trainer's)")
-    return (f"optimizer: DeepSpeed's {optimizer.get('type')} from {path} (one parameter group: weight_decay={cfg.weight_decay} "
+    return (f"optimizer: DeepSpeed's {optimizer.get('type')} from {path} (one parameter group: weight_decay={weight_decay} "
             "reaches norms and biases too, which the Trainer's AdamW leaves out)")
 
 

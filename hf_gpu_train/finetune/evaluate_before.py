@@ -22,10 +22,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .causal_lm.outputs import with_perplexity
 from .fsdp import fsdp_requested
 from .run_record import SHOWN_METRICS
-from .tasks.base import task_for
 
 BASELINE = "baseline_results.json"
 # evaluate_before=auto: the evaluation first is worth it when it costs little beside the training. Rows are the
@@ -57,12 +55,12 @@ def untouched_random_state():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def why_not(cfg, validation_rows: int, sharded: bool, trained_rows: float | None = None) -> str:
+def why_not(evaluate_before: bool | str, validation_rows: int, sharded: bool, trained_rows: float | None = None) -> str:
     """'' when the run evaluates before training, else the reason it does not. ``trained_rows``: the rows the training
     processes over the run (every epoch, every process), None when unknown."""
-    if cfg.evaluate_before is True:
+    if evaluate_before is True:
         return ""
-    if cfg.evaluate_before is False:
+    if evaluate_before is False:
         return "evaluate_before=false"
     if validation_rows > EVALUATE_BEFORE_ROWS:
         return f"the validation set has {validation_rows} rows (auto: at most {EVALUATE_BEFORE_ROWS})"
@@ -77,12 +75,13 @@ def why_not(cfg, validation_rows: int, sharded: bool, trained_rows: float | None
 
 class EvaluateBeforeTraining(TrainerCallback):
     """At the first ``on_train_begin``: ``trainer.evaluate()`` with the generators put back; ``baseline`` holds the
-    figures (with perplexity for a causal LM), and rank 0 writes them to ``output_dir/baseline_results.json``."""
+    figures, with what the task derives from them (``derive``: a causal LM's perplexity, ``Task.final_metrics``), and
+    rank 0 writes them to ``output_dir/baseline_results.json``."""
 
-    def __init__(self, trainer, output_dir: str | Path, causal_lm: bool):
+    def __init__(self, trainer, output_dir: str | Path, derive=lambda metrics: metrics):
         self.trainer = trainer
         self.file = Path(output_dir) / BASELINE
-        self.causal_lm = causal_lm
+        self.derive = derive
         self.baseline: dict | None = None
         self.seconds = 0.0  # what it took: inside trainer.train(), not training
         self.done = False
@@ -95,30 +94,29 @@ class EvaluateBeforeTraining(TrainerCallback):
         with untouched_random_state():
             metrics = self.trainer.evaluate()
         self.seconds = time.perf_counter() - started
-        if self.causal_lm:
-
-            metrics = with_perplexity(metrics)
+        metrics = self.derive(metrics)
         self.baseline = {k: v for k, v in metrics.items() if k in SHOWN_METRICS}
         if self.trainer.is_world_process_zero():
             self.file.write_text(json.dumps(self.baseline, indent=2))
 
 
-def attach_evaluate_before(cfg, trainer, validation_rows: int, resuming: bool,
-                           trained_rows: float | None = None) -> EvaluateBeforeTraining | None:
-    """The callback when this run evaluates first (attach it after the watchdog and the guards); None when it does not,
-    saying why under ``auto``, and removing an earlier start's baseline_results.json, which is not this run's."""
+def attach_evaluate_before(evaluate_before: bool | str, output_dir: str | Path, trainer, validation_rows: int, resuming: bool,
+                           trained_rows: float | None = None, derive=lambda metrics: metrics) -> EvaluateBeforeTraining | None:
+    """The callback when this run evaluates first (``evaluate_before``: the config's true/false/auto; attach it after the
+    watchdog and the guards; ``derive``: the task's ``final_metrics``); None when it does not, saying why under
+    ``auto``, and removing an earlier start's baseline_results.json from ``output_dir``, which is not this run's."""
 
     if resuming:  # the run evaluated when it first started: its file stays
         return None
-    reason = why_not(cfg, validation_rows, fsdp_requested() or bool(getattr(trainer, "is_deepspeed_enabled", False)),
+    reason = why_not(evaluate_before, validation_rows, fsdp_requested() or bool(getattr(trainer, "is_deepspeed_enabled", False)),
                      trained_rows)
     if reason:
         if trainer.is_world_process_zero():
-            (Path(cfg.output_dir) / BASELINE).unlink(missing_ok=True)
-            if cfg.evaluate_before == "auto":
+            (Path(output_dir) / BASELINE).unlink(missing_ok=True)
+            if evaluate_before == "auto":
                 print(f"hf_gpu_train: no evaluation before training: {reason} (evaluate_before=true to ask for it)", flush=True)
         return None
-    callback = EvaluateBeforeTraining(trainer, cfg.output_dir, causal_lm=not task_for(cfg.task).classifier)
+    callback = EvaluateBeforeTraining(trainer, output_dir, derive=derive)
     trainer.add_callback(callback)
     return callback
 
@@ -131,9 +129,9 @@ def read_baseline(output_dir: str | Path) -> dict | None:
         return None
 
 
-def trained_rows(cfg, train_rows: int, effective_batch: int) -> float:
-    """The rows the training processes over the run: max_steps optimizer steps of the effective batch, else every
+def trained_rows(max_steps: int | None, num_train_epochs: float, train_rows: int, effective_batch: int) -> float:
+    """The rows the training processes over the run: ``max_steps`` optimizer steps of the effective batch, else every
     epoch of the training set."""
-    if cfg.max_steps and cfg.max_steps > 0:
-        return float(cfg.max_steps * effective_batch)
-    return float(train_rows * cfg.num_train_epochs)
+    if max_steps and max_steps > 0:
+        return float(max_steps * effective_batch)
+    return float(train_rows * num_train_epochs)

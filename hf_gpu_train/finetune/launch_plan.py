@@ -6,7 +6,6 @@ the pieces (no torch); this module is the fine-tuning side's use of them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from ..plan.run_plan import (
 from ..plan.scope import plan_fingerprint, same_strategy, scope
 from ..plan.strategies import deepspeed_name, fsdp_name
 from .config import FinetuneConfig
+from .loading import resolve
 from .plan_scope import run_fingerprint
 from .tasks.base import task_for
 
@@ -69,9 +69,9 @@ def apply_launch_plan(cfg: FinetuneConfig, explicit_keys: frozenset, environ=Non
     cfg, resolution, values, said = _resolved(cfg, plan, explicit_keys, (scoped.tuned - command_line_keys) & explicit_keys,
                                               dict(scoped.not_applied))
     lines += said
-    vision = task_for(cfg.task).images
-    memory = check_memory(plan, values, seq_len=None if vision else cfg.max_length, image_size=cfg.image_size if vision else None,
-                          method=cfg.method, lora_rank=cfg.lora_r, levers=shape_levers(cfg))
+    shape = task_for(cfg.task).planner_input(cfg)
+    memory = check_memory(plan, values, seq_len=shape.seq_len, image_size=shape.image_size, method=cfg.method,
+                          lora_rank=shape.lora_rank, levers=shape_levers(cfg.values()))
     if memory is not None and memory.warning:
         log.warning("hf_gpu_train: %s", memory.warning)
     return cfg, AppliedPlan(plan, resolution, memory, tuple(lines), here, launched)
@@ -82,25 +82,28 @@ def _resolved(cfg: FinetuneConfig, plan, explicit_keys: frozenset, tuned: frozen
     but not over ``tuned``: measured by tune for this recipe), the levers this run rules out dropped, and the two lines
     "plan values applied" and "plan values not applied" (``not_applied``: key -> (the plan's value, why), so far)."""
 
-    lines = [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {getattr(cfg, key)}"
-             for key in sorted(tuned) if plan.value(key) != getattr(cfg, key)]
-    resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit_keys - tuned)
+    own = cfg.values()
+    applied_keys = [k for k in APPLIED_KEYS if k in own]  # a plan's key of another task's (packing) is not this run's
+    lines = [f"{key}={plan.value(key)} measured by hf-gpu-train tune for this recipe, over the recipe's {own[key]}"
+             for key in sorted(tuned) if key in own and plan.value(key) != own[key]]
+    resolution = resolve_with_plan(plan, {k: own[k] for k in applied_keys}, explicit_keys - tuned)
     values = dict(resolution.values)
     if values.get("precision") == "fp8":  # the plan allows it; this entry point trains in bf16 at most
         values["precision"] = "bf16"
         lines.append("the plan's fp8 is not supported by scripts/finetune.py: bf16")
-    from_plan = {k for k in APPLIED_KEYS if plan.value(k) is not None and k not in explicit_keys - tuned}
+    from_plan = {k for k in applied_keys if plan.value(k) is not None and k not in explicit_keys - tuned}
     world = plan.launched.num_processes or plan.num_processes or 1
-    for key, planned_value, why in planned_levers_that_hold(values, from_plan, cfg, world):
+    for key, planned_value, why in planned_levers_that_hold(values, from_plan, cfg.lever_keys(), world,
+                                                            task_for(cfg.task).attention(cfg)):
         not_applied.setdefault(key, (planned_value, why))
-    cfg = dataclasses.replace(cfg, **{k: values[k] for k in APPLIED_KEYS if k in values}).validate()
+    cfg = resolve(cfg.with_values(**{k: values[k] for k in applied_keys if k in values}))
     lines += [f"plan value overridden: {line}" for line in override_lines(resolution.overridden)]
     overridden = {o.key for o in resolution.overridden}
-    applied = [f"{k}={values[k]}" for k in APPLIED_KEYS if plan.value(k) is not None and k not in overridden
+    applied = [f"{k}={values[k]}" for k in applied_keys if plan.value(k) is not None and k not in overridden
                and k not in not_applied]
     lines.append(f"plan values applied: {', '.join(applied) if applied else 'none'}")
     for o in resolution.overridden:
-        if o.key in APPLIED_KEYS:
+        if o.key in applied_keys:
             not_applied.setdefault(o.key, (o.plan_value, {"config": "your config", "launch": "the launch command"}.get(
                 o.source, f"your {o.source}")))
     lines.append("plan values not applied: " + (", ".join(f"{k}={v} ({why})" for k, (v, why) in not_applied.items()) or "none"))

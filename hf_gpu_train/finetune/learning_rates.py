@@ -23,14 +23,13 @@ measured the rates with it; a warm-up per family was not measured, so none is cl
 
 Resolved once the model exists (the family is read from its modules), on every rank the same way, before the
 resolved config is written: ``finetune_config.yaml`` holds the number, and the run prints why it was chosen.
-Causal LMs and runs from scratch get theirs in the config (``finetune/config.py``): they do not depend on the model.
+Causal LMs and runs from scratch get theirs when the task resolves the config (``Task.resolve``): they do not depend on
+the model.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-
-from .tasks.base import task_for
 
 FINETUNE_LEARNING_RATE = 5e-5  # BERT-base and ViT fine-tuning: the reference the families are measured against
 BATCHNORM_LEARNING_RATE = 1e-3
@@ -98,11 +97,11 @@ def text_learning_rate(model) -> tuple[float, str]:
     return rate, f"the default for a text encoder of width {width}: {FINETUNE_LEARNING_RATE:g} at {REFERENCE_WIDTH}, scaled as 1/width"
 
 
-def resolve_learning_rate(cfg, model) -> str | None:
-    """Set ``cfg.learning_rate`` from ``model`` when the config left it to the model; the line saying why, or None."""
-    if cfg.learning_rate is not None:
-        return None
+def resolve_learning_rate(learning_rate: float | None, model, rate_for) -> tuple[float, str | None]:
+    """The learning rate to train at: ``learning_rate`` where the config set one (nothing said), else the model's
+    (``rate_for(model)``: the task's choice, ``(rate, why)``) with the line saying why."""
+    if learning_rate is not None:
+        return learning_rate, None
 
-    rate, why = task_for(cfg.task).learning_rate(model)
-    cfg.learning_rate = rate
-    return f"learning_rate={rate:g}: {why} (set learning_rate= to choose)"
+    rate, why = rate_for(model)
+    return rate, f"learning_rate={rate:g}: {why} (set learning_rate= to choose)"

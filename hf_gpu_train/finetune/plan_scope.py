@@ -11,14 +11,11 @@ still apply: they belong to the machine, not the model.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..plan.model_spec import resolve_model
 from ..plan.run_plan_file import Job, data_stamps
 from ..plan.scope import Fingerprint, ModelId, Shape, canonical_name, hardware_record, plan_fingerprint, scope
-from .causal_lm.smollm2 import converted_dir, is_converted
 from .config import FinetuneConfig
-from .tasks.base import task_for
+from .tasks.base import PlannerInput, task_for
 
 OPTIMIZER = "adamw"  # scripts/finetune.py trains with AdamW (two fp32 moments per parameter)
 
@@ -27,24 +24,21 @@ def run_model_spec(cfg: FinetuneConfig):
     """The planner's spec of the model this run trains (its config on the meta device; timm's census), or None with
     the reason when it cannot be read here. Best effort: whatever goes wrong reading it is said, never raised."""
 
-    name = cfg.model
-    if name == "builtin:smollm2":
-
-        if not is_converted():
-            return None, "builtin:smollm2 is not converted yet"
-        name = str(converted_dir())
+    name, why_not = task_for(cfg.task).planner_model_here(cfg)
+    if name is None:
+        return None, why_not
     try:
-        return resolve_model(name, cfg.image_size), None
+        return resolve_model(name, task_for(cfg.task).planner_input(cfg).image_size), None
     except Exception as error:  # noqa: BLE001 (any model's own code runs here; the run must not die of a check)
         return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def _model(cfg: FinetuneConfig, planned: Fingerprint, vision: bool) -> ModelId:
+def _model(cfg: FinetuneConfig, planned: Fingerprint, shape: PlannerInput) -> ModelId:
     """The model this run trains; its config is read (slow) only where the plan's memory values were made for another
     name, or, for an image model, at another image size (timm's activations are measured at one)."""
     canonical = canonical_name(cfg.model)
     p = planned.model
-    if p is None or (p.canonical == canonical and not (vision and cfg.image_size and cfg.image_size != planned.shape.image_size)):
+    if p is None or (p.canonical == canonical and not (shape.image_size and shape.image_size != planned.shape.image_size)):
         return ModelId(cfg.model, canonical)
     spec, why_not = run_model_spec(cfg)
     return ModelId(cfg.model, canonical, spec, why_not)
@@ -55,12 +49,11 @@ def run_fingerprint(cfg: FinetuneConfig, planned: Fingerprint, here=None, strate
     """What this run is, for comparing with ``planned`` (``plan_fingerprint``). ``here``: this machine's profile,
     ``strategy``: what its launch runs (``launch.launched_strategy``), ``recipe`` and ``overrides``: its job; each None:
     that dimension is not compared."""
-    vision = task_for(cfg.task).images
-    method = cfg.method if cfg.method in task_for(cfg.task).methods else "full"
-    job = None if overrides is None else Job.of_run(recipe, overrides, data_stamps(dataclasses.asdict(cfg)))
-    return Fingerprint(machine=None if here is None else hardware_record(here), model=_model(cfg, planned, vision),
-                       shape=Shape(None if vision else cfg.max_length, cfg.image_size if vision else None, OPTIMIZER, cfg.precision),
-                       method=method, strategy=strategy, recipe=job)
+    shape = task_for(cfg.task).planner_input(cfg)
+    job = None if overrides is None else Job.of_run(recipe, overrides, data_stamps(cfg.values()))
+    return Fingerprint(machine=None if here is None else hardware_record(here), model=_model(cfg, planned, shape),
+                       shape=Shape(shape.seq_len, shape.image_size, OPTIMIZER, cfg.precision),
+                       method=shape.method, strategy=strategy, recipe=job)
 
 
 def scope_to_this_run(plan, cfg: FinetuneConfig):

@@ -9,7 +9,7 @@ timeout runs while they wait, however long the data takes. They then load what w
 rank waits on the rendezvous store (not in a collective) until all ranks of all machines are ready. All ranks read
 the same saved files, so they train on identical datasets.
 
-- Per machine, or once for all: the cache lives under ``$HF_GPU_TRAIN_CACHE`` (see ``smollm2.cache_root``). On a
+- Per machine, or once for all: the cache lives under ``$HF_GPU_TRAIN_CACHE`` (``hf_gpu_train/cache_dir.py``). On a
   filesystem the machines share, the lock is shared too and the data is prepared once; on local disks, once per
   machine. Both are correct.
 - A builder that dies releases the lock (the kernel does), leaving no marker: the next rank builds it itself, and
@@ -28,7 +28,6 @@ the space.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -46,9 +45,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from .. import __version__
+from ..cache_dir import cache_root
 from ..process_group import launch_attempt, rendezvous_store
-from .causal_lm.smollm2 import cache_root
-from .config import ConfigError, FinetuneConfig
+from .config import ConfigError
 
 MARKER = "prepared.json"
 # Fields that change how the model trains, never which rows it sees: left out of the key so that a new learning
@@ -63,9 +62,9 @@ TRAINING_ONLY = frozenset({
     "extra", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_adapter",
     "generation_samples", "generation_max_new_tokens", "chunked_lm_loss", "evaluate_before",
 })
-# The modules whose code decides the prepared rows: their source is part of the key.
-PASSES = ("data.py", "carve.py", "text.py", "prepare_once.py", "causal_lm/encode.py", "causal_lm/packing.py",
-          "causal_lm/chat.py", "causal_lm/data.py", "causal_lm/model.py", "causal_lm/prepare.py")
+# The modules whose code decides the prepared rows: their source is part of the key (with the task's folder's, whose
+# code tokenizes, encodes or packs: ``_source_digest``).
+PASSES = ("data.py", "carve.py", "prepare_once.py")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 
@@ -114,22 +113,27 @@ def _versions() -> dict:
     return found
 
 
-def _source_digest() -> str:
+def _source_digest(task_folder: Path | None) -> str:
+    """The code that prepares the rows: this folder's passes and every module of the task's own folder."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
     for name in PASSES:
         digest.update((here / name).read_bytes())
+    for module in sorted(task_folder.glob("*.py")) if task_folder is not None else ():
+        digest.update(module.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def data_key(cfg: FinetuneConfig, raw_splits: dict[str, object], model_path: str | None, tokenizer=None, **extra) -> str:
-    """The cache entry's name: a digest of all the data depends on (see the module's docstring)."""
-    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY}
+def data_key(run_values: dict[str, object], raw_splits: dict[str, object], model_path: str | None, tokenizer=None,
+             task_folder: Path | None = None, **extra) -> str:
+    """The cache entry's name: a digest of all the data depends on (see the module's docstring). ``run_values``: the
+    run's keys (``FinetuneConfig.values``); ``task_folder``: the folder of the task whose code prepares the rows."""
+    values = {k: v for k, v in run_values.items() if k not in TRAINING_ONLY}
     values = {k: _stamp(Path(v).expanduser()) or v if k in ("train_file", "validation_file", "chat_template") and v else v
               for k, v in values.items()}
     parts = {"config": values, "splits": {name: getattr(ds, "_fingerprint", None) if ds is not None else None
                                           for name, ds in raw_splits.items()},
-             "tokenizer": tokenizer_stamps(model_path, tokenizer), "versions": _versions(), "source": _source_digest(),
+             "tokenizer": tokenizer_stamps(model_path, tokenizer), "versions": _versions(), "source": _source_digest(task_folder),
              **extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -38,8 +38,9 @@ from ..faults.checkpoint_marker import COMPLETE_MARKER, SAVING, last_complete_ch
 from ..launch.rank_report import HANG_EXIT_CODE
 from ..launch.ray_job import QUIET_PRINT
 from ..process_group import rendezvous_store
-from .config import FinetuneConfig, load_config_and_keys, read_config_values
+from .config import FinetuneConfig
 from .launch_plan import apply_launch_plan
+from .loading import load_config_and_keys, read_config_values
 from .run import FinetuneRun, parse_args
 
 RAY_MISSING = "Ray Train is not installed here: pip install 'hf-gpu-train[ray]' (ray[train] 2.x)"

@@ -1,5 +1,5 @@
 """The run spine: ``FinetuneRun`` (setup -> train -> finish) behind ``scripts/finetune.py``, and the pieces
-``hf-gpu-train tune`` builds its trials from (``prepare``, ``attach_pieces``). The task's own work is the task's
+``hf-gpu-train tune`` builds its trials from (``prepared_for``, ``assemble_trainer``, ``attach_pieces``). The task's own work is the task's
 (``tasks/``); this module does not branch on its name.
 
 Exit 0 on success, 2 for a usage error (bad config, data or paths: one line naming the fix, nothing
@@ -27,7 +27,6 @@ from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
 from ..faults.preflight_collective import preflight
 from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
 from ..plan.decisions import accelerate_uses_cpu
-from ..plan.evaluation_memory import evaluation_memory
 from ..report.writer import render_report
 from .agreement import check_ranks_agree
 from .checkpoints import (
@@ -38,10 +37,11 @@ from .checkpoints import (
     last_complete_checkpoint,
     write_label_map,
 )
-from .config import ConfigError, FinetuneConfig, load_config_and_keys, read_config_values, save_resolved
+from .config import ConfigError, FinetuneConfig, save_resolved
 from .deepspeed_env import deepspeed_optimizer_line, hold_zero3_init
 from .fsdp import fsdp_requested, save_full_model
-from .launch_plan import apply_launch_plan, confirm_launched_strategy
+from .launch_plan import apply_launch_plan, confirm_launched_strategy, strategy_of_state
+from .loading import load_config_and_keys, read_config_values
 from .recipe_names import resolve_recipe, shipped_names
 from .run_record import SHOWN_METRICS, RunIdentity, back_up_config, check_previous_run, read_previous, write_record
 from .tasks import Prepared, task_for
@@ -102,26 +102,11 @@ def prepared_for(cfg: FinetuneConfig, runtime) -> Prepared:
     return task_for(cfg.task).prepare(cfg, runtime, say)
 
 
-def prepare(cfg: FinetuneConfig, runtime):
-    """``prepared_for`` as (model, train, validation, collator, processing_class, data), for tune's trials."""
-    p = prepared_for(cfg, runtime)
-    return p.model, p.train, p.validation, p.collator, p.processing_class, p.data
-
-
-def evaluation_line(task, model, cfg: FinetuneConfig, rows: int, classes: int) -> str:
-    """What an evaluation keeps (``plan/evaluation_memory.py``): a causal LM's loss only, a classifier's class ids,
-    against the logits a compute_metrics reading them would keep."""
-    vocabulary = getattr(getattr(model, "config", None), "vocab_size", None) or 1
-    if task.classifier:
-        return evaluation_memory(rows, 1, max(classes, 1), False, "class ids").reason()
-    return evaluation_memory(rows, cfg.max_length, vocabulary, True, "the loss only").reason()
-
-
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
     from .intervals import interval_callbacks
 
-    # the completion marker (with the label map) comes with guard_saves in finetune()
+    # the completion marker (with the label map) comes with guard_saves in assemble_trainer
     return [CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ)),
             *interval_callbacks(cfg.eval_strategy, cfg.save_strategy, cfg.checkpoint_minutes)]
 
@@ -236,13 +221,48 @@ def attach_pieces(trainer, cfg: FinetuneConfig, *, recovery: bool, watchdog: boo
     return pieces
 
 
+@dataclass
+class AssembledTrainer:
+    """A Trainer as the run builds it, before its pieces (``attach_pieces``): what its accelerator runs, in the
+    planner's words, the lines that confirm what was applied (levers, a launch that runs another strategy than the
+    plan's) and the task's line on the model where the Trainer placed it (None: nothing said, or not checked)."""
+
+    trainer: object
+    strategy: str | None
+    lines: list[str]
+    model_line: str | None = None
+
+
+def assemble_trainer(cfg: FinetuneConfig, runtime, prepared: Prepared, *, callbacks=(), trainer_class=None,
+                     launch_plan=None, confirm_model: bool = True) -> AssembledTrainer:
+    """The seam the fine-tune and every trial of ``hf-gpu-train tune`` share: the Trainer (``build_trainer``), what its
+    accelerator runs checked against the plan (``launch_plan``), its saves guarded (a full disk named, checkpoints
+    marked complete once every rank wrote them), the config's memory levers applied, and the task's check of the model
+    where the Trainer placed it (``confirm_model``: tune checks a shared model once). The pieces follow with
+    ``attach_pieces``, after whatever the caller does before the first step."""
+    from transformers import Trainer
+
+    from .trainer_factory import build_trainer
+
+    trainer = build_trainer(cfg, runtime, prepared.model, prepared.train, prepared.validation, prepared.collator,
+                            prepared.processing_class, callbacks=callbacks, trainer_class=trainer_class or Trainer)
+    strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # scoped for what runs
+    # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
+    # rank wrote it; a resume never takes a half-written one
+    guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(prepared.data.label_names))
+    lines = apply_levers(trainer, cfg.lever_keys(), runtime)  # selective checkpointing, offloading, optimizer in backward
+    lines += [strategy_line] if strategy_line else []
+    model_line = task_for(cfg.task).confirm_model(trainer.model, cfg, runtime.precision) if confirm_model else None
+    return AssembledTrainer(trainer, strategy_of_state(trainer.accelerator.state), lines, model_line)
+
+
 class FinetuneRun:
     """One fine-tuning run, in three steps (the shape of torchtune's recipes): ``setup`` (checks, runtime, model and
     data, resume point, the record of the run, the Trainer and every piece on it), ``train``, ``finish`` (the final
     evaluation, the saved model, the summary, the report and the task's own outputs).
 
-    ``hf-gpu-train tune`` builds its trials from the same pieces: ``prepare`` (the task's model and data),
-    ``trainer_factory.build_trainer``, ``levers.from_config.apply_levers`` and ``attach_pieces``."""
+    ``hf-gpu-train tune`` builds its trials from the same pieces: ``prepared_for`` (the task's model and data, once),
+    ``assemble_trainer`` and ``attach_pieces`` (a Trainer per trial)."""
 
     def __init__(self, cfg: FinetuneConfig, extra_callbacks=(), trainer_class=None, launch_plan=None):
         self.cfg = cfg
@@ -270,10 +290,10 @@ class FinetuneRun:
         cfg, launch_plan = self.cfg, self.launch_plan
         check_output_dir(cfg)
         check_extra_arguments(cfg)
-        self.deepspeed_optimizer = deepspeed_optimizer_line(cfg)  # a usage error here, before anything loads
-        cuda_release = release_memory_before_cuda(cfg)  # before anything starts CUDA: resolving the runtime asks it
+        self.deepspeed_optimizer = deepspeed_optimizer_line(cfg.extra, cfg.weight_decay)  # a usage error here, before anything loads
+        cuda_release = release_memory_before_cuda(cfg.lever_keys())  # before anything starts CUDA: resolving the runtime asks it
         self.runtime = runtime = resolve_runtime(cfg, launch_plan.here if launch_plan is not None else None)
-        self.released = release_memory(cfg, runtime, cuda_release)  # before the model loads
+        self.released = release_memory(cfg.lever_keys(), runtime, cuda_release)  # before the model loads
         if runtime.on_cuda and runtime.world_size > 1:  # before the process group: NCCL reads it once
             # the NCCL flight recorder's dumps (the plan turns it on for several GPUs) go beside the run, not to /tmp
             os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(cfg.output_dir).absolute() / "nccl-trace-rank-"))
@@ -319,29 +339,17 @@ class FinetuneRun:
 
     def _assemble(self) -> None:
         """The Trainer and every piece on it, by the rules that hold in anyone's Trainer (``attach_pieces``)."""
-        from transformers import Trainer
-
         from .evaluate_before import attach_evaluate_before, trained_rows
-        from .trainer_factory import build_trainer
 
         cfg, runtime, prepared = self.cfg, self.runtime, self.prepared
         data, validation = prepared.data, prepared.validation
-        self.trainer = trainer = build_trainer(
-            cfg, runtime, prepared.model, prepared.train, validation, prepared.collator, prepared.processing_class,
-            callbacks=default_callbacks(cfg, data.label_names) + self.extra_callbacks,
-            trainer_class=self.trainer_class or Trainer)
+        assembled = assemble_trainer(cfg, runtime, prepared, callbacks=default_callbacks(cfg, data.label_names) + self.extra_callbacks,
+                                     trainer_class=self.trainer_class, launch_plan=self.launch_plan)
+        self.trainer = trainer = assembled.trainer
         self.zero3_init = None  # the Trainer's arguments hold DeepSpeed's config from here
-        strategy_line = confirm_launched_strategy(self.launch_plan, trainer.accelerator.state)  # scoped for what runs
-        # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
-        # rank wrote it; a resume never takes a half-written one
-        guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(data.label_names))
-        # selective checkpointing, offloading, optimizer in backward
-        lever_lines = self.released + apply_levers(trainer, cfg, runtime)
-        lever_lines += [self.deepspeed_optimizer] if self.deepspeed_optimizer else []
-        lever_lines += [strategy_line] if strategy_line else []
-        model_line = self.task.confirm_model(trainer.model, cfg, runtime.precision)  # where the Trainer placed it
-        lever_lines += [model_line] if model_line else []
-        lever_lines += [evaluation_line(self.task, trainer.model, cfg, len(validation), len(data.label_names or ()))]
+        lever_lines = [*self.released, *assembled.lines, *filter(None, (self.deepspeed_optimizer, assembled.model_line))]
+        kept = self.task.evaluation_line(trainer.model, cfg, len(validation), len(data.label_names or ()))
+        lever_lines += [kept] if kept else []
         check_ranks_agree({"per_device_train_batch_size": cfg.per_device_train_batch_size,
                            "gradient_accumulation_steps": self.accumulation, "effective_batch": self.effective,
                            "precision": runtime.precision, "method": cfg.method,
@@ -349,7 +357,7 @@ class FinetuneRun:
                            "offload_activations": cfg.offload_activations, "optimizer_in_backward": cfg.optimizer_in_backward,
                            "torch_compile": cfg.torch_compile, "learning_rate": cfg.learning_rate,
                            "evaluate_before": cfg.evaluate_before, "validation_rows": len(validation),
-                           "packing": getattr(data, "packing", cfg.packing)})
+                           "packing": getattr(data, "packing", cfg.values().get("packing"))})
         if trainer.is_world_process_zero():
             self._say_what_runs(lever_lines)
         self.started = self.task.before_training(trainer, cfg, prepared)
@@ -357,8 +365,9 @@ class FinetuneRun:
                                telemetry={} if cfg.telemetry else None, preemption=cfg.preemption)
         for line in pieces.lines:  # on every rank: each says what it left off
             print(f"hf_gpu_train: {line}", flush=True)
-        self.before = attach_evaluate_before(cfg, trainer, len(validation), resuming=bool(self.resume),  # at train begin
-                                             trained_rows=trained_rows(cfg, len(prepared.train), self.effective))
+        rows = trained_rows(cfg.max_steps, cfg.num_train_epochs, len(prepared.train), self.effective)
+        self.before = attach_evaluate_before(cfg.evaluate_before, cfg.output_dir, trainer, len(validation),  # at train begin
+                                             resuming=bool(self.resume), trained_rows=rows, derive=self.task.final_metrics)
 
     def _say_what_runs(self, lever_lines: list[str]) -> None:
         cfg, runtime, data = self.cfg, self.runtime, self.prepared.data

@@ -57,7 +57,7 @@ class RunIdentity:
 
     @classmethod
     def of(cls, cfg: FinetuneConfig, precision: str, effective_batch: int) -> RunIdentity:
-        values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in OUTPUT_ONLY}
+        values = {k: v for k, v in cfg.values().items() if k not in OUTPUT_ONLY}
         values.update({k: portable(values[k]) for k in FILE_KEYS if isinstance(values.get(k), str)})  # not the install's path
         return cls(training=json.loads(json.dumps(values, default=str)), precision=precision, effective_batch=effective_batch,
                    evaluation={k: getattr(cfg, k) for k in EVALUATION})
@@ -165,5 +165,5 @@ def back_up_config(output_dir: str | Path, cfg: FinetuneConfig) -> None:
     if not (is_main_process() and path.is_file()):
         return
     saved = yaml.safe_load(path.read_text()) or {}
-    if saved != json.loads(json.dumps(dataclasses.asdict(cfg), default=str)):
+    if saved != json.loads(json.dumps(cfg.values(), default=str)):
         path.rename(path.with_name(f"finetune_config.{int(time.time())}.yaml"))

@@ -68,7 +68,7 @@ def training_arguments(cfg: FinetuneConfig, runtime: Runtime, task: Task | str, 
     )
     # transformers 5's activation_checkpointing (gradient_checkpointing); under FSDP the launch config's own flag does it
     # (the Trainer refuses both at once); which layers, and gradient clipping under optimizer_in_backward
-    kwargs.update(lever_arguments(cfg, fsdp_checkpoints=fsdp_checkpoints_activations()))
+    kwargs.update(lever_arguments(cfg.lever_keys(), fsdp_checkpoints=fsdp_checkpoints_activations()))
     if task.groups_by_length(packed):  # packed rows are all about max_length long
         kwargs["train_sampling_strategy"] = "group_by_length"  # transformers 5 name of group_by_length
     kwargs.update(cfg.extra)

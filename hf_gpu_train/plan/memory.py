@@ -171,7 +171,7 @@ def zero_step_gradients(spec: ModelSpec, shape: TrainingShape, strategy: str) ->
 def unsharded_head_gradient(spec: ModelSpec, shape: TrainingShape, row: Strategy, w: float, N: int) -> float:
     """The chunked LM head's weight gradient beyond what the strategy counts for it: the head computes it in its
     forward into a whole fp32 buffer (vocabulary x hidden) on every process, held until the backward hands it to the
-    sharding (finetune/causal_lm/lm_head_loss.py). One GPU and DDP count every gradient whole already; FSDP and ZeRO-2
+    sharding (finetune/tasks/language_modeling/lm_head_loss.py). One GPU and DDP count every gradient whole already; FSDP and ZeRO-2
     count 1/N of it (Llama-3-8B's head on 8 GPUs: 1.7 GiB more per GPU); ZeRO-3 never gets the chunked head."""
     if not (shape.chunked_loss and spec.causal_lm and spec.vocab_size and spec.hidden_size and shape.method == "full"):
         return 0.0

@@ -195,7 +195,7 @@ HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "outp
 
 def lm_head_extras(config) -> tuple[str, ...]:
     """What the config's head and loss do beyond a matmul and transformers' causal-LM cross-entropy (empty: the
-    chunked head and loss is exact for it; finetune/causal_lm/lm_head_loss.support says the same of a loaded model)."""
+    chunked head and loss is exact for it; finetune/tasks/language_modeling/lm_head_loss.support says the same of a loaded model)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     found = {name for name in HEAD_EXTRAS for c in (config, text) if getattr(c, name, None) not in (None, 1, 1.0)}
     if getattr(text, "output_router_logits", False) or getattr(config, "output_router_logits", False):
@@ -285,7 +285,7 @@ def _saved_bytes(model, batch: int, image_size: int) -> int:
     return saved
 
 
-BUILTIN_MODELS = {"builtin:efficientnet_lite0": "timm/tf_efficientnet_lite0"}  # finetune/pretrained.py: the shipped weights
+BUILTIN_MODELS = {"builtin:efficientnet_lite0": "timm/tf_efficientnet_lite0"}  # finetune/tasks/image_classification/pretrained.py: the shipped weights
 
 
 def resolve_model(name_or_path: str, image_size: int = 224) -> ModelSpec:

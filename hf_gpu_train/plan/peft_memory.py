@@ -6,7 +6,7 @@ layer, and only they get gradients and optimizer states. Adapted layers: every l
 (peft's ``"all-linear"``, the finetune default), counted by ``model_spec``. What is held per GPU:
 
 - the frozen base in the compute dtype, 2 bytes per parameter in bf16/fp16 (4 in fp32): the finetune loads a
-  LoRA base in the compute dtype (``finetune.causal_lm.model.load_model``); no gradient, no optimizer state;
+  LoRA base in the compute dtype (``finetune.tasks.language_modeling.model.load_model``); no gradient, no optimizer state;
 - the adapters in fp32 (peft upcasts adapters on a 16-bit base: ``autocast_adapter_dtype=True``), their fp32
   gradients and the optimizer's states on them (AdamW: 8 bytes per parameter); the fp32 adapters are their own
   master weights, so there is no separate master copy;

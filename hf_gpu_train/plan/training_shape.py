@@ -26,7 +26,7 @@ class TrainingShape:
     # query head before SDPA (``integrations.sdpa_attention.use_gqa_in_sdpa`` is False with a mask) and SDPA
     # turns the boolean mask into one in the query dtype per layer. Packed, padding-free batches do neither.
     padded: bool = True
-    # The LM head and its loss in chunks of labelled rows (finetune/causal_lm/lm_head_loss.py; the entry point's
+    # The LM head and its loss in chunks of labelled rows (finetune/tasks/language_modeling/lm_head_loss.py; the entry point's
     # default for causal LMs): no full logits, see activations.activation_terms.
     chunked_loss: bool = False
     loss_chunk: int | None = None  # rows of the chunked head at a time; None: ``chunk_rows`` of the model's vocabulary

@@ -113,12 +113,10 @@ def metrics_section(results: dict) -> list[str]:
 
 
 def _irrelevant(config: dict) -> set[str]:
-    """Keys that say nothing about this run: another task's, a dataset beside a train_file, a policy without
-    checkpointing, adapter settings for full fine-tuning."""
-    vision = config.get("task") == "image-classification"
-    found = {"max_length", "packing", "chunked_lm_loss"} if vision else {"image_size"}
-    if config.get("task") != "causal-lm":
-        found |= {"packing", "chunked_lm_loss", "method", "lora_r"}
+    """Keys that say nothing about this run: the method of a task that trains no adapters (its config has no adapter
+    key), a dataset beside a train_file, a policy without checkpointing, adapter settings for full fine-tuning. Another
+    task's keys are not in a run's config: ``finetune_config.yaml`` holds its own task's."""
+    found = set() if "lora_r" in config else {"method"}
     if config.get("train_file"):
         found.add("dataset")
     if not config.get("gradient_checkpointing"):

@@ -13,10 +13,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..errors import UsageError
-from ..finetune.config import load_config_and_keys, read_config_values
+from ..finetune.loading import load_config_and_keys, read_config_values
 from ..finetune.plan_scope import scope_to_this_run
 from ..finetune.run import parse_args
 from ..finetune.tasks.base import task_for
@@ -76,7 +75,7 @@ def _memory_check(plan, values: Mapping[str, object], world: int, shape: Mapping
     if strategy is not None:
         plan = replace(plan, memory=replace(plan.memory, strategy=strategy))
     merged = {**values, **candidate_values}
-    return check_memory(plan, merged, world_size=world, levers=shape_levers(SimpleNamespace(**merged)), **shape)
+    return check_memory(plan, merged, world_size=world, levers=shape_levers(merged), **shape)
 
 
 def parse_script_args(script: str, script_args: list[str]) -> tuple[str | None, list[str]]:
@@ -154,20 +153,20 @@ def load_job(config_file: str, script: str, script_args: list[str], launch_setti
     world = world_size_of(plan, launch_settings)
     if profile is not None:
         plan = _for_machine(plan, profile)
-    resolution = resolve_with_plan(plan, {k: getattr(cfg, k) for k in APPLIED_KEYS}, explicit, world_size=world)
-    values = {**dataclasses.asdict(cfg), **resolution.values}
+    run_values = cfg.values()
+    resolution = resolve_with_plan(plan, {k: run_values[k] for k in APPLIED_KEYS if k in run_values}, explicit,
+                                   world_size=world)
+    values = {**run_values, **{k: v for k, v in resolution.values.items() if k in run_values}}
     task = task_for(cfg.task)
-    vision = task.images
-    seq_len, image_size = (None, cfg.image_size) if vision else (cfg.max_length, None)
-
-    shape = {"seq_len": seq_len, "image_size": image_size, "method": cfg.method, "lora_rank": cfg.lora_r}
+    planner = task.planner_input(cfg)
+    shape = {"seq_len": planner.seq_len, "image_size": planner.image_size, "method": cfg.method, "lora_rank": planner.lora_rank}
 
     def memory_check(candidate_values: dict):
         return _memory_check(plan, values, world, shape, candidate_values)
 
     planned_micro = None if "per_device_train_batch_size" in fixed else plan.value("per_device_train_batch_size")
     inputs = TuneInputs(values=values, fixed=fixed, task=cfg.task, world_size=world, on_cuda=_on_cuda(plan, profile),
-                        layered=not task.images, memory_budget_bytes=memory_budget_bytes,
+                        layered=task.layered, memory_budget_bytes=memory_budget_bytes,
                         planned_micro_batch=planned_micro, planned_workers=plan.value("dataloader_num_workers"), axes=axes)
     space = plan_space(inputs, memory_check if plan.memory is not None else None)
     if shards(own):

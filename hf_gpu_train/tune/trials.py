@@ -1,9 +1,10 @@
 """One training process's side of `hf-gpu-train tune`: the model and data loaded once, a new Trainer per candidate.
 
 Loading dominates (seconds to minutes), a trial is a few steps, so every trial of a launch shares the model, the
-tokenized data and the collator that ``finetune.run.prepare`` made, in the real launch setup (every process, the
-plan's environment). Each trial builds the Trainer ``scripts/finetune.py`` would build for that candidate
-(``finetune.trainer_factory.build_trainer``) with in-place OOM recovery and telemetry on, runs warm-up steps then
+tokenized data and the collator that ``finetune.run.prepared_for`` made, in the real launch setup (every process, the
+plan's environment). Each trial builds its Trainer through the fine-tune's own seam (``finetune.run.assemble_trainer``:
+the Trainer, its saves guarded, the levers applied, the model checked; then ``attach_pieces``) for that candidate's
+config, with in-place OOM recovery and telemetry on, runs warm-up steps then
 measured steps, and releases what the Trainer held (optimizer states, the DDP wrapper, the recovery's gradient hooks,
 cached blocks) before the next.
 
@@ -15,7 +16,6 @@ recipe's model: nothing tuned here is saved.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 import statistics
@@ -29,12 +29,11 @@ from ..errors import UsageError
 from ..finetune.config import ConfigError, FinetuneConfig
 from ..finetune.deepspeed_env import deepspeed_requested, hold_zero3_init
 from ..finetune.fsdp import fsdp_requested
-from ..finetune.launch_plan import strategy_of_state
-from ..finetune.run import attach_pieces, prepare
+from ..finetune.loading import resolve
+from ..finetune.run import assemble_trainer, attach_pieces, prepared_for
 from ..finetune.runtime import resolve_runtime
 from ..finetune.tasks import Task, task_for
 from ..levers.activation_offload import detach as detach_offloading
-from ..levers.from_config import apply_levers
 from . import hooks
 from .candidates import Candidate
 from .lm_layouts import Layout, build_layout, prepared_layout
@@ -67,9 +66,10 @@ def trial_config(base: FinetuneConfig, candidate: Candidate, world_size: int, wa
     """The run's config with the candidate's values, for warm-up + measured steps (room for the most the first trial
     may decide); no evaluation, no checkpoint, and the one log after the last step (nothing inside the window)."""
     steps = warmup_steps + (measure_steps or MEASURE_STEPS_RANGE[1])
-    values = {k: v for k, v in candidate.config_values(world_size).items() if hasattr(base, k)}
-    return dataclasses.replace(base, **values, max_steps=steps, eval_strategy="no", save_strategy="no",
-                               logging_steps=steps + 1, report_to="none", output_dir=output_dir).validate()
+    own = base.values()
+    values = {k: v for k, v in candidate.config_values(world_size).items() if k in own}
+    return resolve(base.with_values(**values, max_steps=steps, eval_strategy="no", save_strategy="no",
+                                    logging_steps=steps + 1, report_to="none", output_dir=output_dir))
 
 
 def checkpointing_off(model) -> None:
@@ -79,7 +79,7 @@ def checkpointing_off(model) -> None:
     if on if on is not None else getattr(model, "is_gradient_checkpointing", False):
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         disable()
-    inner = getattr(model, "model", None)  # finetune.vision.TimmClassifier holds the timm model
+    inner = getattr(model, "model", None)  # tasks/image_classification/model.TimmClassifier holds the timm model
     if inner is not None and hasattr(inner, "set_grad_checkpointing"):
         inner.set_grad_checkpointing(False)
     for module in (model, getattr(model, "get_base_model", lambda: None)()):
@@ -105,20 +105,21 @@ class TrialSession:
         # a ZeRO-3 launch (tune's strategy round): the model loads partitioned, as scripts/finetune.py loads it; held until
         # the first Trainer's arguments hold DeepSpeed's config
         self.zero3_init = hold_zero3_init(self.runtime.precision)
-        self.model, train, self.validation, collator, self.processing_class, self.data = prepare(cfg, self.runtime)
-        collator, self.notes = hooks.install(self.model, collator, environ)
+        self.prepared = prepared = prepared_for(cfg, self.runtime)
+        self.model, self.processing_class, self.data = prepared.model, prepared.processing_class, prepared.data
+        collator, self.notes = hooks.install(self.model, prepared.collator, environ)
         # a task that checks its model (causal LM): here, on the device the trials train on; in a launch that shards the
-        # model (the strategy round) on the Trainer's model once it exists, as scripts/finetune.py checks it (before
+        # model (the strategy round) on the first Trainer's model once it exists, as the fine-tune checks it (before
         # FSDP or DeepSpeed wraps it, a rank may hold no weights: FSDP's efficient loading, ZeRO-3's partitions)
         self.confirm_on_trainer = fsdp_requested(environ) or deepspeed_requested(environ)
         if type(task_for(cfg.task)).confirm_model is Task.confirm_model:
             self.confirm_on_trainer = False
         elif not self.confirm_on_trainer:
             self._confirm_model()
-        self.layouts = {None: prepared_layout(train, collator)}  # by the packing value asked for (causal LM only)
+        self.layouts = {None: prepared_layout(prepared.train, collator)}  # by the packing value asked for (causal LM only)
 
     def _confirm_model(self) -> None:
-        """The task's check of the model (a causal LM's chunked head) as scripts/finetune.py makes it, on the device the
+        """The task's check of the model (a causal LM's chunked head) as the fine-tune makes it, on the device the
         trials train on (DDP or one process: each process holds the whole model, which its first Trainer would move
         there anyway)."""
         quantized = getattr(self.model, "hf_device_map", None) or getattr(self.model, "is_loaded_in_4bit", False)
@@ -134,7 +135,7 @@ class TrialSession:
             return self.layouts[None]
         if packing not in self.layouts:
 
-            built = build_layout(packing, self.cfg, self.model, self.processing_class, self.data, self.runtime.on_cuda)
+            built = build_layout(packing, self.cfg.options, self.model, self.processing_class, self.data, self.runtime.on_cuda)
             if built.collator is not None:
                 built = replace(built, collator=hooks.install(None, built.collator, os.environ)[0])
             self.layouts[packing] = built
@@ -142,10 +143,8 @@ class TrialSession:
 
     def run(self, candidate: Candidate, warmup_steps: int, measure_steps: int | None) -> LocalMeasurement:
         """One trial; ``measure_steps`` None: this trial decides the count (``LocalMeasurement.measured_steps``)."""
-        from transformers import Trainer
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        from ..finetune.trainer_factory import build_trainer
         from ..oom import OutOfMemoryAtMicroBatchOne
         from .meter import TrialMeter
 
@@ -165,21 +164,18 @@ class TrialSession:
         outcome: tuple[str, str] = (OK, "")
         resident = PeakResident() if not runtime.on_cuda else contextlib.nullcontext()
         try:
-            trainer = build_trainer(cfg, runtime, self.model, layout.train, self.validation, layout.collator, self.processing_class,
-                                    trainer_class=Trainer)
-            self.zero3_init = None  # the Trainer's arguments hold DeepSpeed's config from here
-            ran = strategy_of_state(trainer.accelerator.state)
-            if self.confirm_on_trainer:
-                self.confirm_on_trainer = False
-                line = task_for(cfg.task).confirm_model(trainer.model, cfg, runtime.precision)
-                if line and self.rank == 0:
-                    print(f"tune: {line}", flush=True)
-            try:  # selective checkpointing, offloading: as scripts/finetune.py applies them
-                apply_levers(trainer, cfg, runtime)
-            except UsageError as error:  # a lever this setting rules out: the same config on every rank, before any step
+            trial_data = replace(self.prepared, train=layout.train, collator=layout.collator)
+            confirm, self.confirm_on_trainer = self.confirm_on_trainer, False
+            try:  # a lever this setting rules out: the same config on every rank, before any step
+                assembled = assemble_trainer(cfg, runtime, trial_data, confirm_model=confirm)
+            except UsageError as error:
                 raise ConfigError(str(error)) from None
-            # the rules of scripts/finetune.py's run (no in-place recovery beside the optimizer in the backward); a
-            # trial always measures with recovery and telemetry, and has no watchdog (tune's own timeouts end it)
+            trainer, ran = assembled.trainer, assembled.strategy
+            self.zero3_init = None  # the Trainer's arguments hold DeepSpeed's config from here
+            if assembled.model_line and self.rank == 0:
+                print(f"tune: {assembled.model_line}", flush=True)
+            # the fine-tune's rules (no in-place recovery beside the optimizer in the backward); a trial always
+            # measures with recovery and telemetry, and has no watchdog (tune's own timeouts end it)
             pieces = attach_pieces(trainer, cfg, recovery=True, watchdog=False,
                                    telemetry={"compact_console": False, "write_report": False})
             recovery, telemetry = pieces.recovery, pieces.telemetry

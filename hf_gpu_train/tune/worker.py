@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError, report_usage_error
-from ..finetune.config import load_config_and_keys
 from ..finetune.launch_plan import apply_launch_plan
+from ..finetune.loading import load_config_and_keys
 from ..process_group import exit_process
 from .candidates import Candidate, CandidateSpace
 from .results import TrialResult

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.tasks import task_for
 from hf_gpu_train.textfmt import table
 from hf_gpu_train.tune.job import load_job

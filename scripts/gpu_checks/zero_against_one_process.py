@@ -52,12 +52,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_gpu_train.finetune.checkpoints import write_label_map
-from hf_gpu_train.finetune.config import load_config
-from hf_gpu_train.finetune.data import open_classification_data
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.recipe_names import resolve_recipe
 from hf_gpu_train.finetune.run_record import RECORD
 from hf_gpu_train.finetune.tasks import task_for
-from hf_gpu_train.finetune.text import load_text_model
+from hf_gpu_train.finetune.tasks.text_classification.model import load_text_model
 from hf_gpu_train.plan.strategies import DEEPSPEED, strategy_names
 from hf_gpu_train.process_group import exit_process
 from hf_gpu_train.textfmt import gib
@@ -471,8 +470,8 @@ def prepare_start(case: ZeroCase, folder: Path) -> Start:
     from transformers import set_seed  # lazy: torch
 
     set_seed(cfg.seed)
-    names = open_classification_data(cfg).label_names
-    model, tokenizer = load_text_model(cfg, names)
+    names = task_for(cfg.task).open(cfg).label_names
+    model, tokenizer = load_text_model(cfg.model, names)
     without_dropout(model.config)
     start = folder / "start"
     model.save_pretrained(start)

@@ -21,11 +21,11 @@ def digest(ds) -> str:
 
 
 def main() -> None:
-    from hf_gpu_train.finetune import text
-    from hf_gpu_train.finetune.causal_lm import encode
-    from hf_gpu_train.finetune.config import load_config
-    from hf_gpu_train.finetune.run import prepare
+    from hf_gpu_train.finetune.loading import load_config
+    from hf_gpu_train.finetune.run import prepared_for
     from hf_gpu_train.finetune.runtime import resolve_runtime
+    from hf_gpu_train.finetune.tasks.language_modeling import prepare as lm
+    from hf_gpu_train.finetune.tasks.text_classification import task as text
 
     out = Path(sys.argv[1])
     runs = " ".join(sys.argv[2:]).split(" -- ")
@@ -39,10 +39,11 @@ def main() -> None:
         return wrapper
 
     text.tokenize = counted(text.tokenize)
-    encode.encode_split = counted(encode.encode_split)
+    lm.encode_split = counted(lm.encode_split)  # the names each task calls
     for run, args in enumerate(runs):
         cfg = load_config(None, args.split())
-        _, train, validation, _, _, data = prepare(cfg, resolve_runtime(cfg))
+        p = prepared_for(cfg, resolve_runtime(cfg))
+        train, validation, data = p.train, p.validation, p.data
         (out / f"rank{rank}-{run}.json").write_text(json.dumps({"train": digest(train), "validation": digest(validation),
                                                                 "rows": [len(train), len(validation)], "notes": data.notes}))
 

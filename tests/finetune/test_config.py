@@ -1,13 +1,19 @@
 import pytest
 import yaml
 
-from hf_gpu_train.finetune.config import ConfigError, FinetuneConfig, load_config, save_resolved
+from hf_gpu_train.finetune.config import ConfigError, FinetuneConfig, save_resolved
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.recipe_names import RECIPES_DIR
 
 
 def test_defaults_live_in_one_place_and_validate():
+    """The run's defaults (FinetuneConfig) and the default task's own (its options), resolved by the task."""
+    from hf_gpu_train.finetune.loading import resolve
+    from hf_gpu_train.finetune.tasks.text_classification.options import TextClassificationOptions
+
     cfg = load_config()
-    assert cfg == FinetuneConfig().validate()
+    assert cfg == resolve(FinetuneConfig(options=TextClassificationOptions()))
+    assert cfg.method == "full" and cfg.max_length == 128
     assert cfg.model == "builtin:minilm" and cfg.dataset == "builtin:python-docs"
 
 
@@ -96,10 +102,11 @@ def test_memory_levers_that_apply_validate():
 
 
 def test_the_resolved_config_loads_back_as_the_same_config(tmp_path):
-    """finetune_config.yaml is a recipe: its nulls (pretrained_weights, max_train_samples, ...) load as None."""
+    """finetune_config.yaml is a recipe: its nulls (text_pair_column, max_eval_samples, ...) load as None, and it holds
+    the run's keys and its task's own only."""
     cfg = load_config(None, ["learning_rate=1e-4", "max_train_samples=64"])
     path = save_resolved(cfg, tmp_path)
-    assert "pretrained_weights: null" in path.read_text()
+    assert "text_pair_column: null" in path.read_text() and "image_size" not in path.read_text()
     assert load_config(path, []) == cfg
 
 

@@ -4,8 +4,9 @@ import pytest
 from PIL import Image
 
 from hf_gpu_train.finetune.builtin import make_text_examples
-from hf_gpu_train.finetune.config import ConfigError, load_config
-from hf_gpu_train.finetune.data import load_classification_data
+from hf_gpu_train.finetune.config import ConfigError
+from hf_gpu_train.finetune.loading import load_config
+from hf_gpu_train.finetune.tasks.classification import load_classification_data
 
 ROWS = [{"text": f"sample {i} {'good' if i % 3 else 'bad'}", "other": f"pair {i}", "label": ["neg", "pos", "mid"][i % 3]}
         for i in range(60)]

@@ -61,7 +61,6 @@ def test_without_deepspeed_nothing_is_held(monkeypatch):
 def test_a_deepspeed_optimizer_section_is_said_and_refuses_another_optim(tmp_path):
     """A ZeRO-Offload plan's file names DeepSpeed's AdamW: it steps every trainable parameter as one group (weight
     decay on norms and biases too, unlike the Trainer's AdamW groups), and a run's optim= would be ignored."""
-    from types import SimpleNamespace
 
     from hf_gpu_train.finetune.config import ConfigError
     from hf_gpu_train.finetune.deepspeed_env import deepspeed_optimizer_line
@@ -69,9 +68,9 @@ def test_a_deepspeed_optimizer_section_is_said_and_refuses_another_optim(tmp_pat
     file = tmp_path / "ds.json"
     file.write_text(json.dumps(deepspeed_file_for(3, offload_params=True)))
     environ = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(file)}
-    line = deepspeed_optimizer_line(SimpleNamespace(extra={}, weight_decay=0.01), environ)
+    line = deepspeed_optimizer_line({}, 0.01, environ)
     assert "DeepSpeed's AdamW" in line and "norms and biases too" in line
     with pytest.raises(ConfigError, match="optim: adafactor.*names its own optimizer"):
-        deepspeed_optimizer_line(SimpleNamespace(extra={"optim": "adafactor"}, weight_decay=0.01), environ)
+        deepspeed_optimizer_line({"optim": "adafactor"}, 0.01, environ)
     without = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}  # YAML keys: no optimizer section
-    assert deepspeed_optimizer_line(SimpleNamespace(extra={"optim": "adafactor"}, weight_decay=0.01), without) is None
+    assert deepspeed_optimizer_line({"optim": "adafactor"}, 0.01, without) is None

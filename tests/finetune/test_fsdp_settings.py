@@ -1,7 +1,7 @@
 from types import SimpleNamespace
 
-from hf_gpu_train.finetune.config import load_config
 from hf_gpu_train.finetune.fsdp import fsdp_checkpoints_activations, repeated_blocks
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.trainer_factory import training_arguments
 
 CPU = SimpleNamespace(on_cuda=False, gpus=(), precision="fp32", dataloader_workers=0, world_size=1)

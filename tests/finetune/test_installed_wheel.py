@@ -68,7 +68,7 @@ def test_the_wheel_holds_every_shipped_recipe_and_its_data(installed):
 def test_the_installed_package_is_the_wheels_and_its_recipes_find_their_data(installed, tmp_path):
     _, bin_dir = installed
     found = run_in(tmp_path, [str(bin_dir / "python"), "-c", "import hf_gpu_train, sys; from hf_gpu_train.finetune.run import parse_args; "
-                              "from hf_gpu_train.finetune.config import load_config; recipe, overrides = parse_args(['--config', "
+                              "from hf_gpu_train.finetune.loading import load_config; recipe, overrides = parse_args(['--config', "
                               "'smollm2_lora_demo']); cfg = load_config(recipe, overrides); print(hf_gpu_train.__file__); "
                               "print(cfg.train_file); print(cfg.validation_file)"])
     assert found.returncode == 0, found.stderr

@@ -71,7 +71,7 @@ def test_an_override_the_planner_predicts_will_not_fit_is_warned_about_before_th
                            "--seq-len", "128", "--output", str(tmp_path / "t4")], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     child = ("import logging, sys, transformers; logging.basicConfig(level=logging.WARNING)\n"
-             "from hf_gpu_train.finetune.config import load_config_and_keys\n"
+             "from hf_gpu_train.finetune.loading import load_config_and_keys\n"
              "from hf_gpu_train.finetune.launch_plan import apply_launch_plan\n"
              "cfg, keys = load_config_and_keys(None, ['per_device_train_batch_size=4096', 'max_length=128'])\n"
              "from hf_gpu_train.hardware.snapshot import load_machine\n"
@@ -86,8 +86,8 @@ def test_an_override_the_planner_predicts_will_not_fit_is_warned_about_before_th
 
 
 def test_tuned_packing_reaches_the_run_and_the_recipe_is_known_by_its_text_wherever_it_is(tmp_path):
-    from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config_and_keys
     from hf_gpu_train.plan.run_plan_file import TUNED, recipe_identity
 
     config = cpu_config(tmp_path)
@@ -119,7 +119,7 @@ def test_the_run_reads_its_config_and_plan_before_numpy_or_torch_is_imported():
 
     code = ("import sys\n"
             "from hf_gpu_train.finetune.run import parse_args\n"
-            "from hf_gpu_train.finetune.config import load_config_and_keys\n"
+            "from hf_gpu_train.finetune.loading import load_config_and_keys\n"
             "from hf_gpu_train.finetune.launch_plan import apply_launch_plan\n"
             "recipe, overrides = parse_args(['--config', 'minilm_text_demo'])\n"
             "cfg, keys = load_config_and_keys(recipe, overrides)\n"

@@ -9,7 +9,6 @@ import pytest
 import timm
 import torch
 
-from hf_gpu_train.finetune.config import load_config
 from hf_gpu_train.finetune.learning_rates import (
     BATCHNORM_LEARNING_RATE,
     FINETUNE_LEARNING_RATE,
@@ -18,6 +17,7 @@ from hf_gpu_train.finetune.learning_rates import (
     text_learning_rate,
     vision_learning_rate,
 )
+from hf_gpu_train.finetune.loading import load_config
 
 VISION = ["task=image-classification", "dataset=builtin:digits"]
 
@@ -84,16 +84,16 @@ def test_the_shipped_minilm_resolves_to_its_width_rate():
     from hf_gpu_train.builtin_models import minilm_path
 
     assert AutoConfig.from_pretrained(minilm_path()).hidden_size == 384
-    cfg = load_config()
-    line = resolve_learning_rate(cfg, SimpleNamespace(config=AutoConfig.from_pretrained(minilm_path())))
-    assert cfg.learning_rate == pytest.approx(1e-4) and "width 384" in line
+    rate, line = resolve_learning_rate(load_config().learning_rate, SimpleNamespace(config=AutoConfig.from_pretrained(minilm_path())),
+                                       text_learning_rate)
+    assert rate == pytest.approx(1e-4) and "width 384" in line
 
 
 def test_what_the_user_set_is_kept_and_said_nothing_about():
     cfg = load_config(None, [*VISION, "learning_rate=3e-5"])
-    assert resolve_learning_rate(cfg, timm_on_meta("test_resnet")) is None and cfg.learning_rate == 3e-5
+    assert resolve_learning_rate(cfg.learning_rate, timm_on_meta("test_resnet"), vision_learning_rate) == (3e-5, None)
     scratch = load_config(None, [*VISION, "model=timm/test_resnet", "pretrained=false"])
-    assert resolve_learning_rate(scratch, timm_on_meta("test_vit")) is None and scratch.learning_rate == 1e-3
+    assert resolve_learning_rate(scratch.learning_rate, timm_on_meta("test_vit"), vision_learning_rate) == (1e-3, None)
     pretrained = load_config(None, [*VISION, "model=timm/test_vit"])
-    assert "layer or group normalisation" in resolve_learning_rate(pretrained, timm_on_meta("test_vit"))
-    assert pretrained.learning_rate == FINETUNE_LEARNING_RATE
+    rate, line = resolve_learning_rate(pretrained.learning_rate, timm_on_meta("test_vit"), vision_learning_rate)
+    assert "layer or group normalisation" in line and rate == FINETUNE_LEARNING_RATE

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hf_gpu_train.cli import main
-from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+from hf_gpu_train.finetune.loading import load_config_and_keys
 from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.plan.run_plan_file import PLAN_ENV, read_run_plan
 
@@ -77,22 +77,20 @@ def test_a_planned_lever_this_run_rules_out_is_dropped_with_its_reason(llama8b_p
     ({"gradient_checkpointing": True, "checkpoint_layers": "selective"}, 1, {"attn_implementation": "eager"}, None),
 ])
 def test_which_planned_levers_hold(values, world, extra, dropped):
-    from types import SimpleNamespace
-
-    from hf_gpu_train.levers.from_config import planned_levers_that_hold
+    from hf_gpu_train.levers.from_config import LeverKeys, planned_levers_that_hold
 
     extra = dict(extra)
-    cfg = SimpleNamespace(method=extra.pop("method", "full"), attn_implementation=extra.pop("attn_implementation", None),
-                          extra=extra)
+    attention = extra.pop("attn_implementation", None)
+    cfg = LeverKeys(method=extra.pop("method", "full"), max_grad_norm=extra.get("max_grad_norm"))
     before = dict(values)
-    found = planned_levers_that_hold(values, set(values), cfg, world)
+    found = planned_levers_that_hold(values, set(values), cfg, world, attention)
     if dropped is None:
         assert found == [] and values == before
         return
     (key, planned, why), = found
     assert key == dropped[0] and planned == before[key] and dropped[1] in why
     assert values[key] in ("all", False, "auto")
-    assert planned_levers_that_hold(dict(before), set(), cfg, world) == []  # the user's own choice is never dropped
+    assert planned_levers_that_hold(dict(before), set(), cfg, world, attention) == []  # the user's own choice is never dropped
 
 
 def test_the_planned_levers_do_not_reach_another_model(llama8b_plan, tmp_path):

@@ -8,8 +8,8 @@ import pytest
 
 from hf_gpu_train.cli import main
 from hf_gpu_train.finetune.builtin import minilm_path
-from hf_gpu_train.finetune.config import load_config_and_keys
 from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+from hf_gpu_train.finetune.loading import load_config_and_keys
 from hf_gpu_train.hardware.snapshot import load_machine
 from hf_gpu_train.launch.render import torchrun_command
 from hf_gpu_train.plan.run_plan_file import PLAN_ENV, read_run_plan

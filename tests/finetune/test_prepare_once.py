@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.prepare_once import Prepared, data_key, prepare_once
-from tests.finetune.causal_lm.tiny import chat_rows, save_tiny_model
+from tests.finetune.tasks.language_modeling.tiny import chat_rows, save_tiny_model
 from tests.launching import ROOT
 
 PROBE = ROOT / "tests" / "finetune" / "prepare_probe.py"
@@ -62,15 +62,16 @@ def test_a_second_run_of_the_same_data_loads_it_and_a_change_prepares_again(tmp_
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     cfg = load_config(None, ["max_train_samples=8"])
-    key = data_key(cfg, {"train": None}, None)
+    key = data_key(cfg.values(), {"train": None}, None)
     built: list = []
     first = prepare_once(key, lambda: _built(built))
     again = prepare_once(key, lambda: _built(built))
     assert len(built) == 1 and again.train["x"] == first.train["x"] == [1, 2, 3] and again.meta == {"notes": ["n"]}
     assert "loaded from" in again.how and "prepared once" in first.how
     # what shapes the rows changes the key; what only changes training does not
-    assert data_key(load_config(None, ["max_train_samples=9"]), {"train": None}, None) != key
-    assert data_key(load_config(None, ["max_train_samples=8", "learning_rate=1e-3", "output_dir=x"]), {"train": None}, None) == key
+    assert data_key(load_config(None, ["max_train_samples=9"]).values(), {"train": None}, None) != key
+    assert data_key(load_config(None, ["max_train_samples=8", "learning_rate=1e-3", "output_dir=x"]).values(), {"train": None},
+                    None) == key
     monkeypatch.setenv("WORLD_SIZE", "1")
     prepare_once(key, lambda: _built(built))
     assert len(built) == 2  # one process: built in the process, no cache read

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from hf_gpu_train.faults.checkpoint_marker import COMPLETE_MARKER, SAVING, last_complete_checkpoint
 from hf_gpu_train.finetune import ray_train
-from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.run import main as one_process_main
 from tests.finetune.ray_probes import HangAt, InjectOOM, KillOnce, StepLog
 from tests.ray_cluster import local_ray, needs_ray

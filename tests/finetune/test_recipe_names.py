@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_gpu_train.errors import UsageError
-from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.recipe_names import RECIPES_DIR, shipped_names
 from hf_gpu_train.finetune.run import main, parse_args
 

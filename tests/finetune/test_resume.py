@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR
-from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.run import finetune, main
 from hf_gpu_train.finetune.run_record import RECORD
 from tests.launching import cpu_config, launch

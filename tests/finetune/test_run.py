@@ -33,12 +33,13 @@ def figures_by_hand(out: Path, arguments: list[str]) -> dict[str, float]:
     from safetensors.torch import load_file
     from sklearn.metrics import accuracy_score, f1_score
 
-    from hf_gpu_train.finetune.config import load_config
-    from hf_gpu_train.finetune.run import prepare
+    from hf_gpu_train.finetune.loading import load_config
+    from hf_gpu_train.finetune.run import prepared_for
     from hf_gpu_train.finetune.runtime import resolve_runtime
 
     cfg = load_config(None, [*arguments, f"output_dir={out.parent / 'by-hand'}"])
-    model, _, validation, collator, _, _ = prepare(cfg, resolve_runtime(cfg))
+    p = prepared_for(cfg, resolve_runtime(cfg))
+    model, validation, collator = p.model, p.validation, p.collator
     model.load_state_dict(load_file(out / "model.safetensors"))
     model.eval()
     predicted, labels = [], []

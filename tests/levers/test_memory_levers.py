@@ -205,7 +205,7 @@ def test_nothing_is_left_alive_after_training(tmp_path):
 def test_the_chunked_heads_gradient_buffers_stay_on_the_device():
     """The chunked head computes its gradients in the forward and saves them for the backward: they are gradients,
     counted by the planner where they are, so offloading leaves them (and the planner's offloaded bytes hold)."""
-    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+    from hf_gpu_train.finetune.tasks.language_modeling.lm_head_loss import install
 
     model = tiny_llama().train()
     install(model, chunk=8)
@@ -223,7 +223,7 @@ def test_the_chunked_heads_gradient_buffers_stay_on_the_device():
 
 
 def test_offloading_is_refused_beside_fsdp_and_deepspeed(tmp_path):
-    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.levers.from_config import apply_levers
 
     trainer = trainer_for(tmp_path, "sharded")
@@ -231,7 +231,7 @@ def test_offloading_is_refused_beside_fsdp_and_deepspeed(tmp_path):
     cfg = load_config(None, ["offload_activations=true"])
     runtime = type("Runtime", (), {"world_size": 2, "precision": "bf16", "on_cuda": True})()
     with pytest.raises(UsageError, match="offload_activations=true under FSDP or DeepSpeed"):
-        apply_levers(trainer, cfg, runtime)
+        apply_levers(trainer, cfg.lever_keys(), runtime)
 
 
 def test_an_optimizer_built_by_someone_else_is_refused_before_the_first_step(tmp_path):
@@ -286,7 +286,7 @@ def test_offloading_leaves_the_weights_after_the_model_moves():
 def test_offloading_comes_off_again_and_puts_back_the_forward_it_wrapped():
     """tune's trials share one model: a trial with offloading must leave the next one the forward it found (the
     class's own, or the chunked head's)."""
-    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+    from hf_gpu_train.finetune.tasks.language_modeling.lm_head_loss import install
 
     model = tiny_llama().train()
     activation_offload.attach(model, on_cuda=False, min_bytes=0, offload_cpu_tensors=True)
@@ -319,7 +319,7 @@ def test_selective_checkpointing_refuses_attention_kernels_its_policies_would_re
     as is a model without checkpointing support (exit 2, not a traceback)."""
     from hf_gpu_train.errors import UsageError
     from hf_gpu_train.levers import selective_checkpoint
-    from tests.finetune.causal_lm.tiny import tiny_llama
+    from tests.finetune.tasks.language_modeling.tiny import tiny_llama
 
     model = tiny_llama(64)
     model.config._attn_implementation = "flash_attention_2"
@@ -338,7 +338,7 @@ def test_the_levers_together_train_the_same_weights(tmp_path, reference, levers)
     """Each lever is exact alone; together they meet (the chunked head's gradients made in the forward stepped by the
     optimizer in the backward; the selective policies around a head that is not a module call; offloading beside both).
     Through a plain Trainer with its defaults (remove_unused_columns on: the chunked forward keeps its signature)."""
-    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+    from hf_gpu_train.finetune.tasks.language_modeling.lm_head_loss import install
 
     trainer = trainer_for(tmp_path, "+".join(levers))
     if "chunked" in levers:
@@ -370,7 +370,7 @@ def test_the_chunked_head_with_accumulation_and_micro_batches_without_labels(tmp
     """Accumulation carries the item count of the whole step (num_items_in_batch): the chunked head's micro-batches
     with no labelled row, and a micro-batch of only such rows, contribute what the model's own head does. SGD: Adam
     turns the float noise after a step of zero gradients into 1e-5 differences, which would hide nothing here."""
-    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+    from hf_gpu_train.finetune.tasks.language_modeling.lm_head_loss import install
 
     def run(chunked: bool):
         trainer = trainer_for(tmp_path, f"accumulate-{chunked}", optim="sgd", per_device_train_batch_size=1,

@@ -58,7 +58,7 @@ def test_the_cuda_setting_is_in_the_environment_before_anything_asks_torch_about
     import os
 
     from hf_gpu_train.finetune import runtime
-    from hf_gpu_train.finetune.config import load_config
+    from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.finetune.run import finetune
 
     seen = {}

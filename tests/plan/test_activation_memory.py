@@ -134,7 +134,7 @@ def test_the_chunked_head_and_loss_keep_what_the_planner_says():
     the final norm's output, full fine-tuning), the labelled rows' mask and the head weight's gradient (computed in
     the forward: it is the gradient the planner counts per parameter, early), not the logits' log-softmax and not the
     head's input or its bf16 weight copy."""
-    from hf_gpu_train.finetune.causal_lm.lm_head_loss import install
+    from hf_gpu_train.finetune.tasks.language_modeling.lm_head_loss import install
 
     shape = TrainingShape(micro_batch=BATCH, seq_len=SEQ, precision="bf16", method="full", padded=True, chunked_loss=True,
                           loss_chunk=64)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from hf_gpu_train.finetune.vision import TimmClassifier
+from hf_gpu_train.finetune.tasks.image_classification.model import TimmClassifier
 
 KINDS = ("text", "vision", "causal")
 NUM_SAMPLES = 96

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
 from hf_gpu_train.levers.activation_offload import TEST_CPU_MIN_BYTES_ENV
-from tests.finetune.causal_lm.tiny import chat_case
+from tests.finetune.tasks.language_modeling.tiny import chat_case
 from tests.launching import cpu_config, launch
 from tests.scaling.equivalence import assert_same_params, assert_same_series
 from tests.scaling.test_deepspeed_equivalence import deepspeed_config

@@ -218,8 +218,8 @@ def test_a_winner_of_another_strategy_goes_into_its_own_config_and_the_configs_p
     environ = {**launch_environment(yaml.safe_load(zero2.read_text())), **parse_env(zero2.with_suffix(".env").read_text()),
                PLAN_ENV: str(zero2.with_suffix(".plan.json")), "WORLD_SIZE": "2"}
     assert launched_strategy(environ, on_cpu=True) == "deepspeed-zero2"
-    from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config_and_keys
 
     cfg, explicit = load_config_and_keys(None, CASE[:2])  # the command tune printed: the tuned job
     cfg, applied = apply_launch_plan(cfg, explicit, environ=environ, overrides=CASE[:2],

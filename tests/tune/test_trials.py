@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_gpu_train.finetune.config import load_config
+from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.tune.candidates import Candidate
 from hf_gpu_train.tune.trials import LocalMeasurement, combine, trial_config
 
@@ -37,8 +37,8 @@ def test_a_trial_runs_the_candidates_values_with_nothing_inside_the_window():
 
 @pytest.mark.slow
 def test_a_causal_lm_trains_both_packing_layouts_from_one_loaded_model(tmp_path):
-    pytest.importorskip("hf_gpu_train.finetune.causal_lm.packing", reason="the causal-LM task is not in this tree")
-    tiny = pytest.importorskip("tests.finetune.causal_lm.tiny")
+    pytest.importorskip("hf_gpu_train.finetune.tasks.language_modeling.packing", reason="the causal-LM task is not in this tree")
+    tiny = pytest.importorskip("tests.finetune.tasks.language_modeling.tiny")
     from hf_gpu_train.tune.trials import TrialSession
 
     chat_rows, save_tiny_model, write_jsonl = tiny.chat_rows, tiny.save_tiny_model, tiny.write_jsonl

@@ -87,8 +87,8 @@ def _the_tuned_job_gets_the_values_and_another_does_not(config, case):
     """The "Next:" command tune printed (no recipe file, the same key=value) takes the tuned values; the same launch
     config for another job takes the plan as config wrote it (issue 17: tune's values reached the other job, and the
     job tune named got none)."""
-    from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config_and_keys
     from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     def applied(*overrides):

@@ -76,8 +76,8 @@ def test_tuned_values_reach_the_tuned_recipe_only(tmp_path):
     compile and precision without a word. Now B gets the plan as `config` wrote it and says why; A gets its values, and
     only A's launches get the tuned precision."""
     from hf_gpu_train.cli.launch import build_launch
-    from hf_gpu_train.finetune.config import load_config
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     job, recipe, results, choice = tuned_box(tmp_path)
@@ -128,8 +128,8 @@ def test_tuned_values_are_scoped_to_the_recipe_and_the_command_lines_job(tmp_pat
     and that very run got none of the tuned values. And a recipe tuned with model=X on its command line gave its
     values to the same recipe with model=Y. Both halves: the job is the recipe's text and the command line's keys
     that change what trains (not output_dir, logging or the tuned keys themselves)."""
-    from hf_gpu_train.finetune.config import load_config_and_keys
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config_and_keys
     from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     job, recipe, results, choice = tuned_box(tmp_path)
@@ -159,8 +159,8 @@ def test_a_tuned_plan_on_another_machine_gives_neither_its_tuned_nor_its_planned
     """Review of issue 17: tuned for an H200, launched on this CPU box, hf-gpu-train launch passed
     `--mixed_precision None` (accelerate refuses it) and the run said "precision=None measured by hf-gpu-train tune"."""
     from hf_gpu_train.cli.launch import build_launch
-    from hf_gpu_train.finetune.config import load_config
     from hf_gpu_train.finetune.launch_plan import apply_launch_plan
+    from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.plan.run_plan_file import PLAN_ENV
 
     job, recipe, results, choice = tuned_box(tmp_path)

@@ -1,22 +1,38 @@
 """What a fine-tuning task is to the run, and the registry of tasks (timm's ``register_model`` / ``create_model``).
 
-A task says, in one module, how its data loads, how its model is built, how its rows are collated, how it is
-evaluated and what it reports. The run (``finetune/run.py``), the config check, the plan scoping and ``tune`` ask the
-task; none of them branches on its name. Adding a task (token classification, seq2seq) is adding a module that
-subclasses ``Task`` and is decorated with ``@register_task``, then importing it in ``tasks/__init__.py``.
+A task says, in its own folder, what its keys are (``options.py``: a ``TaskOptions`` dataclass), how its data loads,
+how its model is built, how its rows are collated, how it is evaluated and what it reports, and it resolves what
+depends on it: ``method=auto``, the default learning rate, the memory levers a model of its kind can take, the
+planner's input shape. The run (``finetune/run.py``), the config loader, the plan scoping and ``tune`` ask the task;
+none of them branches on its name or its modality. Adding a task (token classification, audio) is a folder with a
+``Task`` subclass decorated with ``@register_task``, and one line importing it in ``tasks/__init__.py``.
 
-This module and the task modules import no torch at their top: the config check and ``hf-gpu-train tune``'s command
-read a task before any training process exists. What a task needs of torch, transformers or timm it imports where it
-builds (the imports inside the methods below are there for that start-up time).
+A task's ``task.py`` and ``options.py`` import no torch: the config loader and ``hf-gpu-train tune``'s command read a
+task before any training process exists. What it needs of torch, transformers or timm is in its other modules, which
+import at their top; ``task.py`` reaches them from the methods that build (one marked import each).
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from ...errors import ConfigError
+from ...levers.from_config import check_levers
+from ..config import TaskOptions
+
+LORA_RANK = 16  # the planner's adapter rank for a run that trains none (it plans full fine-tuning then)
+
+
+class PlannerInput(NamedTuple):
+    """What the memory planner reads of a run (``hf-gpu-train config``'s ``--seq-len``, ``--image-size``, ``--method``,
+    ``--lora-rank``): the task's to say, from its keys."""
+
+    seq_len: int | None
+    image_size: int | None
+    method: str
+    lora_rank: int = LORA_RANK
 
 
 @dataclass
@@ -33,10 +49,11 @@ class Prepared:
 
 
 class Task:
-    """The defaults are a classifier's; a task overrides what differs."""
+    """The defaults are a classifier's of token sequences; a task overrides what differs."""
 
     name: ClassVar[str] = ""
-    images: ClassVar[bool] = False  # inputs are images (timm models); else token sequences (transformers)
+    options: ClassVar[type[TaskOptions]] = TaskOptions  # the task's own keys
+    layered: ClassVar[bool] = True  # a stack of transformer layers: checkpoint_layers' policies apply (timm: every block)
     classifier: ClassVar[bool] = True  # one label per example: accuracy and macro F1 from the logits
     methods: ClassVar[tuple[str, ...]] = ("full",)  # the fine-tuning methods it trains; the first is method=auto's
     packs: ClassVar[bool] = False  # its rows may be packed (padding-free), a setting tune can try
@@ -44,8 +61,34 @@ class Task:
     throughput_unit: ClassVar[str] = "tokens/s"  # what tune ranks candidates by
     evaluates_in_dataset_order: ClassVar[bool] = False  # the validation set is sorted (less padding): keep its order
 
+    def resolve(self, cfg) -> None:
+        """What depends on the task, resolved in ``cfg`` before anything loads (``loading.resolve``): ``method=auto`` as
+        the task's first method, a method it does not train refused, its keys against the run's (``check_config``), the
+        memory levers against a model of its kind, and the learning rate when none is set and the model need not be
+        built for it. The run record then holds what trains."""
+        if cfg.method == "auto":
+            cfg.method = self.methods[0]
+        if cfg.method not in self.methods:
+            raise ConfigError(self.method_refused(cfg.method))
+        self.check_config(cfg)
+        check_levers(cfg.lever_keys(), layered=self.layered, attention=self.attention(cfg))
+        if cfg.learning_rate is None:  # a pretrained classifier's stays None until its model is built (learning_rates.py)
+            cfg.learning_rate = self.default_learning_rate(cfg)
+
+    def method_refused(self, method: str) -> str:
+        return f"method={method!r}: task={self.name} trains with {', '.join(self.methods)}"
+
+    def attention(self, cfg) -> str | None:
+        """The attention kernel the model runs (what the selective checkpointing policies must keep); None: the default."""
+        return None
+
+    def planner_input(self, cfg) -> PlannerInput:
+        """What the memory planner reads of this run."""
+        return PlannerInput(seq_len=cfg.max_length, image_size=None, method="full")
+
     def check_config(self, cfg) -> None:
-        """Refuse this task's bad keys before anything loads (a ConfigError naming the key and the fix)."""
+        """Refuse this task's keys against the run's before anything loads (a ConfigError naming the key and the fix);
+        each key alone is checked by its options (``TaskOptions.check``)."""
 
     def default_learning_rate(self, cfg) -> float | None:
         """The rate when the config sets none and it need not wait for the model (None: ``learning_rate(model)``)."""
@@ -69,7 +112,7 @@ class Task:
 
     def groups_by_length(self, packed: bool) -> bool:
         """Batches of rows of similar lengths (less padding); packed rows are all about max_length long."""
-        return not self.images and not packed
+        return not packed
 
     def confirm_model(self, model, cfg, precision: str) -> str | None:
         """A check of the model where it trains (device, precision), every rank alike: the line to print, or None."""
@@ -86,6 +129,14 @@ class Task:
     def after_training(self, trainer, cfg, prepared: Prepared, runtime, started: Any, saving) -> None:
         """Work after the model is saved (generation samples after training, a merged adapter). ``saving`` is the
         context manager that turns a full disk into a message naming what was being written."""
+
+    def evaluation_line(self, model, cfg, rows: int, classes: int) -> str | None:
+        """What its evaluation keeps of each batch, said at the start (``plan/evaluation_memory.py``); None: nothing said."""
+        return None
+
+    def planner_model_here(self, cfg) -> tuple[str | None, str | None]:
+        """(the model as the planner reads it here, before anything is downloaded or converted; None and why not)."""
+        return cfg.model, None
 
     def planner_model(self, cfg) -> str:
         """The model as `hf-gpu-train config --model` takes it (a directory, a hub id or a timm name)."""
