@@ -19,14 +19,16 @@ import contextlib
 import errno
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..collectives.control_flags import agree_on_control
-from ..collectives.cpu_votes import lowest_and_highest, wait_for_every_rank
+from ..collectives.cpu_votes import lowest_and_highest, several_processes, wait_for_every_rank
 from ..errors import UsageError
 from ..textfmt import human
+from .background_save import BackgroundSaves, BackgroundWrite, background_saves_wanted, poll_at_step_boundaries, staged
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
 from .resume_epoch import exact_mid_epoch_resume
 
@@ -176,18 +178,40 @@ def _same_checkpoint_on_every_node(trainer, chosen) -> None:
                          "it), or remove the newer ones on the nodes that have them")
 
 
-def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None) -> None:
+def _raise_failed_write(trainer, write, words: SaveWords) -> None:
+    """A background write failed on some rank (said at the step boundary every rank votes at): this rank's own error
+    as a save's (a full disk: ``DiskFullError``), or, on the ranks whose write went well, which checkpoint failed."""
+    if write.error is None:
+        raise RuntimeError(f"hf_gpu_train: another rank's background write of {write.folder.name} failed (its error is "
+                           "above, from that rank); the checkpoint has no completion marker and a resume sets it aside")
+    with saving_to(trainer, write.folder, "a checkpoint", words):
+        raise write.error
+
+
+def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None,
+                background: bool | None = None) -> None:
     """For anyone's Trainer, before ``trainer.train()``: a full disk during ``_save_checkpoint`` or ``save_model``
     becomes ``DiskFullError``; every checkpoint is marked complete once every rank has written it (``before_marker``
     writes the caller's own files into it first, on the main process); ``train(resume_from_checkpoint=True)`` or a path
     to a half-written checkpoint resumes from the newest complete one (``checkpoint_marker.resume_point``).
 
+    ``background`` (default on, ``HF_GPU_TRAIN_BACKGROUND_SAVES=0`` off): the checkpoints ``train()`` writes are staged
+    in host memory and written while training goes on, marked once every rank's write is done
+    (``background_save.py``). Off for ``push_to_hub`` (the upload reads the folder at once).
+
     Waiting for every rank before the marker is a collective, so the control flags that decide a save are agreed
     across the ranks first (``collectives.control_flags.agree_on_control``): a save one rank's callback asked for alone is every
-    rank's. A Trainer without that step is not waited for: its marker is written when the main process finished."""
+    rank's. A Trainer without that step is not waited for: its marker is written when the main process finished, and
+    its checkpoints are written synchronously."""
 
     agreed = agree_on_control(trainer)
     save_on_each_node(trainer.args.save_on_each_node)  # each node marks its own copy (its local rank 0 writes it)
+    saves = None
+    if background_saves_wanted(background) and not trainer.args.push_to_hub and (agreed or several_processes() is None):
+        saves = BackgroundSaves(lowest_and_highest, lambda write: _raise_failed_write(trainer, write, words))
+        poll_at_step_boundaries(trainer, saves)
+    trainer._hf_gpu_train_background_saves = saves
+    training = [False]  # inside train(): a save there may go to the background
 
     def checkpoint_folder() -> Path:
         return Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
@@ -198,17 +222,32 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
         def saving(*args, **kwargs):
             folder = folder_of(args, kwargs)
             main = trainer.args.should_save  # global rank 0, or each node's local rank 0 with save_on_each_node
+            step = trainer.state.global_step
+            background = mark and saves is not None and training[0]  # alike on every rank
+            if background:
+                saves.drain(why=f"the save at step {step} came")
+            began = time.monotonic()
+            files: list = []
             with saving_to(trainer, folder, what, words):
                 if mark and main:
-                    begin_save(folder, trainer.state.global_step)
-                with _rotation_deferred(mark) as rotations:
+                    begin_save(folder, step)
+                with _rotation_deferred(mark) as rotations, (staged(files) if background else contextlib.nullcontext()):
                     result = original(*args, **kwargs)
+
+                def finish() -> None:
+                    with saving_to(trainer, folder, what, words):  # after a background write: at a later step boundary
+                        if mark and main and folder.is_dir():
+                            write_marker(folder, step, before_marker)
+                    for rotate in rotations:  # older checkpoints go only once this one is complete
+                        rotate()
+
+                if background:
+                    saves.begin(BackgroundWrite(folder, step, files, finish))
+                    saves.blocked_seconds.append(time.monotonic() - began)
+                    return result
                 if mark and agreed:
                     wait_for_every_rank()  # every rank's RNG state (and shards) written before the marker
-                if mark and main and folder.is_dir():
-                    write_marker(folder, trainer.state.global_step, before_marker)
-                for rotate in rotations:  # older checkpoints go only once this one is complete
-                    rotate()
+                finish()
             return result
 
         setattr(trainer, name, saving)
@@ -225,9 +264,28 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
         elif "resume_from_checkpoint" in kwargs:
             kwargs["resume_from_checkpoint"] = resume_point(kwargs["resume_from_checkpoint"], trainer.args.output_dir)
             _same_checkpoint_on_every_node(trainer, kwargs["resume_from_checkpoint"])
-        return train(*args, **kwargs)
+        if saves is None:
+            return train(*args, **kwargs)
+        training[0] = True
+        try:
+            result = train(*args, **kwargs)
+        except BaseException:
+            saves.wait_here()  # this rank alone: its write ends, unmarked (a resume sets the folder aside)
+            raise
+        finally:
+            training[0] = False
+        saves.drain()  # the last checkpoint (a stop signal's too) is on the disk and marked before train() returns
+        return result
 
     trainer.train = train_from_a_complete_checkpoint
+    if saves is not None and callable(getattr(trainer, "_load_best_model", None)):
+        load_best = trainer._load_best_model
+
+        def load_best_once_written(*args, **kwargs):
+            saves.drain()  # the best checkpoint may be the one still being written
+            return load_best(*args, **kwargs)
+
+        trainer._load_best_model = load_best_once_written
     trainer._hf_gpu_train_saves_guarded = True
     # a resume from any of these checkpoints reads the order the run never stopped reads: every epoch's order seeded by
     # the epoch, and a mid-epoch resume in its epoch's order

@@ -48,6 +48,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,7 @@ from ..collectives.cpu_votes import any_rank
 from ..collectives.lone_rank import check_not_alone
 from ..launch.grace import GRACE_ENV, RECORD
 from ..launch.rank_report import PREEMPTED_EXIT_CODE, read_stop_request, write_preempted, write_worker_pid
+from .background_save import last_write_seconds
 from .checkpoint_marker import complete_checkpoints, is_main_process
 from .disk_full import guard_saves, state_bytes
 
@@ -452,14 +454,15 @@ class Preemption:
         self.request.reset()
 
 
-def _timed(trainer, name: str, into: list[float]) -> None:
-    """Record how long ``trainer.<name>`` takes (the saves and evaluations a stop must fit in the grace)."""
+def _timed(trainer, name: str, into: list[float], also: Callable[[], float] = lambda: 0.0) -> None:
+    """Record how long ``trainer.<name>`` takes (the saves and evaluations a stop must fit in the grace), plus ``also()``
+    (a save's background write: a stop's save is waited for before the process exits)."""
     original = getattr(trainer, name)
 
     def timed(*args, **kwargs):
         start = time.monotonic()
         result = original(*args, **kwargs)
-        into.append(time.monotonic() - start)
+        into.append(time.monotonic() - start + also())
         return result
 
     setattr(trainer, name, timed)
@@ -513,7 +516,8 @@ def attach_preemption(trainer, grace: float | None = None, exit: bool = True) ->
     trainer.add_callback(PreemptionCallback(preemption))
     trainer.add_callback(preemption.deferred)
     _full_state_for_a_stop(trainer, preemption)
-    _timed(trainer, "_save_checkpoint", preemption.save_seconds)
+    # a background write's time is known once it ended: the newest one's stands for this one's
+    _timed(trainer, "_save_checkpoint", preemption.save_seconds, also=lambda: last_write_seconds(trainer))
     _timed(trainer, "evaluate", preemption.evaluation_seconds)
     _shield_loader_workers(trainer)
     train = trainer.train

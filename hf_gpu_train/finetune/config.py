@@ -119,7 +119,14 @@ class FinetuneConfig:
     eval_steps: int | None = None
     save_strategy: str = "auto"
     save_steps: int | None = None
-    checkpoint_minutes: float = 30.0  # auto: evaluate and save a checkpoint every this many minutes of training
+    # save_strategy=auto: a checkpoint every this many minutes of training; auto: the interval that minimises saving
+    # plus lost work (plan/checkpoint_interval.py), from a save's measured cost and mtbf_hours (None: the default for
+    # the run's GPU count)
+    checkpoint_minutes: float | str = "auto"
+    mtbf_hours: float | None = None
+    # checkpoints staged in host memory and written while training goes on (faults/background_save.py); false: the
+    # Trainer's synchronous save
+    background_saves: bool = True
     save_total_limit: int | None = 2
     logging_steps: int = 10
     resume: str = "auto"  # auto | never | PATH to a checkpoint
@@ -211,8 +218,12 @@ class FinetuneConfig:
             raise bad("save_steps", "save_strategy=steps needs save_steps")
         if self.eval_strategy == "steps" and not self.eval_steps:
             raise bad("eval_steps", "eval_strategy=steps needs eval_steps")
-        if self.checkpoint_minutes <= 0:
+        if isinstance(self.checkpoint_minutes, str) and self.checkpoint_minutes != "auto":
+            raise bad("checkpoint_minutes", "use auto or a number of minutes")
+        if not isinstance(self.checkpoint_minutes, str) and self.checkpoint_minutes <= 0:
             raise bad("checkpoint_minutes", "must be positive (save_strategy=no to save no checkpoint)")
+        if self.mtbf_hours is not None and self.mtbf_hours <= 0:
+            raise bad("mtbf_hours", "must be a positive number of hours between failures (or unset: the default)")
         if isinstance(self.watchdog, str) and self.watchdog not in ("auto", "off"):
             raise bad("watchdog", "use auto, off or a number of seconds")
         if isinstance(self.watchdog, float) and self.watchdog <= 0:

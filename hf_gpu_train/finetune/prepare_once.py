@@ -57,7 +57,7 @@ TRAINING_ONLY = frozenset({
     "per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size", "learning_rate", "weight_decay",
     "warmup_ratio", "lr_scheduler_type", "precision", "gradient_checkpointing", "checkpoint_layers", "offload_activations",
     "optimizer_in_backward", "torch_compile",
-    "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes",
+    "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "mtbf_hours", "background_saves",
     "save_total_limit", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery", "watchdog",
     "extra", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_adapter",
     "generation_samples", "generation_max_new_tokens", "chunked_lm_loss", "evaluate_before",

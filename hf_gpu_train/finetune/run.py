@@ -22,6 +22,7 @@ from pathlib import Path
 from ..closed_pipe import until_the_pipe_closes
 from ..errors import UsageError, report_usage_error
 from ..fast_exit import end_quickly
+from ..faults.background_save import last_write_seconds
 from ..faults.checkpoint_marker import resume_point
 from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
 from ..faults.preflight_collective import preflight
@@ -104,11 +105,14 @@ def prepared_for(cfg: FinetuneConfig, runtime) -> Prepared:
 
 def default_callbacks(cfg: FinetuneConfig, label_names: list[str]) -> list:
     from ..callbacks import CpuByAccidentGuard
+    from ..faults.checkpoint_costs import CheckpointCosts
     from .intervals import interval_callbacks
 
-    # the completion marker (with the label map) comes with guard_saves in assemble_trainer
-    return [CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ)),
-            *interval_callbacks(cfg.eval_strategy, cfg.save_strategy, cfg.checkpoint_minutes)]
+    # the completion marker (with the label map) comes with guard_saves in assemble_trainer; the save costs are measured
+    # before the interval is planned from them (callbacks run in this order)
+    costs = CheckpointCosts()
+    return [CpuByAccidentGuard(allow_cpu=cfg.allow_cpu or accelerate_uses_cpu(os.environ)), costs,
+            *interval_callbacks(cfg.eval_strategy, cfg.save_strategy, cfg.checkpoint_minutes, cfg.mtbf_hours, costs)]
 
 
 def check_output_dir(cfg: FinetuneConfig) -> None:
@@ -249,7 +253,13 @@ def assemble_trainer(cfg: FinetuneConfig, runtime, prepared: Prepared, *, callba
     strategy_line = confirm_launched_strategy(launch_plan, trainer.accelerator.state)  # scoped for what runs
     # a full disk while saving: a message naming it; each checkpoint marked complete (its label map first) once every
     # rank wrote it; a resume never takes a half-written one
-    guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(prepared.data.label_names))
+    guard_saves(trainer, FINETUNE_WORDS, before_marker=label_map_writer(prepared.data.label_names),
+                background=cfg.background_saves)
+    from .intervals import EveryFewMinutes
+
+    for callback in trainer.callback_handler.callbacks:  # a planned interval is never shorter than a background write
+        if isinstance(callback, EveryFewMinutes):
+            callback.write_seconds = lambda: last_write_seconds(trainer)
     lines = apply_levers(trainer, cfg.lever_keys(), runtime)  # selective checkpointing, offloading, optimizer in backward
     lines += [strategy_line] if strategy_line else []
     model_line = task_for(cfg.task).confirm_model(trainer.model, cfg, runtime.precision) if confirm_model else None

@@ -34,7 +34,7 @@ CONFIG = "finetune_config.yaml"
 OUTPUT_ONLY = frozenset({
     "output_dir", "per_device_train_batch_size", "global_batch_size", "per_device_eval_batch_size", "precision",
     "gradient_checkpointing", "checkpoint_layers", "offload_activations", "torch_compile", "dataloader_num_workers", "eval_strategy", "eval_steps", "save_strategy",
-    "save_steps", "save_total_limit", "checkpoint_minutes", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery",
+    "save_steps", "save_total_limit", "checkpoint_minutes", "mtbf_hours", "background_saves", "logging_steps", "resume", "report_to", "allow_cpu", "telemetry", "oom_recovery",
     "max_eval_samples", "generation_samples", "generation_max_new_tokens", "merge_adapter", "evaluate_before",
 })
 # Resolved only once the model is built (finetune/learning_rates.py): None before that means "not known yet", and is

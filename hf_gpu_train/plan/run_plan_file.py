@@ -307,7 +307,7 @@ def recipe_identity(recipe: str | Path | None) -> dict | None:
 # holds for any run that differs only in these (and a tune cache entry, tune/cache.py, the same).
 NOT_THE_JOB = frozenset({
     "output_dir", "num_train_epochs", "max_steps", "learning_rate", "weight_decay", "warmup_ratio", "lr_scheduler_type",
-    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "save_total_limit", "logging_steps",
+    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "checkpoint_minutes", "mtbf_hours", "background_saves", "save_total_limit", "logging_steps",
     "resume", "report_to", "telemetry", "oom_recovery", "allow_cpu", "per_device_eval_batch_size", "max_eval_samples",
     "validation_file", "validation_split", "validation_fraction", "generation_samples", "generation_max_new_tokens",
     "gradient_accumulation_steps", "evaluate_before", *APPLIED_KEYS,

@@ -29,6 +29,7 @@ CONFIG_KEYS = ("task", "model", "method", "dataset", "train_file", "num_train_ep
 SKIPPED_DEFAULTS = {"max_steps": -1, "offload_activations": False, "optimizer_in_backward": False}
 
 
+CHECKPOINTING_RECORD = "hf_gpu_train_checkpointing.json"  # saves and lost work, faults/checkpoint_costs.py
 LOG_HISTORY = "log_history.json"  # the Trainer's log_history, written by telemetry at train end (callbacks/telemetry.py)
 
 
@@ -136,6 +137,31 @@ def config_section(config: dict) -> list[str]:
             "| key | value |", "|---|---|", *[f"| {k} | {_fmt(v)} |" for k, v in rows], ""]
 
 
+def checkpointing_lines(record: dict) -> list[str]:
+    """The run report's section: checkpointing's cost and the lost work, measured and expected."""
+    if not record:
+        return []
+    blocked = sum(record.get("blocked_seconds", []))
+    training = float(record.get("training_seconds", 0.0) or 0.0)
+    lines = ["## Checkpoints", "",
+             f"- {record.get('saves', 0)} saves blocked training {blocked:.2f} s"
+             + (f" ({100 * blocked / training:.2f}% of {training:.0f} s of training)" if training else "")]
+    lost = record.get("lost", [])
+    if lost:
+        lines.append(f"- lost to failures: {sum(e['steps'] for e in lost)} steps ({sum(e['seconds'] for e in lost):.0f} s) "
+                     f"over {len(lost)} restart{'s' if len(lost) != 1 else ''} ("
+                     + ", ".join(f"step {e['from_step']} -> {e['resumed_at']}" for e in lost) + ")")
+    else:
+        lines.append("- lost to failures: nothing (no restart from an older checkpoint)")
+    plan = record.get("plan")
+    if plan:
+        lines.append(f"- expected: a save every {plan['interval_s'] / 60:.1f} min costing {100 * plan['expected_saving_fraction']:.2f}% "
+                     f"of the training; {plan['expected_failures']:.3f} failures over this training (one every "
+                     f"{plan['mtbf_s'] / 3600:.0f} h: {plan['mtbf_source']}), each losing "
+                     f"{plan['expected_lost_per_failure_s'] / 60:.1f} min on average")
+    return [*lines, ""]
+
+
 def story(out: Path) -> tuple[list[str], list[Path]]:
     """(report.md lines, chart paths) for the run in ``out``."""
     lines: list[str] = []
@@ -151,6 +177,7 @@ def story(out: Path) -> tuple[list[str], list[Path]]:
         lines += ["## Training", "", *([f"From `{source}` (the run's final state was not saved)."]
                                        if source != "trainer_state.json" else []),
                   *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    lines += checkpointing_lines(read_json_object(out / CHECKPOINTING_RECORD) or {})
     config_file = out / "finetune_config.yaml"
     if config_file.is_file():
         import yaml

@@ -1,0 +1,298 @@
+"""Checkpoints written in the background, in anyone's Trainer: training goes on while the files reach the disk.
+
+The Trainer's ``_save_checkpoint`` stops training for as long as it writes (model, optimizer, scheduler, RNG): users
+space their saves out and lose the work between them. Here, while ``_save_checkpoint`` runs, the tensor files it
+writes (``torch.save``, safetensors' ``save_file``: every name a loaded module holds for them) are *staged* instead: each
+tensor copied to host memory (pinned, from a GPU) at the step boundary, the state exactly as a synchronous save would
+have written it. A background thread then writes the staged files (and ``fsync``s them: a checkpoint marked complete
+survives a machine that loses its page cache, which the Trainer's own save does not promise). Everything else the save
+does (``trainer_state.json``, the tokenizer, the config, collectives of FSDP and DeepSpeed) happens as before, at once.
+
+The completion marker (``checkpoint_marker.py``) is written only once every rank's background write finished: at each
+step's start and end while a write is in flight every rank takes one vote on the CPU (writing / done / failed); all
+done, the main process writes the marker and only then does the Trainer's rotation (``save_total_limit``) delete older
+checkpoints. A process that dies during a background write, or after it but before the next step boundary's vote,
+leaves a folder without a marker, which the next run sets aside, resuming from the newest complete one: the work that
+can be lost to a failure is the interval, the write and at most one step (a synchronous save: the interval). At most one write is in flight: a save that comes while the previous one
+still writes waits for it (said once, with the time the write takes, to space saves out). ``train()`` returns only
+once the last write is complete and marked (the final save and a stop signal's save are waited for), and the
+Trainer's ``_load_best_model`` waits first too.
+
+What is not moved to the background: ``torch.distributed.checkpoint`` writes (FSDP's SHARDED_STATE_DICT; they stay
+synchronous, correct but not faster), a file object rather than a path, and saves outside ``train()``. The host memory
+the staging takes (the size of the checkpoint's tensors, on each writing rank) is in the memory plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("hf_gpu_train.checkpoints")
+
+BACKGROUND_ENV = "HF_GPU_TRAIN_BACKGROUND_SAVES"  # "0": every checkpoint written synchronously, as the Trainer does
+WRITING, DONE, FAILED = 0, 1, 2
+
+
+def background_saves_wanted(asked: bool | None = None) -> bool:
+    """On unless turned off: ``asked`` (the run's ``background_saves`` key), else ``HF_GPU_TRAIN_BACKGROUND_SAVES``."""
+    if asked is not None:
+        return bool(asked)
+    return os.environ.get(BACKGROUND_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# ---------------------------------------------------------------------------------------------------------- staging
+
+def stage(value, memo: dict | None = None):
+    """A copy of ``value`` whose tensors live in host memory and share nothing with the training's: what the file would
+    hold if written now. Containers are rebuilt (their types and attributes kept: a state dict's ``_metadata``), tensors
+    that share storage and layout share their copy (tied weights stay tied), anything else is deep-copied."""
+    import torch
+
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+               tuple(value.stride()), value.dtype)
+        if key not in memo:
+            tensor = value.detach()
+            if tensor.device.type == "cpu":
+                copied = tensor.clone()
+            else:  # pinned host memory: the copy runs at the link's speed, waited for once per save (``staged``)
+                copied = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+                copied.copy_(tensor, non_blocking=True)
+            if isinstance(value, torch.nn.Parameter):
+                copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
+            memo[key] = copied
+        return memo[key]
+    if isinstance(value, dict):
+        rebuilt = copy.copy(value)
+        for name in list(rebuilt.keys()):
+            rebuilt[name] = stage(value[name], memo)
+        return rebuilt
+    if isinstance(value, list):
+        return [stage(item, memo) for item in value]
+    if isinstance(value, tuple):
+        items = [stage(item, memo) for item in value]
+        return type(value)._make(items) if hasattr(value, "_fields") else type(value)(items)
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # not copyable: written as it is (a plain value the training does not change)
+        return value
+
+
+@dataclass
+class StagedFile:
+    """One file a save asked for, its content staged: ``write`` puts it on the disk as the original call would have."""
+
+    writer: Callable
+    content: object
+    path: str
+    kwargs: dict
+    size: int = 0
+
+    def write(self) -> None:
+        self.writer(self.content, self.path, **self.kwargs)
+        with open(self.path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _tensor_bytes(value) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+_NAMES = ("save", "save_file", "safe_save_file", "safetensors_save_file")
+
+
+@contextlib.contextmanager
+def staged(into: list[StagedFile]):
+    """Inside, ``torch.save(obj, path)`` and safetensors' ``save_file(tensors, path)`` (under every name a loaded module
+    holds them: transformers' ``safe_save_file``, PEFT's, accelerate's) stage their content into ``into`` instead of
+    writing. A file object, or anything but a path, is written at once as before."""
+    import safetensors.torch
+    import torch
+
+    originals = {id(torch.save): torch.save, id(safetensors.torch.save_file): safetensors.torch.save_file}
+    device_copies = [False]
+
+    def staging(original):
+        def stage_instead(content, path, *args, **kwargs):
+            if args or not isinstance(path, (str, os.PathLike)):
+                return original(content, path, *args, **kwargs)
+            memo: dict = {}
+            copied = stage(content, memo)
+            device_copies[0] |= any(key[0].type != "cpu" for key in memo)
+            into.append(StagedFile(original, copied, os.fspath(path), kwargs, _tensor_bytes(copied)))
+            return None
+        return stage_instead
+
+    replaced: list[tuple[object, str, object]] = []
+    for module in list(sys.modules.values()):
+        for name in _NAMES:
+            found = getattr(module, name, None) if module is not None else None
+            if found is not None and id(found) in originals and found is originals[id(found)]:
+                replaced.append((module, name, found))
+    try:
+        for module, name, found in replaced:
+            setattr(module, name, staging(found))
+        yield into
+    finally:
+        for module, name, found in replaced:
+            setattr(module, name, found)
+        if device_copies[0]:
+            torch.cuda.synchronize()  # the pinned copies are complete before training changes the tensors
+
+
+# ------------------------------------------------------------------------------------------------ the write in flight
+
+@dataclass
+class BackgroundWrite:
+    """One checkpoint's staged files, written by a thread of their own."""
+
+    folder: Path
+    step: int
+    files: list[StagedFile]
+    finish: Callable[[], None]  # on the main process once every rank's write is done: marker, then rotation
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._write, name=f"hf_gpu_train-save-{self.step}", daemon=False)
+        self.thread.start()
+
+    def _write(self) -> None:
+        try:
+            for staged_file in self.files:
+                staged_file.write()
+                staged_file.content = None  # the host copy goes as soon as its file is on the disk
+        except BaseException as error:  # noqa: BLE001 - said on the main thread, at the next step boundary
+            self.error = error
+        finally:
+            self.ended = time.monotonic()
+
+    @property
+    def status(self) -> int:
+        if self.thread is not None and self.thread.is_alive():
+            return WRITING
+        return FAILED if self.error is not None else DONE
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+class BackgroundSaves:
+    """One Trainer's background writes: at most one in flight, finished (marked, rotated) when every rank's is done.
+
+    ``vote`` is every rank's agreement (``lowest_and_highest`` of a status): every rank calls ``poll`` at each step
+    boundary and ``drain`` before a save and at the end of ``train()``, alike, because every rank saved at the same step
+    (the control flags are agreed: ``guard_saves``)."""
+
+    def __init__(self, vote: Callable[[int], tuple[int, int]], raise_failure: Callable[[BackgroundWrite], None]):
+        self.vote = vote
+        self.raise_failure = raise_failure
+        self.in_flight: BackgroundWrite | None = None
+        self.blocked_seconds: list[float] = []  # training time each save took (staging included)
+        self.write_seconds: list[float] = []  # the background write of each, start to end
+        self.waited_seconds = 0.0  # training time spent waiting for a previous write (a save that came too soon)
+        self._said_waiting = False
+
+    def begin(self, write: BackgroundWrite) -> None:
+        self.in_flight = write
+        write.start()
+
+    def poll(self) -> None:
+        """At a step boundary: when every rank's write is done, finish it (marker, rotation); a failed write on any rank
+        stops the run on every rank."""
+        if self.in_flight is None:
+            return
+        lowest, highest = self.vote(self.in_flight.status)
+        if highest == FAILED:
+            self._fail()
+        elif lowest == DONE:
+            self._finish()
+
+    def drain(self, why: str | None = None) -> None:
+        """Wait for the write in flight, then finish it on every rank (``why``: a new save came while it wrote)."""
+        write = self.in_flight
+        if write is None:
+            return
+        began = time.monotonic()
+        write.join()
+        waited = time.monotonic() - began
+        if why is not None:
+            self.waited_seconds += waited
+            if waited > 0.05 and not self._said_waiting:
+                self._said_waiting = True
+                log.warning("hf_gpu_train: %s while checkpoint-%d was still being written (%.1f s of writing; training "
+                            "waited %.1f s for it): at most one checkpoint is written at a time. Save less often than "
+                            "every %.0f s of training to never wait (said once)", why, write.step, write.seconds, waited,
+                            write.seconds)
+        lowest, highest = self.vote(write.status)
+        if highest == FAILED:
+            self._fail()
+        self._finish()
+
+    def wait_here(self) -> None:
+        """This rank alone (an exception is ending ``train()``): the write finishes, no vote, no marker (the other
+        ranks may not come); the folder stays half-written and a resume sets it aside."""
+        if self.in_flight is not None:
+            self.in_flight.join()
+            self.in_flight = None
+
+    def _finish(self) -> None:
+        write, self.in_flight = self.in_flight, None
+        self.write_seconds.append(write.seconds)
+        write.finish()
+
+    def _fail(self) -> None:
+        write, self.in_flight = self.in_flight, None
+        self.raise_failure(write)
+
+
+def last_write_seconds(trainer) -> float:
+    """Seconds the newest finished background write took (0 without one): what a stop's save adds to its blocked time."""
+    saves = getattr(trainer, "_hf_gpu_train_background_saves", None)
+    return saves.write_seconds[-1] if saves is not None and saves.write_seconds else 0.0
+
+
+
+def poll_at_step_boundaries(trainer, saves: BackgroundSaves) -> None:
+    """Every rank's vote on the write in flight at every step's start and end while one is (``BackgroundSaves.poll``),
+    before any other callback's (one that ends the process at a step's end must find the checkpoint before it marked,
+    when its write is done). Made on call: this module is imported before transformers is."""
+    from transformers import TrainerCallback
+
+    class BackgroundSavesAtStepBoundaries(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            saves.poll()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            saves.poll()
+
+    trainer.callback_handler.callbacks.insert(0, BackgroundSavesAtStepBoundaries())
