@@ -58,6 +58,8 @@ log = logging.getLogger("hf_gpu_train.telemetry")
 
 
 class TelemetryCallback(TrainerCallback):
+    hears_of_staged_saves = True  # its on_save ends the save's pause in the step clock (faults/background_save.py)
+
     def __init__(
         self,
         trainer=None,

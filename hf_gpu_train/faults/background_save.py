@@ -51,23 +51,53 @@ def background_saves_wanted(asked: bool | None = None) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------- staging
 
-def stage(value, memo: dict | None = None):
+class StagingBuffers:
+    """Host buffers reused from one save to the next: a save copies into the buffers the previous one wrote from (its
+    write is done before the next save stages: one in flight), so after the first save staging is a memory copy, with
+    no allocation, page faults or pinning (``cudaHostAlloc`` of a checkpoint's size takes seconds). They hold host
+    memory the size of a checkpoint's tensors for the run's length: the memory plan counts it."""
+
+    def __init__(self):
+        self.free: dict[tuple, list] = {}
+        self.lent: list[tuple[tuple, object]] = []
+
+    def copy_of(self, tensor):
+        import torch
+
+        pinned = tensor.device.type != "cpu" and torch.cuda.is_available()
+        key = (tuple(tensor.shape), tensor.dtype, pinned)
+        pool = self.free.get(key)
+        buffer = pool.pop() if pool else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        buffer.copy_(tensor, non_blocking=pinned)  # from a GPU: waited for once per save (``staged``)
+        self.lent.append((key, buffer))
+        return buffer
+
+    def give_back(self) -> None:
+        """The write that read the lent buffers is over: they are free for the next save."""
+        for key, buffer in self.lent:
+            self.free.setdefault(key, []).append(buffer)
+        self.lent = []
+
+    @property
+    def bytes(self) -> int:
+        held = [b for pool in self.free.values() for b in pool] + [b for _, b in self.lent]
+        return sum(b.numel() * b.element_size() for b in held)
+
+
+def stage(value, memo: dict | None = None, buffers: StagingBuffers | None = None):
     """A copy of ``value`` whose tensors live in host memory and share nothing with the training's: what the file would
     hold if written now. Containers are rebuilt (their types and attributes kept: a state dict's ``_metadata``), tensors
-    that share storage and layout share their copy (tied weights stay tied), anything else is deep-copied."""
+    that share storage and layout share their copy (tied weights stay tied), anything else is deep-copied. ``buffers``:
+    where the copies go (None: fresh memory)."""
     import torch
 
     memo = {} if memo is None else memo
+    buffers = StagingBuffers() if buffers is None else buffers
     if isinstance(value, torch.Tensor):
         key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                tuple(value.stride()), value.dtype)
         if key not in memo:
-            tensor = value.detach()
-            if tensor.device.type == "cpu":
-                copied = tensor.clone()
-            else:  # pinned host memory: the copy runs at the link's speed, waited for once per save (``staged``)
-                copied = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-                copied.copy_(tensor, non_blocking=True)
+            copied = buffers.copy_of(value.detach())
             if isinstance(value, torch.nn.Parameter):
                 copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
             memo[key] = copied
@@ -75,12 +105,12 @@ def stage(value, memo: dict | None = None):
     if isinstance(value, dict):
         rebuilt = copy.copy(value)
         for name in list(rebuilt.keys()):
-            rebuilt[name] = stage(value[name], memo)
+            rebuilt[name] = stage(value[name], memo, buffers)
         return rebuilt
     if isinstance(value, list):
-        return [stage(item, memo) for item in value]
+        return [stage(item, memo, buffers) for item in value]
     if isinstance(value, tuple):
-        items = [stage(item, memo) for item in value]
+        items = [stage(item, memo, buffers) for item in value]
         return type(value)._make(items) if hasattr(value, "_fields") else type(value)(items)
     try:
         return copy.deepcopy(value)
@@ -120,7 +150,7 @@ _NAMES = ("save", "save_file", "safe_save_file", "safetensors_save_file")
 
 
 @contextlib.contextmanager
-def staged(into: list[StagedFile]):
+def staged(into: list[StagedFile], buffers: StagingBuffers | None = None):
     """Inside, ``torch.save(obj, path)`` and safetensors' ``save_file(tensors, path)`` (under every name a loaded module
     holds them: transformers' ``safe_save_file``, PEFT's, accelerate's) stage their content into ``into`` instead of
     writing. A file object, or anything but a path, is written at once as before."""
@@ -135,7 +165,7 @@ def staged(into: list[StagedFile]):
             if args or not isinstance(path, (str, os.PathLike)):
                 return original(content, path, *args, **kwargs)
             memo: dict = {}
-            copied = stage(content, memo)
+            copied = stage(content, memo, buffers)
             device_copies[0] |= any(key[0].type != "cpu" for key in memo)
             into.append(StagedFile(original, copied, os.fspath(path), kwargs, _tensor_bytes(copied)))
             return None
@@ -169,6 +199,7 @@ class BackgroundWrite:
     files: list[StagedFile]
     finish: Callable[[], None]  # on the main process once every rank's write is done: marker, then rotation
     started: float = field(default_factory=time.monotonic)
+    blocked_seconds: float = 0.0  # the training time its staging took
     ended: float | None = None
     error: BaseException | None = None
     thread: threading.Thread | None = None
@@ -217,13 +248,21 @@ class BackgroundSaves:
         self.vote = vote
         self.raise_failure = raise_failure
         self.in_flight: BackgroundWrite | None = None
+        self.buffers = StagingBuffers()  # reused by every save (``staged(files, saves.buffers)``)
         self.blocked_seconds: list[float] = []  # training time each save took (staging included)
         self.write_seconds: list[float] = []  # the background write of each, start to end
+        self.staged_bytes: list[int] = []  # each save's tensors, staged in host memory
+        self.staged_untold = False  # a save was staged and the Trainer's on_save for it is still to come
+        self.tell: Callable[[BackgroundWrite], None] = lambda write: None  # on_save, once a write is complete
         self.waited_seconds = 0.0  # training time spent waiting for a previous write (a save that came too soon)
         self._said_waiting = False
 
-    def begin(self, write: BackgroundWrite) -> None:
+    def begin(self, write: BackgroundWrite, blocked_seconds: float) -> None:
         self.in_flight = write
+        write.blocked_seconds = blocked_seconds
+        self.blocked_seconds.append(blocked_seconds)
+        self.staged_bytes.append(write.bytes)
+        self.staged_untold = True
         write.start()
 
     def poll(self) -> None:
@@ -255,7 +294,8 @@ class BackgroundSaves:
                             write.seconds)
         lowest, highest = self.vote(write.status)
         if highest == FAILED:
-            self._fail()
+            self._fail()  # raises
+            return
         self._finish()
 
     def wait_here(self) -> None:
@@ -264,14 +304,18 @@ class BackgroundSaves:
         if self.in_flight is not None:
             self.in_flight.join()
             self.in_flight = None
+            self.buffers.give_back()
 
     def _finish(self) -> None:
         write, self.in_flight = self.in_flight, None
+        self.buffers.give_back()
         self.write_seconds.append(write.seconds)
         write.finish()
+        self.tell(write)
 
     def _fail(self) -> None:
         write, self.in_flight = self.in_flight, None
+        self.buffers.give_back()
         self.raise_failure(write)
 
 
@@ -282,10 +326,15 @@ def last_write_seconds(trainer) -> float:
 
 
 
-def poll_at_step_boundaries(trainer, saves: BackgroundSaves) -> None:
-    """Every rank's vote on the write in flight at every step's start and end while one is (``BackgroundSaves.poll``),
-    before any other callback's (one that ends the process at a step's end must find the checkpoint before it marked,
-    when its write is done). Made on call: this module is imported before transformers is."""
+def attach_to_trainer(trainer, saves: BackgroundSaves) -> None:
+    """Wire ``saves`` into ``trainer``: every rank's vote on the write in flight at every step's start and end while
+    one is (``BackgroundSaves.poll``), before any other callback's (one that ends the process at a step's end must find
+    the checkpoint before it marked, when its write is done); the last write waited for at ``on_train_end``, before any
+    other callback's ``on_train_end``; and ``on_save`` told to the callbacks once the checkpoint is complete, not when it
+    was staged: a callback that reads ``checkpoint-{state.global_step}`` in ``on_save`` (MLflow's, W&B's, Neptune's,
+    ClearML's artifact uploads; a user's copy to object storage) finds it whole. It gets the state with the saved
+    step as ``global_step``, and ``blocked_seconds`` (the training time the save took). Made on call: this module is
+    imported before transformers is."""
     from transformers import TrainerCallback
 
     class BackgroundSavesAtStepBoundaries(TrainerCallback):
@@ -295,4 +344,43 @@ def poll_at_step_boundaries(trainer, saves: BackgroundSaves) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             saves.poll()
 
-    trainer.callback_handler.callbacks.insert(0, BackgroundSavesAtStepBoundaries())
+        def on_train_end(self, args, state, control, **kwargs):
+            saves.drain()  # every rank ends training alike
+
+    handler = trainer.callback_handler
+    handler.callbacks.insert(0, BackgroundSavesAtStepBoundaries())
+    told_now = handler.on_save
+
+    def some(callbacks: list, event: str, *args, **kwargs):
+        """The handler's ``event`` for ``callbacks`` only, in their order."""
+        everyone = handler.callbacks
+        handler.callbacks = callbacks
+        try:
+            return event_call(event, *args, **kwargs)
+        finally:
+            handler.callbacks = everyone
+
+    def event_call(event, *args, **kwargs):
+        return told_now(*args) if event == "now" else handler.call_event("on_save", *args, **kwargs)
+
+    def on_save_once_written(args, state, control):
+        if not saves.staged_untold:
+            return told_now(args, state, control)
+        saves.staged_untold = False  # the save just staged: the callbacks about the files hear of it once it is written
+        return some([c for c in handler.callbacks if hears_of_staged_saves(c)], "now", args, state, control)
+
+    def tell(write: BackgroundWrite) -> None:
+        as_saved = copy.copy(trainer.state)
+        as_saved.global_step = write.step
+        later = [c for c in handler.callbacks if not hears_of_staged_saves(c)]
+        trainer.control = some(later, "on_save", trainer.args, as_saved, trainer.control, blocked_seconds=write.blocked_seconds)
+
+    handler.on_save = on_save_once_written
+    saves.tell = tell
+
+
+def hears_of_staged_saves(callback) -> bool:
+    """A callback whose ``on_save`` is about the training's control or clock, not the checkpoint's files, sets the class
+    attribute ``hears_of_staged_saves = True`` and hears of a background save at once (preemption's stop after the
+    save, telemetry's pause, the checkpoint interval's measurement); every other callback once the files are written."""
+    return bool(getattr(callback, "hears_of_staged_saves", False))

@@ -1,7 +1,8 @@
 """What checkpointing costs a run, and what failures cost it, measured: a TrainerCallback for anyone's Trainer.
 
 - Each save's blocked time: from the moment the Trainer stops training to save (the step's end, or the end of the
-  evaluation the Trainer runs first) to ``on_save``. The slowest rank's, agreed at ``on_save`` (every rank saves).
+  evaluation the Trainer runs first) to ``on_save`` (told at once for a background save: its staging's time). The
+  slowest rank's, agreed at ``on_save`` (every rank saves).
 - The work lost to failures: the main process notes its progress (step, time) in ``output_dir`` at most every
   ``PROGRESS_EVERY_S``; a run that starts from a checkpoint older than the noted step lost the steps in between
   (a stop signal's resume loses none: its checkpoint is the step it stopped at).
@@ -52,6 +53,8 @@ def _slowest(value: float, args) -> float:
 
 
 class CheckpointCosts(TrainerCallback):
+    hears_of_staged_saves = True  # its on_save is about the training, not the files (background_save.py)
+
     def __init__(self):
         self.blocked_s: list[float] = []
         self.plan = None  # the CheckpointInterval in use (``finetune/intervals.py`` sets it)
@@ -96,8 +99,10 @@ class CheckpointCosts(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        # every rank saves here: the vote is every rank's whatever it measured
-        self.blocked_s.append(_slowest(time.perf_counter() - self._stopped if self._stopped is not None else 0.0, args))
+        # every rank saves here: the vote is every rank's whatever it measured (a background save is told at once:
+        # the time is its staging's)
+        blocked = time.perf_counter() - self._stopped if self._stopped is not None else 0.0
+        self.blocked_s.append(_slowest(blocked, args))
         self._stopped = None
         if args.process_index == 0:
             self.note_progress(args, state)  # a checkpoint: the progress a failure from here on is measured against

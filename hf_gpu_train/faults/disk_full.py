@@ -28,7 +28,7 @@ from ..collectives.control_flags import agree_on_control
 from ..collectives.cpu_votes import lowest_and_highest, several_processes, wait_for_every_rank
 from ..errors import UsageError
 from ..textfmt import human
-from .background_save import BackgroundSaves, BackgroundWrite, background_saves_wanted, poll_at_step_boundaries, staged
+from .background_save import BackgroundSaves, BackgroundWrite, attach_to_trainer, background_saves_wanted, staged
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
 from .resume_epoch import exact_mid_epoch_resume
 
@@ -209,7 +209,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     saves = None
     if background_saves_wanted(background) and not trainer.args.push_to_hub and (agreed or several_processes() is None):
         saves = BackgroundSaves(lowest_and_highest, lambda write: _raise_failed_write(trainer, write, words))
-        poll_at_step_boundaries(trainer, saves)
+        attach_to_trainer(trainer, saves)
     trainer._hf_gpu_train_background_saves = saves
     training = [False]  # inside train(): a save there may go to the background
 
@@ -231,7 +231,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
             with saving_to(trainer, folder, what, words):
                 if mark and main:
                     begin_save(folder, step)
-                with _rotation_deferred(mark) as rotations, (staged(files) if background else contextlib.nullcontext()):
+                with _rotation_deferred(mark) as rotations, (staged(files, saves.buffers) if background else contextlib.nullcontext()):
                     result = original(*args, **kwargs)
 
                 def finish() -> None:
@@ -242,8 +242,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
                         rotate()
 
                 if background:
-                    saves.begin(BackgroundWrite(folder, step, files, finish))
-                    saves.blocked_seconds.append(time.monotonic() - began)
+                    saves.begin(BackgroundWrite(folder, step, files, finish), blocked_seconds=time.monotonic() - began)
                     return result
                 if mark and agreed:
                     wait_for_every_rank()  # every rank's RNG state (and shards) written before the marker

@@ -249,6 +249,8 @@ class DeferredEvaluation(TrainerCallback, ExportableState):
 
 class PreemptionCallback(TrainerCallback):
     """Turns a noted stop signal into the Trainer's own save and stop, at the next step boundary."""
+    hears_of_staged_saves = True  # its on_save is about the training, not the files (background_save.py)
+
 
     def __init__(self, preemption: Preemption):
         self.preemption = preemption

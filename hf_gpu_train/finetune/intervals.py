@@ -40,6 +40,8 @@ def estimated_save_seconds(model) -> float:
 
 class EveryFewMinutes(TrainerCallback):
     """``minutes``: a fixed interval; None: planned (Young/Daly) from ``costs`` (the run's ``CheckpointCosts``)."""
+    hears_of_staged_saves = True  # its on_save is about the training, not the files (background_save.py)
+
 
     def __init__(self, minutes: float | None, evaluate: bool, save: bool, costs: CheckpointCosts | None = None,
                  mtbf_hours: float | None = None, say=print):

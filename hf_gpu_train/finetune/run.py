@@ -44,7 +44,15 @@ from .fsdp import fsdp_requested, save_full_model
 from .launch_plan import apply_launch_plan, confirm_launched_strategy, strategy_of_state
 from .loading import load_config_and_keys, read_config_values
 from .recipe_names import resolve_recipe, shipped_names
-from .run_record import SHOWN_METRICS, RunIdentity, back_up_config, check_previous_run, read_previous, write_record
+from .run_record import (
+    SHOWN_METRICS,
+    RunIdentity,
+    back_up_config,
+    check_previous_run,
+    keep_the_global_batch,
+    read_previous,
+    write_record,
+)
 from .tasks import Prepared, task_for
 
 log = logging.getLogger("hf_gpu_train.finetune")
@@ -310,6 +318,14 @@ class FinetuneRun:
         self.accumulation, self.effective = gradient_accumulation(cfg, runtime.world_size)
         self.identity = RunIdentity.of(cfg, runtime.precision, self.effective)
         self.previous = read_previous(cfg.output_dir)
+        kept = keep_the_global_batch(cfg, self.identity, self.previous, runtime.world_size)
+        if kept is not None:  # another number of processes than the checkpoints': the same global batch
+            changes, line = kept
+            self.cfg = cfg = cfg.with_values(**changes)
+            self.accumulation, self.effective = gradient_accumulation(cfg, runtime.world_size)
+            self.identity = RunIdentity.of(cfg, runtime.precision, self.effective)
+            if is_main_process():
+                print(f"hf_gpu_train: {line}", flush=True)
         if check_previous_run(cfg, self.identity, self.previous, runtime.world_size) == "finished":
             return _report_finished(cfg, self.previous.results)
         return None

@@ -100,14 +100,56 @@ def resume_batch_fix(effective: int, micro: int, processes: int) -> str:
     per-device batch x processes must divide the effective batch (48 on 2 processes of 16 would round up to 64)."""
     processes = max(1, processes)
     head = "the effective batch is per-device batch x accumulation x processes"
-    for candidate in range(min(micro, effective // processes), 0, -1):
-        if effective % (candidate * processes) == 0:
-            keys = f"global_batch_size={effective}"
-            if candidate != micro:
-                keys += f" per_device_train_batch_size={candidate}"
-            return f"{head}: set {keys} to resume it on {processes} process(es)"
+    candidate = batch_on(effective, micro, processes)
+    if candidate is not None:
+        keys = f"global_batch_size={effective}"
+        if candidate != micro:
+            keys += f" per_device_train_batch_size={candidate}"
+        return f"{head}: set {keys} to resume it on {processes} process(es)"
     return (f"{head}: {effective} cannot be split evenly over {processes} processes; resume it with a number of processes "
             f"that divides {effective}")
+
+
+def batch_on(effective: int, micro: int, processes: int) -> int | None:
+    """The largest per-device batch up to ``micro`` whose ``x processes`` divides ``effective`` (accumulation is a whole
+    number), or None."""
+    for candidate in range(min(micro, effective // max(1, processes)), 0, -1):
+        if effective % (candidate * max(1, processes)) == 0:
+            return candidate
+    return None
+
+
+def keep_the_global_batch(cfg: FinetuneConfig, identity: RunIdentity, previous: Previous,
+                          processes: int) -> tuple[dict[str, int], str] | None:
+    """A run continued on another number of processes than the one that wrote its checkpoints (a requeued job on fewer
+    nodes, a shrunken spot pool, a single-GPU resume): the same command keeps the run's global batch, accumulation
+    adjusted (and the per-device batch, when it does not divide), said in one line. (changes to the config, the line),
+    or None where nothing is to adjust: the same number of processes, another difference than the effective batch,
+    a ``global_batch_size`` the user set to another value (a change on purpose: refused as before), or a batch that
+    cannot be split over ``processes``.
+
+    The data position follows: accelerate shards each step's global batch over the processes in the sampler's order, so
+    after k steps of the same global batch the first k x global batch rows of the epoch's order were consumed, on any
+    number of processes (a length-grouped sampler's order depends on the per-step batch: it is kept only where the
+    per-device batch is). The optimizer's state under DDP is whole on every rank: nothing to re-shard."""
+    record = previous.record
+    if record is None or cfg.resume != "auto" or record.get("processes") in (None, processes):
+        return None
+    if [k for k, _, _ in identity.differences(record)] != ["effective_batch"]:
+        return None
+    effective = int(record["effective_batch"])
+    if cfg.global_batch_size not in (None, effective):
+        return None
+    micro = batch_on(effective, cfg.per_device_train_batch_size, processes)
+    if micro is None:
+        return None
+    changes = {"global_batch_size": effective}
+    if micro != cfg.per_device_train_batch_size:
+        changes["per_device_train_batch_size"] = micro
+    accumulation = effective // (micro * processes)
+    line = (f"resuming a run of {record['processes']} process(es) on {processes}: its global batch of {effective} kept "
+            f"(per-device batch {micro} x accumulation {accumulation} x {processes} process(es))")
+    return changes, line
 
 
 def check_previous_run(cfg: FinetuneConfig, identity: RunIdentity, previous: Previous, processes: int = 1) -> str:

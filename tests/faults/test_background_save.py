@@ -123,6 +123,8 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_marked_only_af
     assert len(saves.blocked_seconds) == 3 and len(saves.write_seconds) == 3
     # the model, optimizer, scheduler and RNG files: 4 writes of >= 0.3 s each, none of it blocking training
     assert min(saves.write_seconds) >= 1.2 and max(saves.blocked_seconds) < min(saves.write_seconds) / 2
+    # the staging buffers of the first save are the second's and third's: host memory of one checkpoint, not three
+    assert saves.staged_bytes[0] > 0 and saves.buffers.bytes == saves.staged_bytes[0] and not saves.buffers.lent
     got, expected = weights(trainer), uninterrupted
     assert all(torch.equal(got[k], expected[k]) for k in expected)  # saving in the background changes nothing
 

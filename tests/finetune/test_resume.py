@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from hf_gpu_train.faults.checkpoint_marker import complete_checkpoints
 from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR
 from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.run import finetune, main
@@ -141,6 +142,37 @@ def test_another_number_of_processes_with_the_same_effective_batch_resumes_at_th
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "CPU x2" in resumed.stdout
     assert_same_params(load_file(out / "model.safetensors"), load_file(whole / "model.safetensors"))
+
+
+def test_the_same_command_on_another_number_of_processes_keeps_the_global_batch_both_ways(tmp_path, case, uninterrupted,
+                                                                                            capsys):
+    """Issue 38, item 3: a run's checkpoints written by N processes, the same command (no global_batch_size) on M != N
+    continues the same run: its global batch kept, accumulation adjusted and said, the same rows from the same position.
+    1 -> 2: one process of 16 stopped after checkpoint-4, resumed on 2 (per-device 16 would make 32: 8 x 1 x 2). 2 -> 1:
+    two processes of 8 killed after checkpoint-4, resumed on 1 (8 x 2 x 1). Both end with the uninterrupted weights."""
+    saving = ["save_strategy=steps", "save_steps=2"]
+    config = cpu_config(tmp_path)
+    # 1 -> 2
+    up = tmp_path / "up"
+    with pytest.raises(KeyboardInterrupt):
+        finetune(load_config(None, args(case, up, *saving)), extra_callbacks=[StopAfterSaving(4)])
+    resumed = launch(config, SCRIPT, *args(case, up, *saving))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("resuming a run of 1 process(es) on 2: its global batch of 16 kept (per-device batch 8 x accumulation 1 x 2 "
+            "process(es))") in resumed.stdout, resumed.stdout[-3000:]
+    assert f"resuming from {up / 'checkpoint-4'}" in resumed.stdout
+    assert_same_params(load_file(up / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
+    # 2 -> 1
+    down = tmp_path / "down"
+    command = [*case, *COMMON, *QUIET, f"output_dir={down}", *saving, f"per_device_train_batch_size={GLOBAL_BATCH // 2}"]
+    killed = launch(config, Path(__file__).with_name("kill_probe.py"), *command, env={"KILL_RANK": "1", "KILL_AT_STEP": "5"})
+    assert killed.returncode != 0 and [c.name for c in complete_checkpoints(down)][0] == "checkpoint-4", killed.stderr[-3000:]
+    capsys.readouterr()
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert ("resuming a run of 2 process(es) on 1: its global batch of 16 kept (per-device batch 8 x accumulation 2 x 1 "
+            "process(es))") in out and f"resuming from {down / 'checkpoint-4'}" in out
+    assert_same_params(load_file(down / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
 
 
 def test_a_rank_killed_mid_run_then_the_same_command_again_ends_with_the_uninterrupted_weights(tmp_path, case, uninterrupted):
