@@ -14,7 +14,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.finetune.run import main  # noqa: E402
+from hf_gpu_train.launch.one_process import one_process_line  # noqa: E402
 from hf_gpu_train.process_group import exit_process  # noqa: E402
 
 if __name__ == "__main__":
+    if (line := one_process_line()) is not None:  # accelerate launch started one process of several asked for
+        print(line, flush=True)
     exit_process(main())  # leaves the process group after a finished run: Gloo's threads could otherwise abort the exit

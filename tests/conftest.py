@@ -7,7 +7,8 @@ import pytest
 from hf_gpu_train.hardware.snapshot import load_machine, reference_machine_names
 
 REFERENCE_MACHINES = reference_machine_names()
-pytest_plugins = ["tests.slurm_cluster"]  # the slurm_cluster fixture: a real two-node SLURM cluster (issue 30)
+# the slurm_cluster fixture: a real two-node SLURM cluster (issue 30); installed: the wheel in a fresh venv, once a session
+pytest_plugins = ["tests.slurm_cluster", "tests.installed_wheel"]
 
 
 def _has_nvidia_gpu() -> bool:

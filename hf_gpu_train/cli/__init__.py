@@ -23,11 +23,11 @@ EXAMPLES = {
     "machines": "hf-gpu-train machines",
     "config": "hf-gpu-train config --machine 1x-h200 --model builtin:minilm --output launch_configs/h200",
     "finetune": "hf-gpu-train finetune --config minilm_text_demo max_steps=20",
-    "launch": "hf-gpu-train launch --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config minilm_text_demo",
+    "launch": "hf-gpu-train launch --config-file launch_configs/cpu-only.yaml -m hf_gpu_train.finetune --config minilm_text_demo",
     "check-config": "hf-gpu-train check-config launch_configs/2x-rtx4090.yaml --machine 2x-rtx4090",
     "plan-memory": "hf-gpu-train plan-memory --machine 1x-h200 --params 8e9 --seq-len 4096",
     "report": "hf-gpu-train report outputs/minilm_text_demo",
-    "tune": "hf-gpu-train tune --config-file launch_configs/cpu-only.yaml scripts/finetune.py --config minilm_text_demo",
+    "tune": "hf-gpu-train tune --config-file launch_configs/cpu-only.yaml -m hf_gpu_train.finetune --config minilm_text_demo",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import socket
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..hardware.snapshot import load_machine
 from ..launch.grace import grace_for
-from ..launch.render import accelerate_command, launch_command, render_env, render_yaml, torchrun_command
+from ..launch.render import FINETUNE_ENTRY, accelerate_command, launch_command, render_env, render_yaml, torchrun_command
 from ..launch.slurm import check_partition, slurm_time_limit
 from ..launch.targets import OPTIONS, TargetSettings, get_target, job_name_for, target_names
 from ..plan.deepspeed_config import deepspeed_path_for, render_deepspeed_file
@@ -62,9 +63,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--busy-threshold-gib", type=float, default=1.0, help="memory held by others that makes a GPU busy")
     p.add_argument("--debug-nccl", action="store_true", help="add NCCL_DEBUG=INFO and friends to the environment")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
-    p.add_argument("--script", default="scripts/finetune.py", help="training script named in the printed commands")
+    p.add_argument("--script", default=FINETUNE_ENTRY, help="what the printed commands and the scheduler's files start: the "
+                   "fine-tune of the installed package (default: -m hf_gpu_train.finetune, in a pip install and a clone "
+                   "alike), or a training script of your own (--script train.py)")
     add_target_arguments(p)
     add_planner_arguments(p)
+    p.add_argument("run_args", nargs="*", metavar="-- RUN_ARGS",
+                   help="the run's own arguments, after --: they end every printed command and go into the scheduler's "
+                   "files (e.g. -- --config minilm_text_demo learning_rate=3e-5); without them the run is the default one")
     return p
 
 
@@ -84,6 +90,13 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                    "(else estimated from the plan's checkpoint size)")
     p.add_argument("--time-limit", metavar="TIME", help="SLURM --time of the sbatch, e.g. 04:00:00 or 2-00:00:00")
     p.add_argument("--partition", metavar="NAME", help="SLURM partition of the sbatch")
+    p.add_argument("--checkpoint-volume", metavar="CLAIM", help="for --target kubeflow and pytorchjob: a PersistentVolumeClaim "
+                   "(yours, made beforehand; ReadWriteMany for several nodes) mounted at WORKDIR/outputs in every pod, "
+                   "where every shipped recipe's output_dir is, so the checkpoints outlive the pod and a restarted "
+                   "container resumes from them (without it they are lost with the pod, and config says so)")
+
+
+CLAIM_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a DNS subdomain
 
 
 def target_settings(args: argparse.Namespace, target) -> dict:
@@ -104,6 +117,10 @@ def target_settings(args: argparse.Namespace, target) -> dict:
         slurm_time_limit(args.time_limit)
     if args.partition is not None:
         check_partition(args.partition)
+    if args.checkpoint_volume is not None and not CLAIM_NAME.fullmatch(args.checkpoint_volume):
+        raise UsageError(f"--checkpoint-volume {args.checkpoint_volume!r}: the name of a PersistentVolumeClaim (lower-case "
+                         "letters, digits, '-' and '.', from and to a letter or digit, at most 253), e.g. "
+                         "--checkpoint-volume train-checkpoints")
     if args.save_time_from is not None and not Path(args.save_time_from).is_dir():
         raise UsageError(f"--save-time-from {args.save_time_from}: no such directory: give a previous run's output_dir "
                          "(it holds preemption.json), or leave the option out to estimate the grace from the plan")
@@ -154,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
     )
     plan = make_plan(profile, options)
     yaml_path, env_path, plan_path = (out.with_name(out.name + suffix) for suffix in (".yaml", ".env", ".plan.json"))
-    settings = TargetSettings(output=out, job_name=job_name, grace=grace_for(plan, args.save_time_from), **chosen)
+    run_args = tuple(args.run_args)
+    settings = TargetSettings(output=out, job_name=job_name, grace=grace_for(plan, args.save_time_from), run_args=run_args,
+                              **chosen)
     rendered = target.render(plan, yaml_path, args.script, settings)
     ours = (yaml_path, env_path, plan_path) + ((deepspeed_path_for(yaml_path),) if plan.deepspeed_file is not None else ())
     ours += tuple(path for path, _ in rendered.files)
@@ -189,9 +208,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwarning: port {options.main_process_port} is in use on this machine: pick another --main-process-port")
     print("\nWrote " + ", ".join(map(str, written)))
     # hf-gpu-train launch applies a taskset binding itself; the other commands carry it as a prefix.
-    print(f"\nLaunch:\n  {launch_command(yaml_path, args.script)}")
-    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script, plan)}")
-    print(f"or with torchrun:\n  {torchrun_command(plan, args.script, yaml_path)}")
+    print(f"\nLaunch:\n  {launch_command(yaml_path, args.script, run_args)}")
+    print(f"or with plain accelerate:\n  {accelerate_command(yaml_path, args.script, plan, run_args)}")
+    print(f"or with torchrun:\n  {torchrun_command(plan, args.script, yaml_path, run_args)}")
     for line in rendered.lines:
         print(line)
     return 0

@@ -103,7 +103,7 @@ def _print_evaluation(args, spec) -> None:
         raise UsageError(f"--eval-rows {args.eval_rows}: the evaluation set's rows, at least 1")
     if not (spec.vocab_size and spec.causal_lm):
         print(f"\nEvaluation of {args.eval_rows} rows: a classifier's logits are one row of classes per example, small; "
-              "scripts/finetune.py keeps their class ids")
+              "the fine-tune (-m hf_gpu_train.finetune) keeps their class ids")
         return
     bytes_per_value = 4 if args.precision == "fp32" else 2
     logits = evaluation_memory(args.eval_rows, args.seq_len, spec.vocab_size, True, "the logits", bytes_per_value)
@@ -112,7 +112,7 @@ def _print_evaluation(args, spec) -> None:
     print(f"\nEvaluation of {args.eval_rows} rows at seq {args.seq_len}, vocabulary {spec.vocab_size} ({args.precision} logits):")
     print(f"  a Trainer keeping the logits for its compute_metrics: {human(logits.logits_bytes)} at the end of each "
           "evaluation (on the GPU until then, without eval_accumulation_steps)")
-    print(f"  scripts/finetune.py keeps the loss only (perplexity from it): {human(loss.kept_bytes)}")
+    print(f"  the fine-tune (-m hf_gpu_train.finetune) keeps the loss only (perplexity from it): {human(loss.kept_bytes)}")
     print(f"  in your own Trainer: preprocess_logits_for_metrics reducing the logits to what the metric reads (token ids: "
           f"{human(ids)}), and eval_accumulation_steps (predictions on the host)")
 
@@ -136,7 +136,7 @@ def _print_levers(args, spec, shape, memory, count, gpu, strategy) -> int:
         print(f"  {note}")
     print(f"Recommended levers: {levers.reason}")
     if levers.recommended is not None and levers.recommended.config():
-        print(f"  scripts/finetune.py ... {' '.join(levers.recommended.config())}")
+        print(f"  -m hf_gpu_train.finetune ... {' '.join(levers.recommended.config())}")
     note = host_memory_note(levers)
     if note:
         print(f"  {note}")

@@ -1,8 +1,8 @@
 """``hf-gpu-train tune``: the fastest settings that fit, measured on the real model, written into the launch plan.
 
     hf-gpu-train tune [--budget-s 60] [--fresh] [--axes ...] [ACCELERATE_OPTIONS] --config-file NAME.yaml \\
-        scripts/finetune.py --config recipe.yaml [key=value ...]
-    hf-gpu-train tune --machine SNAPSHOT --config-file NAME.yaml scripts/finetune.py ...     # the candidates, no trials
+        -m hf_gpu_train.finetune --config recipe.yaml [key=value ...]     # or scripts/finetune.py in a clone
+    hf-gpu-train tune --machine SNAPSHOT --config-file NAME.yaml -m hf_gpu_train.finetune ...     # the candidates, no trials
 
 The command line is `hf-gpu-train launch`'s with tune's own options anywhere before the script. The trials run in
 one launch of the config (every process) through ``hf_gpu_train.tune.worker``; this process never imports torch.
@@ -24,7 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import PlanError, UsageError
+from ..finetune.recipe_names import is_shipped
 from ..hardware.snapshot import load_machine
+from ..launch.render import FINETUNE_ENTRY
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.accelerate_argv import SWITCHES as ACCELERATE_SWITCHES
 from ..plan.run_plan_file import data_stamps, plan_path_for, read_run_plan
@@ -45,7 +47,7 @@ from . import example
 from .launch import build_launch, run_reporting_usage_errors
 
 USAGE = ("hf-gpu-train tune [--budget-s S] [--fresh] [--axes A,B] [--strategies LIST] [--machine SNAPSHOT | --dry-run] [ACCELERATE_OPTIONS] "
-         "--config-file NAME.yaml scripts/finetune.py --config RECIPE.yaml [key=value ...]")
+         "--config-file NAME.yaml -m hf_gpu_train.finetune --config RECIPE [key=value ...]")
 DESCRIPTION = ("Measure the fastest settings that fit for this recipe on this launch config: micro-batch (the effective "
                "batch kept exact by the accumulation), gradient checkpointing, dataloader workers, precision, packing "
                "(causal LM) and torch.compile, a few real training steps each, all in one launch; with --strategies, "
@@ -198,10 +200,11 @@ def run(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="hf_gpu_train_tune_strategies_") as folder:
                 print_round(job, render_strategy_configs(job, Path(folder), opts.machine))
         return 0
-    return _tune(job, opts, list(flatten(parsed.without(*CONFIG_FILE_OPTIONS))), started)
+    entry = f"-m {parsed.script}" if parsed.has("-m", "--module") else shlex.quote(parsed.script)
+    return _tune(job, opts, list(flatten(parsed.without(*CONFIG_FILE_OPTIONS))), started, entry)
 
 
-def _tune(job, opts, options: list[str], started: float) -> int:
+def _tune(job, opts, options: list[str], started: float, entry: str = FINETUNE_ENTRY) -> int:
 
     cache = TuneCache.load(cache_path_for(job.config_file), opts.fresh, datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     saved = {} if opts.fresh else cache.results(job.cache_key)
@@ -214,7 +217,7 @@ def _tune(job, opts, options: list[str], started: float) -> int:
         results, notes = results + found, notes + more
         startup_s = startup_s if startup_s is not None else loaded
     choice = choose(results, job.space.metric, job.space.base)
-    return _write_and_print(job, opts, results, notes, choice, spent, startup_s, started, configs)
+    return _write_and_print(job, opts, results, notes, choice, spent, startup_s, started, configs, entry)
 
 
 def _search(job, opts, options: list[str], cache: TuneCache, saved: dict) -> tuple[list, list, float | None, float]:
@@ -374,7 +377,8 @@ def print_round(job, configs: list[StrategyConfig]) -> None:
         print(f"note: {note}")
 
 
-def _write_and_print(job, opts, results, notes, choice, spent, startup_s, started, configs: list[StrategyConfig]) -> int:
+def _write_and_print(job, opts, results, notes, choice, spent, startup_s, started, configs: list[StrategyConfig],
+                     entry: str = FINETUNE_ENTRY) -> int:
 
     now = datetime.now(timezone.utc)
     stamp, when = now.strftime("%Y%m%d-%H%M%S"), now.strftime("%Y-%m-%d %H:%M UTC")
@@ -423,7 +427,8 @@ def _write_and_print(job, opts, results, notes, choice, spent, startup_s, starte
           + (f" (your earlier {report_path.name} kept as {kept.name})" if kept else ""))
     if choice.winner is None:
         return 1
-    _say_how_to_use(job, written.keys if other is None else theirs.keys, other.config if other is not None else job.config_file)
+    _say_how_to_use(job, written.keys if other is None else theirs.keys, other.config if other is not None else job.config_file,
+                    entry)
     return 0
 
 
@@ -451,10 +456,13 @@ def _round_lines(job, choice, other: StrategyConfig | None) -> list[str]:
             f"to make {other.strategy} {job.config_file.name}'s own strategy: `{make_own}` (then tune it again)"]
 
 
-def _say_how_to_use(job, keys, config_file: Path) -> None:
+def _say_how_to_use(job, keys, config_file: Path, entry: str = FINETUNE_ENTRY) -> None:
+    """The launch line of the tuned config: the entry point tune was given (``-m hf_gpu_train.finetune`` or
+    ``scripts/finetune.py``), a shipped recipe by its name (its file is inside the installed package)."""
 
     shadowed = recipe_wins(job, keys)
-    script = "scripts/finetune.py" + (f" --config {job.recipe}" if job.recipe else "")
+    recipe = Path(job.recipe).stem if job.recipe and is_shipped(job.recipe) else job.recipe
+    script = entry + (f" --config {shlex.quote(str(recipe))}" if recipe else "")
     launch = f"hf-gpu-train launch --config-file {config_file} {script}"
     if shadowed:
         print(f"hf-gpu-train tune: {job.recipe} sets {', '.join(shadowed)} itself; at launch the tuned values win over the "

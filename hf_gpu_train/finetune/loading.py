@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
+from ..errors import UsageError
 from .config import RUN_KEYS, ConfigError, FinetuneConfig, coerce, key_types, yaml_value
-from .recipe_names import shipped_files
+from .recipe_names import resolve_recipe, shipped_files
 from .tasks import TASKS, task_for
 
 DEFAULT_TASK = FinetuneConfig.task
@@ -50,15 +51,25 @@ def _kind(key: str):
     raise _unknown(key)
 
 
+def recipe_file(value: str | Path) -> Path:
+    """The recipe ``value`` means, as ``--config`` reads it: a file, or a shipped recipe's name (``minilm_text_demo``);
+    anything else a ConfigError naming the value, the shipped names and the nearest one (``recipe_names``)."""
+    try:
+        return Path(resolve_recipe(str(value), option="config"))
+    except UsageError as error:
+        raise ConfigError(str(error)) from None
+
+
 def read_config_values(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """The values a recipe file and ``key=value`` overrides set, converted to the keys' types."""
+    """The values a recipe (a file, or a shipped recipe's name) and ``key=value`` overrides set, converted to the keys'
+    types."""
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = recipe_file(path)
         try:
             data = yaml_value(path.read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist (see recipes/ for examples)") from None
+        except FileNotFoundError:  # gone since it was found
+            raise ConfigError(f"config file {path} does not exist") from None
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
         if not isinstance(data, dict):

@@ -40,8 +40,9 @@ def is_shipped(path: str | Path) -> bool:
         return False
 
 
-def resolve_recipe(value: str) -> str:
-    """The recipe file ``--config value`` means: ``value`` itself when it is a file, else the shipped recipe it names."""
+def resolve_recipe(value: str, option: str = "--config") -> str:
+    """The recipe file ``--config value`` means: ``value`` itself when it is a file, else the shipped recipe it names.
+    ``option``: how the error names the value (``--config`` on the command line, ``config`` for ``load_config``)."""
     if Path(value).expanduser().is_file():
         return value
     name = value[: -len(SUFFIX)] if value.endswith(SUFFIX) else value
@@ -50,9 +51,9 @@ def resolve_recipe(value: str) -> str:
         return str(shipped_path(name))
     names = shipped_names()
     nearest = difflib.get_close_matches(Path(name).name, names, n=1, cutoff=0.0)
-    what = "not a file" if not bare else "neither a file nor a shipped recipe"
+    what = "does not exist" if not bare else "neither a file nor a shipped recipe"
     hint = f"; nearest: {nearest[0]}" if nearest else ""
-    raise UsageError(f"--config {value!r}: {what}; the shipped recipes: {', '.join(names)}{hint}")
+    raise UsageError(f"{option} {value!r}: {what}; the shipped recipes: {', '.join(names)}{hint}")
 
 
 def shipped_files(recipe: str | Path, values: dict) -> dict:

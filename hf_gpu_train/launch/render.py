@@ -20,8 +20,13 @@ from ..plan.planner import LaunchPlan
 from ..plan.run_plan_file import GENERATED_MARK, PLAN_ENV, env_path_for, parse_env, plan_path_for
 from .accelerate_env import launch_environment
 
-__all__ = ["accelerate_command", "binding_prefix", "deepspeed_precision_flag", "env_path_for", "launch_command", "parse_env",
-           "render_env", "render_yaml", "shell_word", "torchrun_command"]
+__all__ = ["FINETUNE_ENTRY", "accelerate_command", "binding_prefix", "deepspeed_precision_flag", "env_path_for", "launch_command",
+           "parse_env", "render_env", "render_yaml", "run_args_text", "script_words", "shell_word", "torchrun_command"]
+
+# The fine-tune as every printed command and manifest names it: the installed package's module, which a pip install
+# and a clone (its package installed, `pip install -e .`) both have; scripts/finetune.py is in a clone only.
+# `accelerate launch -m`, `hf-gpu-train launch -m` and `torchrun -m` all take it.
+FINETUNE_ENTRY = "-m hf_gpu_train.finetune"
 
 
 def render_yaml(plan: LaunchPlan, command: str, deepspeed_path: str | Path | None = None) -> str:
@@ -48,8 +53,19 @@ def render_env(plan: LaunchPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def launch_command(config_path: str | Path, script: str = "scripts/finetune.py") -> str:
-    return f"hf-gpu-train launch --config-file {shell_word(config_path)} {script}"
+def script_words(script: str) -> list[str]:
+    """``script`` (the training script or ``-m MODULE``, perhaps with arguments of its own) as the words a shell makes of
+    it in a printed command: ``-m hf_gpu_train.finetune`` is two words, ``'train it.py'`` one."""
+    return shlex.split(script)
+
+
+def run_args_text(run_args: tuple[str, ...] | list[str] = ()) -> str:
+    """The run's own arguments (``--config NAME key=value``) as they end a printed command: '' or ' WORD...'."""
+    return "".join(f" {shlex.quote(a)}" for a in run_args)
+
+
+def launch_command(config_path: str | Path, script: str = FINETUNE_ENTRY, run_args: tuple[str, ...] | list[str] = ()) -> str:
+    return f"hf-gpu-train launch --config-file {shell_word(config_path)} {script}{run_args_text(run_args)}"
 
 
 def shell_word(path: str | Path) -> str:
@@ -70,13 +86,16 @@ def deepspeed_precision_flag(plan: LaunchPlan | None) -> str:
     return f" --mixed_precision {plan.accelerate['mixed_precision']}" if plan is not None and plan.deepspeed_file else ""
 
 
-def accelerate_command(config_path: str | Path, script: str = "scripts/finetune.py", plan: LaunchPlan | None = None) -> str:
+def accelerate_command(config_path: str | Path, script: str = FINETUNE_ENTRY, plan: LaunchPlan | None = None,
+                       run_args: tuple[str, ...] | list[str] = ()) -> str:
     env = env_path_for(config_path)
     prefix = binding_prefix(plan) if plan is not None else ""
-    return f"(set -a; . {shell_word(env)}; set +a; {prefix}accelerate launch --config_file {shell_word(config_path)}{deepspeed_precision_flag(plan)} {script})"
+    return (f"(set -a; . {shell_word(env)}; set +a; {prefix}accelerate launch --config_file {shell_word(config_path)}"
+            f"{deepspeed_precision_flag(plan)} {script}{run_args_text(run_args)})")
 
 
-def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", config_path: str | Path | None = None) -> str:
+def torchrun_command(plan: LaunchPlan, script: str = FINETUNE_ENTRY, config_path: str | Path | None = None,
+                     run_args: tuple[str, ...] | list[str] = ()) -> str:
     """torchrun reads no accelerate config: the environment, where the plan is (HF_GPU_TRAIN_PLAN, given
     ``config_path``), and the variables `accelerate launch` would export for the YAML (its strategy: FSDP or DeepSpeed
     and their settings, then the precision; accelerate_env.py) go on the command line."""
@@ -99,4 +118,4 @@ def torchrun_command(plan: LaunchPlan, script: str = "scripts/finetune.py", conf
             parts.append(f"--node-rank={acc['machine_rank']} --master-addr={acc['main_process_ip']} --master-port={acc['main_process_port']}")
     elif "main_process_port" in acc:  # the port the plan chose (torchrun's own default is 29500)
         parts.append(f"--master-port={acc['main_process_port']}")
-    return f"{env} {binding_prefix(plan)}" + " ".join(parts) + f" {script}"
+    return f"{env} {binding_prefix(plan)}" + " ".join(parts) + f" {script}{run_args_text(run_args)}"

@@ -20,7 +20,7 @@ from ..plan.planner import LaunchPlan
 from ..plan.run_plan_file import PLAN_ENV, env_path_for, plan_path_for
 from .grace import GRACE_ENV, Grace, grace_for
 from .rank_report import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER_ENV
-from .render import binding_prefix, deepspeed_precision_flag, shell_word
+from .render import FINETUNE_ENTRY, binding_prefix, deepspeed_precision_flag, run_args_text, shell_word
 
 _SLURM_TIME = re.compile(r"(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?)"
                          r"|(?:(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)")
@@ -62,7 +62,7 @@ def check_partition(value: str) -> str:
     return value
 
 
-def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = "scripts/finetune.py", job_name: str = "hf-gpu-train",
+def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = FINETUNE_ENTRY, job_name: str = "hf-gpu-train",
                   *, time_limit: str | None = None, partition: str | None = None, grace: Grace | None = None) -> str:
     """One task per node; each runs ``hf-gpu-train launch`` (the plan's environment, stop signals forwarded to the
     training processes, exit 75 when they stopped for one) with c10d rendezvous from SLURM's variables.
@@ -152,9 +152,10 @@ exit "$code"
 
 
 def sbatch_file(plan: LaunchPlan, yaml_path: Path, script: str, path: Path, *, time_limit: str | None = None,
-                partition: str | None = None, grace: Grace) -> tuple[str, str]:
+                partition: str | None = None, grace: Grace, run_args: tuple[str, ...] | list[str] = ()) -> tuple[str, str]:
     """(the sbatch's text, the line ``config`` prints about it) for ``path``; a time limit too short for the grace is a
-    usage error, said before anything is written."""
+    usage error, said before anything is written. ``run_args``: the run's arguments, after the script's name in the
+    printed line (the sbatch passes its own arguments on to the run)."""
     if time_limit is not None and slurm_time_limit(time_limit) <= 2 * grace.seconds:
         # the warning would come at (or before) the start: every requeued job would stop again before a step
         raise UsageError(f"--time-limit {time_limit}: the job needs {grace.seconds} s of warning before "
@@ -162,4 +163,5 @@ def sbatch_file(plan: LaunchPlan, yaml_path: Path, script: str, path: Path, *, t
                          f"{slurm_time_limit(time_limit)} s to train: ask for more than "
                          f"{2 * grace.seconds} s, or measure the save (--save-time-from OUTPUT_DIR)")
     text = render_sbatch(plan, yaml_path, script, time_limit=time_limit, partition=partition, grace=grace)
-    return text, f"On SLURM: sbatch {path}  (one task per node, c10d rendezvous; grace {grace.describe()})"
+    return text, (f"On SLURM: sbatch {shell_word(path)}{run_args_text(run_args)}  (one task per node, c10d rendezvous; "
+                  f"grace {grace.describe()})")

@@ -17,22 +17,25 @@ from pathlib import Path
 from ..errors import UsageError
 from ..plan.planner import LaunchPlan
 from .grace import Grace
-from .kubeflow import DEFAULT_WORKDIR, render_pytorchjob, render_trainjob
+from .kubeflow import DEFAULT_WORKDIR, checkpoint_mount_path, no_volume_warning, render_pytorchjob, render_trainjob
 from .ray_job import RAY_ENTRY, RAY_SUFFIX, ray_submit_command, render_ray_runtime_env
-from .skypilot import render_skypilot
+from .render import run_args_text
+from .skypilot import render_skypilot, setup_for
 from .slurm import sbatch_file
 
 __all__ = ["OPTIONS", "Rendered", "Target", "TargetSettings", "get_target", "job_name_for", "register_target", "target_names"]
 
 # The options of `config` a target may read, by their flag; a target that reads none of one makes the flag an error.
 OPTIONS = {"image": "--image", "workdir": "--workdir", "save_time_from": "--save-time-from", "time_limit": "--time-limit",
-           "partition": "--partition"}
+           "partition": "--partition", "checkpoint_volume": "--checkpoint-volume"}
 
 
 @dataclass(frozen=True)
 class TargetSettings:
     """What a target may need beyond the plan. ``output``: DIR/NAME, the prefix of every file written; ``project``:
-    the directory the job runs in (where ``config`` ran), which the generated files' paths are relative to."""
+    the directory the job runs in (where ``config`` ran), which the generated files' paths are relative to;
+    ``run_args``: the run's own arguments (``--config NAME key=value``), the last words of every command;
+    ``checkpoint_volume``: a PersistentVolumeClaim the checkpoints of a Kubernetes job go to."""
 
     output: Path
     job_name: str
@@ -43,6 +46,8 @@ class TargetSettings:
     time_limit: str | None = None
     partition: str | None = None
     save_time_from: str | None = None  # what the grace was measured from (grace_for), for a target to say
+    checkpoint_volume: str | None = None
+    run_args: tuple[str, ...] = ()
 
     def path(self, suffix: str) -> Path:
         return self.output.with_name(self.output.name + suffix)
@@ -142,7 +147,7 @@ def _check_scheduled_gpus(plan: LaunchPlan, target: str) -> None:
 def _sbatch(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
     path = settings.path(".sbatch")
     text, line = sbatch_file(plan, yaml_path, script, path, time_limit=settings.time_limit, partition=settings.partition,
-                             grace=settings.grace)
+                             grace=settings.grace, run_args=settings.run_args)
     return Rendered(((path, text),), (line,))
 
 
@@ -167,11 +172,16 @@ def _kubernetes(render, suffix: str, what: str, target: str):
     def rendered(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
         config, script_in, workdir = _container_paths(plan, yaml_path, script, settings, target)
         path = settings.path(suffix)
+        claim = settings.checkpoint_volume
         text = render(plan, config, script_in, image=settings.image, job_name=settings.job_name, grace=settings.grace,
-                      workdir=workdir, path_hint=str(path))
+                      workdir=workdir, path_hint=str(path), run_args=settings.run_args, checkpoint_claim=claim)
+        storage = (f"  checkpoints: the PersistentVolumeClaim {claim} at {checkpoint_mount_path(workdir)} (every shipped "
+                   "recipe's output_dir is under outputs/), which outlives the pod" if claim else
+                   f"warning: {no_volume_warning(workdir)}")
         return Rendered(((path, text),), (
             f"On Kubernetes ({what}): kubectl apply -f {path}",
-            f"  the image {settings.image} holds this project at {workdir}; grace {settings.grace.describe()}",
+            f"  the image {settings.image} holds hf-gpu-train and this directory at {workdir}; grace {settings.grace.describe()}",
+            storage,
         ))
 
     return rendered
@@ -187,7 +197,7 @@ def _skypilot(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSe
     path = settings.path(".sky.yaml")
     workdir = settings.workdir or "."
     text = render_skypilot(plan, config, script, job_name=settings.job_name, workdir=workdir, image=settings.image,
-                           path_hint=str(path))
+                           path_hint=str(path), run_args=settings.run_args, setup=setup_for(settings.project))
     return Rendered(((path, text),), (f"On SkyPilot (from {workdir}, synced to every node): sky launch -c {settings.job_name} {path}",))
 
 
@@ -202,9 +212,10 @@ def _ray(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSetting
     runtime_env = _in_project(path, settings)  # as `ray job submit` is run: from the project, which it uploads
     text = render_ray_runtime_env(plan, _in_project(yaml_path, settings), runtime_env)
     return Rendered(((path, text),), (
-        f"On Ray (from {settings.project}, uploaded as the job's working directory): {ray_submit_command(plan, runtime_env)}",
-        "  then the fine-tune's --config NAME key=value...; Ray places the workers and makes the process group "
-        "(ray job submit needs ray[default])",
+        f"On Ray (from {settings.project}, uploaded as the job's working directory): {ray_submit_command(plan, runtime_env)}"
+        f"{run_args_text(settings.run_args)}",
+        ("  " if settings.run_args else "  then the fine-tune's --config NAME key=value...; ")
+        + "Ray places the workers and makes the process group (ray job submit needs ray[default])",
     ))
 
 
@@ -216,10 +227,10 @@ register_target(Target("accelerate", _accelerate, "the accelerate YAML, .env and
 register_target(Target("slurm", _sbatch, "a SLURM sbatch, also for one machine",
                        reads=frozenset({"time_limit", "partition", "save_time_from"})))
 register_target(Target("kubeflow", _trainjob, "a Kubeflow Trainer v2 TrainJob (runtime torch-distributed)",
-                       reads=frozenset({"image", "workdir", "save_time_from"}), needs_image=True,
+                       reads=frozenset({"image", "workdir", "save_time_from", "checkpoint_volume"}), needs_image=True,
                        main_node=lambda job: f"{job}-node-0-0.{job}"))  # torch.go: PET_MASTER_ADDR
 register_target(Target("pytorchjob", _pytorchjob, "a Kubeflow training-operator PyTorchJob (kubeflow.org/v1)",
-                       reads=frozenset({"image", "workdir", "save_time_from"}), needs_image=True,
+                       reads=frozenset({"image", "workdir", "save_time_from", "checkpoint_volume"}), needs_image=True,
                        main_node=lambda job: f"{job}-master-0"))  # envvar.go: MASTER_ADDR, the Master's service
 register_target(Target("skypilot", _skypilot, "a SkyPilot task YAML (sky launch)", reads=frozenset({"image", "workdir"}),
                        main_node=lambda job: SKYPILOT_MAIN_NODE))

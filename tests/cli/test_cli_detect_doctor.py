@@ -106,7 +106,7 @@ def test_config_counts_and_indices_and_cpu_binding_prefix(tmp_path, capsys):
     assert main(["config", "--machine", str(box), "--gpus", "4", "--output", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     # hf-gpu-train launch applies the taskset binding itself (tests/cli/test_launch.py); the others carry the prefix
-    assert f"\n  hf-gpu-train launch --config-file {tmp_path / 'c'}.yaml scripts/finetune.py\n" in out
+    assert f"\n  hf-gpu-train launch --config-file {tmp_path / 'c'}.yaml -m hf_gpu_train.finetune\n" in out
     assert "taskset -c 20-39,60-79 accelerate launch" in out and "taskset -c 20-39,60-79 torchrun" in out
     assert json.loads((tmp_path / "c.plan.json").read_text())["cpu_binding"]["command_prefix"] == "taskset -c 20-39,60-79"
     assert "gpu_ids: 4,5,6,7" in (tmp_path / "c.yaml").read_text()

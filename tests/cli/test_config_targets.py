@@ -187,3 +187,67 @@ def test_a_time_limit_too_short_for_the_warning_is_a_usage_error(project, capsys
     assert config("--machine", "1x-t4", "--output", "t4", "--target", "slurm", "--time-limit", "3") == 2
     err = usage_error(capsys)
     assert "--time-limit 3" in err and "s of warning before its limit" in err and "--save-time-from" in err
+
+
+def printed_commands(out: str) -> list[str]:
+    """The three launch lines `config` prints, each the line after its heading."""
+    lines = out.splitlines()
+    return [lines[lines.index(heading) + 1].strip() for heading in ("Launch:", "or with plain accelerate:", "or with torchrun:")]
+
+
+TARGETS = [("accelerate", ()), ("slurm", ()), ("kubeflow", ("--image", "x:1")), ("pytorchjob", ("--image", "x:1")),
+           ("skypilot", ()), ("ray", ())]
+
+
+@pytest.mark.parametrize(("target", "extra"), TARGETS)
+def test_every_printed_line_and_file_names_the_installed_fine_tune_not_a_clones_script(project, capsys, target, extra):
+    """Issue 38, item 5: every printed line and manifest named scripts/finetune.py, which a pip install does not have;
+    the module of the installed package is in a pip install and a clone alike."""
+    assert config("--machine", "cpu-only", "--output", "launch_configs/cpu", "--target", target, *extra) == 0
+    out = capsys.readouterr().out
+    written = {p.name: p.read_text() for p in (project / "launch_configs").iterdir()}
+    assert "scripts/finetune.py" not in out and not [name for name, text in written.items() if "scripts/finetune.py" in text]
+    assert all("-m hf_gpu_train.finetune" in line for line in printed_commands(out))
+
+
+def test_the_runs_arguments_after_a_double_dash_end_every_command_and_file(project, capsys):
+    run_args = ["--config", "minilm_text_demo", "learning_rate=3e-5", "run_name=a b"]
+    assert config("--machine", "cpu-only", "--num-machines", "2", "--output", "cpu", "--target", "skypilot", "--", *run_args) == 0
+    out = capsys.readouterr().out
+    quoted = "--config minilm_text_demo learning_rate=3e-5 'run_name=a b'"
+    for line in printed_commands(out):
+        assert line.rstrip(")").endswith(f"-m hf_gpu_train.finetune {quoted}"), line
+    task = yaml.safe_load((project / "cpu.sky.yaml").read_text())
+    assert task["run"].rstrip().endswith(f"-m hf_gpu_train.finetune {quoted}")
+    assert config("--machine", "cpu-only", "--output", "job", "--target", "slurm", "--", *run_args) == 0
+    assert f"On SLURM: sbatch job.sbatch {quoted}  (" in capsys.readouterr().out  # the sbatch passes its arguments on
+    assert config("--machine", "cpu-only", "--output", "k", "--target", "pytorchjob", "--image", "x:1", "--", *run_args) == 0
+    job = yaml.safe_load((project / "k.pytorchjob.yaml").read_text())
+    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"] == run_args
+    assert config("--machine", "cpu-only", "--output", "r", "--target", "ray", "--", *run_args) == 0
+    ray_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("On Ray"))
+    assert ray_line.endswith(quoted)
+
+
+@pytest.mark.parametrize("target", ["kubeflow", "pytorchjob"])
+def test_a_checkpoint_volume_goes_into_the_manifest_and_without_one_config_warns(project, capsys, target):
+    suffix = ".trainjob.yaml" if target == "kubeflow" else ".pytorchjob.yaml"
+    assert config("--machine", "1x-t4", "--output", "t4", "--target", target, "--image", "x:1") == 0
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if line.startswith("warning:"))
+    assert "do not outlive the pod" in warning and "starts from step 0" in warning and "--checkpoint-volume CLAIM" in warning
+    assert config("--machine", "1x-t4", "--output", "t4v", "--target", target, "--image", "x:1",
+                  "--checkpoint-volume", "train-ckpt") == 0
+    out = capsys.readouterr().out
+    assert "warning:" not in out and "checkpoints: the PersistentVolumeClaim train-ckpt at /workspace/outputs" in out
+    text = (project / f"t4v{suffix}").read_text()
+    assert "claimName: train-ckpt" in text and "mountPath: /workspace/outputs" in text
+
+
+def test_a_checkpoint_volume_is_for_kubernetes_and_a_claims_name(project, capsys):
+    assert config("--machine", "1x-t4", "--output", "t4", "--target", "skypilot", "--checkpoint-volume", "ckpt") == 2
+    assert "--checkpoint-volume ckpt: --target skypilot has no use for it (it is for --target kubeflow or pytorchjob)" in usage_error(capsys)
+    assert config("--machine", "1x-t4", "--output", "t4", "--target", "kubeflow", "--image", "x:1",
+                  "--checkpoint-volume", "My_Claim") == 2
+    assert "--checkpoint-volume 'My_Claim': the name of a PersistentVolumeClaim" in usage_error(capsys)
+    assert not list(project.iterdir())

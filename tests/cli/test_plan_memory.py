@@ -109,7 +109,7 @@ def test_plan_memory_levers_recommend_a_config_line_for_lora(llama3_dir, capsys)
     line = next(line for line in out.splitlines() if line.startswith("Recommended levers:"))
     assert "micro-batch" in line
     assert "+ optimizer step in the backward" not in out  # full fine-tuning only
-    assert "scripts/finetune.py ... " in out and "chunked_lm_loss=true" in out
+    assert "-m hf_gpu_train.finetune ... " in out and "chunked_lm_loss=true" in out
 
 
 def test_plan_memory_and_config_recommend_the_same_levers_on_a_box_short_of_ram(llama3_dir, tmp_path, capsys):
@@ -145,5 +145,5 @@ def test_the_evaluation_of_a_language_model_is_counted_with_what_the_fine_tune_k
     assert "Evaluation of 2000 rows at seq 2048, vocabulary 128256 (bf16 logits):" in out
     expected = 2000 * 2048 * 128256 * 2 * 2 / 2**40
     assert f"compute_metrics: {expected:.1f} TiB at the end of each evaluation" in out
-    assert "scripts/finetune.py keeps the loss only (perplexity from it): 7.8 KiB" in out
+    assert "the fine-tune (-m hf_gpu_train.finetune) keeps the loss only (perplexity from it): 7.8 KiB" in out
     assert main(["plan-memory", "--machine", "1x-h200", "--params", "1e8", "--eval-rows", "0"]) == 2

@@ -1,59 +1,22 @@
 """A pip-installed package fine-tunes: the wheel holds the shipped recipes and their data, and from a working directory
 outside the repository `hf-gpu-train finetune --config NAME` and `python -m hf_gpu_train.finetune --config NAME` train.
-
-The wheel is built from a copy of the package (the repository gets no build/), installed without dependencies into a
-fresh venv that sees the dev venv's third-party packages through a plain path line in a .pth file (a directory added
-that way has its own .pth files left unread: the editable install's finder stays out, so `hf_gpu_train` is the wheel's).
+The wheel and its venv: the session's ``installed`` fixture (tests/installed_wheel.py); the lines `hf-gpu-train
+config` prints and the files it writes, run from that install: tests/launch/test_installed_commands.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from hf_gpu_train.finetune.recipe_names import shipped_names
+from tests.installed_wheel import TINY, run_in
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-TINY = ["max_steps=2", "max_train_samples=16", "max_eval_samples=8", "per_device_train_batch_size=4",
-        "per_device_eval_batch_size=8", "max_length=32", "evaluate_before=false", "save_strategy=no"]
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, Path]:
-    """(the wheel, the fresh venv's bin directory)."""
-    root = tmp_path_factory.mktemp("wheel")
-    src = root / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "hf_gpu_train", src / "hf_gpu_train", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "dist"),
-                    str(src)], check=True, cwd=root)
-    wheel = next((root / "dist").glob("hf_gpu_train-*.whl"))
-    venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, cwd=root)
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
-                               capture_output=True, text=True).stdout.strip())
-    (site / "dev_venv_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return wheel, venv / "bin"
-
-
-def run_in(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_the_wheel_holds_every_shipped_recipe_and_its_data(installed):

@@ -76,3 +76,26 @@ def test_the_config_loader_itself_finds_a_shipped_recipes_data_and_the_record_do
     mine = tmp_path / "recipe.yaml"
     mine.write_text("task: causal-lm\nmodel: builtin:smollm2\ntrain_file: data/python_docs_chat/train.jsonl\n")
     assert load_config(mine).train_file == "data/python_docs_chat/train.jsonl"  # your recipe: read from where you are
+
+
+@pytest.mark.parametrize("value", ["minilm_text_demo", "minilm_text_demo.yaml"])
+def test_load_config_takes_a_recipe_name_as_config_does(monkeypatch, tmp_path, value):
+    """Issue 38, item 5: load_config("minilm_text_demo") refused the name --config takes."""
+    from hf_gpu_train.finetune.recipe_names import shipped_path
+
+    monkeypatch.chdir(tmp_path)  # a pip user's directory: no recipes/ folder
+    cfg = load_config(value, ["max_steps=3"])
+    assert cfg == load_config(shipped_path("minilm_text_demo"), ["max_steps=3"]) and cfg.max_steps == 3
+    assert cfg.output_dir == "outputs/minilm_text_demo"
+
+
+@pytest.mark.parametrize("value", ["minilm_txt_demo", "somewhere/minilm_txt_demo.yaml"])
+def test_load_config_of_neither_names_the_shipped_recipes_not_a_folder_a_pip_install_lacks(monkeypatch, tmp_path, value):
+    from hf_gpu_train.finetune.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        load_config(value)
+    message = str(raised.value)
+    assert message.startswith(f"config {value!r}: ") and all(name in message for name in shipped_names())
+    assert message.endswith("nearest: minilm_text_demo") and "recipes/" not in message and "\n" not in message

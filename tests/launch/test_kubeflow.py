@@ -169,7 +169,7 @@ def test_the_command_runs_hf_gpu_train_launch_in_the_workdir_with_the_operators_
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", **pet}
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
     assert out == [str(workdir), "launch", "--config-file", "launch_configs/x.yaml", "--machine_rank", "1",
-                   "--main_process_ip", "job-node-0-0.job", "--main_process_port", "29500", "scripts/finetune.py",
+                   "--main_process_ip", "job-node-0-0.job", "--main_process_port", "29500", "-m", "hf_gpu_train.finetune",
                    "--config", "minilm_text_demo"]
 
 
@@ -179,10 +179,79 @@ def test_one_node_takes_its_place_from_the_config_alone(machine, fake_launcher):
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
     out = subprocess.run(job["spec"]["trainer"]["command"], env=env, capture_output=True, text=True, timeout=30,
                          check=True).stdout.splitlines()
-    assert out == [str(workdir), "launch", "--config-file", "launch_configs/x.yaml", "scripts/finetune.py"]
+    assert out == [str(workdir), "launch", "--config-file", "launch_configs/x.yaml", "-m", "hf_gpu_train.finetune"]
 
 
 def test_a_cpu_only_plan_asks_for_its_processes_cores_and_no_gpu(machine):
     plan = plan_for(machine, "cpu-only", 1)
     resources = trainjob(plan)["spec"]["trainer"]["resourcesPerNode"]
     assert resources == {"requests": {"cpu": plan.processes_per_machine * int(plan.env_dict["OMP_NUM_THREADS"])}}
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+@pytest.mark.parametrize(("script", "words"), [
+    ("-m hf_gpu_train.finetune", ["-m", "hf_gpu_train.finetune"]),  # issue 38: was one word, '-m hf_gpu_train.finetune'
+    ("scripts/finetune.py", ["scripts/finetune.py"]),
+    ("'my train.py' --seed 3", ["my train.py", "--seed", "3"]),  # a script's words as a shell reads the printed lines
+])
+def test_the_script_is_the_words_the_printed_lines_give_it(machine, fake_launcher, kind, script, words):
+    bin_dir, workdir = fake_launcher
+    render = trainjob if kind == "trainjob" else pytorchjob
+    job = render(plan_for(machine, "cpu-only", 1), workdir=str(workdir), script=script)
+    container = job["spec"]["trainer"] if kind == "trainjob" else job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    out = subprocess.run(container["command"] + container["args"], env={"PATH": f"{bin_dir}:{os.environ['PATH']}"},
+                         capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    assert out == [str(workdir), "launch", "--config-file", "launch_configs/x.yaml", *words]
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_the_runs_arguments_are_the_manifests_args(machine, fake_launcher, kind):
+    bin_dir, workdir = fake_launcher
+    render = trainjob if kind == "trainjob" else pytorchjob
+    run_args = ["--config", "minilm_text_demo", "learning_rate=3e-5", "run_name=a b"]
+    job = render(plan_for(machine, "cpu-only", 1), workdir=str(workdir), run_args=run_args)
+    container = job["spec"]["trainer"] if kind == "trainjob" else job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["args"] == run_args
+    out = subprocess.run(container["command"] + container["args"], env={"PATH": f"{bin_dir}:{os.environ['PATH']}"},
+                         capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    assert out[-4:] == run_args
+
+
+def _pod_specs(job: dict) -> list[tuple[dict, dict]]:
+    """(pod spec, the training container's spec) of every replica: the TrainJob's runtime patch, each PyTorchJob replica."""
+    if job["kind"] == "TrainJob":
+        patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        pod = patch["template"]["spec"]["template"]["spec"]
+        return [(pod, pod["containers"][0])]
+    return [(r["template"]["spec"], r["template"]["spec"]["containers"][0]) for r in job["spec"]["pytorchReplicaSpecs"].values()]
+
+
+@pytest.mark.parametrize(("name", "nodes"), [("8x-h100-sxm", 2), ("cpu-only", 1)])
+def test_a_checkpoint_volume_is_the_users_claim_mounted_where_output_dir_is(machine, trainjob_validator, pytorchjob_validator,
+                                                                              name, nodes):
+    """Issue 38, item 5: a container restarted after exit 75 (or a pod on another node) starts with a fresh
+    filesystem; with a claim the checkpoints are on a volume that outlives it, at WORKDIR/outputs where every
+    shipped recipe's output_dir (outputs/NAME, relative to the working directory) is."""
+    plan = plan_for(machine, name, nodes)
+    for render, validator in ((trainjob, trainjob_validator), (pytorchjob, pytorchjob_validator)):
+        text = render_trainjob if render is trainjob else render_pytorchjob
+        header = text(plan, "launch_configs/x.yaml", image="i:1", job_name="job", grace=GRACE, checkpoint_claim="train-ckpt")
+        job = render(plan, checkpoint_claim="train-ckpt")
+        assert errors(validator, job) == []
+        for pod, container in _pod_specs(job):
+            assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "train-ckpt"}} in pod["volumes"]
+            assert {"name": "checkpoints", "mountPath": "/workspace/outputs"} in container["volumeMounts"]
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert "PersistentVolumeClaim train-ckpt is mounted at /workspace/outputs" in header
+        assert ("ReadWriteMany" in header) == (nodes > 1)  # every node mounts it: every rank writes and reads
+        assert "WARNING" not in header
+
+
+@pytest.mark.parametrize("render", [render_trainjob, render_pytorchjob])
+def test_without_a_checkpoint_volume_the_manifest_says_the_checkpoints_die_with_the_pod(machine, render):
+    plan = plan_for(machine, "cpu-only", 1)
+    text = render(plan, "launch_configs/x.yaml", image="i:1", job_name="job", grace=GRACE)
+    warning = next(line for line in text.splitlines() if line.startswith("# WARNING"))
+    assert "do not outlive the pod" in warning and "starts from step 0" in warning and "--checkpoint-volume" in warning
+    job = yaml.safe_load(text)
+    assert all(v.get("persistentVolumeClaim") is None for pod, _ in _pod_specs(job) for v in pod["volumes"])

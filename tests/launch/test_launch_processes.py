@@ -25,7 +25,7 @@ def test_cpu_plan_through_the_printed_command_runs_real_ddp(tmp_path):
                           "--output", str(cfg))
     assert result.returncode == 0, result.stderr
     printed = next(line.strip() for line in result.stdout.splitlines() if line.strip().startswith("hf-gpu-train launch"))
-    assert printed == f"hf-gpu-train launch --config-file {cfg}.yaml scripts/finetune.py"
+    assert printed == f"hf-gpu-train launch --config-file {cfg}.yaml -m hf_gpu_train.finetune"
     with open(f"{cfg}.env", "a") as f:
         f.write("PROBE_MARKER=from-env-file\n")
     env = {**os.environ, "PROBE_OUT": str(tmp_path)}

@@ -131,11 +131,42 @@ def test_the_run_takes_rank_main_node_and_processes_from_skypilot(machine, fake_
     out = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, timeout=30, check=True)
     assert out.stdout.splitlines() == ["launch", "--config-file", "launch_configs/x.yaml", "--num_machines", "3",
                                        "--num_processes", processes, "--machine_rank", "2", "--main_process_ip", "10.0.0.7",
-                                       "--main_process_port", "29600", "scripts/finetune.py"]
+                                       "--main_process_port", "29600", "-m", "hf_gpu_train.finetune"]
 
 
 def test_one_node_runs_the_config_as_it_is(machine, fake_launcher):
     task = render(make_plan(machine("1x-t4")))
     out = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{fake_launcher}:{os.environ['PATH']}"},
                          capture_output=True, text=True, timeout=30, check=True)
-    assert out.stdout.splitlines() == ["launch", "--config-file", "launch_configs/x.yaml", "scripts/finetune.py"]
+    assert out.stdout.splitlines() == ["launch", "--config-file", "launch_configs/x.yaml", "-m", "hf_gpu_train.finetune"]
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_the_runs_arguments_are_the_last_words_of_run(machine, fake_launcher, nodes):
+    """Issue 38, item 5: the run section trained the default run whatever the user wanted; the run's arguments (what
+    `config ... -- ARGS` was given) end it, each one word however it is spelled, and the header says where they are."""
+    options = PlanOptions(num_machines=nodes, main_process_ip="set-at-run") if nodes > 1 else PlanOptions()
+    run_args = ["--config", "minilm_text_demo", "learning_rate=3e-5", "run_name=it's mine"]
+    text = render_skypilot(make_plan(machine("1x-t4"), options), "launch_configs/x.yaml", job_name="job", run_args=run_args)
+    task = yaml.safe_load(text)
+    assert sky_errors(task) == []
+    env = {"PATH": f"{fake_launcher}:{os.environ['PATH']}", "SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": str(nodes),
+           "SKYPILOT_NODE_IPS": "10.0.0.7", "SKYPILOT_NUM_GPUS_PER_NODE": "1"}
+    out = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.splitlines()[-6:] == ["-m", "hf_gpu_train.finetune", *run_args]
+    assert "# The run's arguments: --config minilm_text_demo learning_rate=3e-5 'run_name=it'\"'\"'s mine'" in text
+
+
+def test_without_arguments_the_header_says_the_run_is_the_default_one_and_where_they_go(machine):
+    text = render_skypilot(make_plan(machine("1x-t4")), "launch_configs/x.yaml", job_name="job")
+    assert "none given, so it trains the default run: add --config NAME key=value at the end of run" in text
+
+
+def test_setup_installs_the_package_a_pip_user_has_and_a_clone_installs_itself(tmp_path):
+    from hf_gpu_train import __version__
+    from hf_gpu_train.launch.skypilot import setup_for
+
+    assert setup_for(Path(__file__).resolve().parents[2]) == "pip install -e ."  # this clone
+    assert setup_for(tmp_path) == f"pip install 'hf-gpu-train=={__version__}'"  # a pip user's directory: no pyproject.toml
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "my-project"\n')
+    assert setup_for(tmp_path) == f"pip install 'hf-gpu-train=={__version__}'"  # a project of theirs, not this package

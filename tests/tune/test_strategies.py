@@ -202,7 +202,7 @@ def test_a_winner_of_another_strategy_goes_into_its_own_config_and_the_configs_p
     assert tune_command._write_and_print(job, opts, results, [], choice, 2.0, 5.0, 0.0, configs) == 0
     out = capsys.readouterr().out
     zero2 = tmp_path / "cpu.strategies" / "deepspeed-zero2.yaml"
-    assert f"Next: hf-gpu-train launch --config-file {zero2} scripts/finetune.py" in out
+    assert f"Next: hf-gpu-train launch --config-file {zero2} -m hf_gpu_train.finetune" in out
     assert (f"to make deepspeed-zero2 cpu.yaml's own strategy: `hf-gpu-train config --machine cpu-only --num-processes 2 "
             f"--strategy deepspeed-zero2 --output {tmp_path / 'cpu'} --force` (then tune it again)") in out
     assert "strategy  " in out and "peak GiB per rank" in out  # the table names each trial's strategy
