@@ -34,6 +34,7 @@ from ..launch.rank_report import (
     read_progress,
     root_cause,
 )
+from ..launch.restarts import DEFAULT_RESTARTS, RESTART_OPTIONS, Outcome, RestartPolicy
 from ..launch.signals import SignalForwarder, ignore_warning_signals
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
@@ -53,12 +54,15 @@ from ..plan.run_plan_file import (
 from ..plan.scope import scope_to_this_machine
 from . import example
 
-USAGE = "hf-gpu-train launch [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT [SCRIPT_ARGS ...]"
+USAGE = ("hf-gpu-train launch [--max-restarts N] [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT "
+         "[SCRIPT_ARGS ...]")
 DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS` with FILE's .env (written by `hf-gpu-train "
                "config`) in the environment of every process (your own exported variables win, and are named), "
                "HF_GPU_TRAIN_PLAN naming FILE's .plan.json, and the plan's taskset CPU binding applied. Options before "
                "SCRIPT other than --config-file go to accelerate launch unchanged (e.g. --num_processes 2 --main_process_port "
-               "29600); what they change against FILE is printed.")
+               "29600); what they change against FILE is printed. A launch whose rank died starts again, resuming from the newest "
+               "complete checkpoint, up to --max-restarts times (default 3; 0: never), never after a usage error, a stop "
+               "signal or the same failure at the same step twice.")
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -251,16 +255,46 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"usage: {USAGE}\n\n{DESCRIPTION}\n\n{example('launch')}")
         return 0
-    launch = build_launch(args.argv)
+    max_restarts, argv = take_restarts(args.argv)
+    launch = build_launch(argv)
     for note in launch.notes:
         print(f"hf-gpu-train launch: {note}", file=sys.stderr)
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)
         print("hf-gpu-train launch: bound to the plan's CPUs (its taskset binding); every process inherits it", file=sys.stderr)
-    return run_reporting_usage_errors(launch.cmd, launch.env)
+    policy = RestartPolicy(max_restarts)
+    while True:
+        outcome = launch_once(launch.cmd, launch.env)
+        again, line = policy.restart_line(outcome)
+        if line:
+            print(f"hf-gpu-train launch: {line}", file=sys.stderr, flush=True)
+        if not again:
+            return outcome.code
+
+
+def take_restarts(argv: list[str]) -> tuple[int, list[str]]:
+    """(``--max-restarts N``, the argv without it): ours, not accelerate's (``--max_restarts`` too: torchelastic's
+    would restart a usage error or the same crash until its limit)."""
+    parsed = split_launch_argv(argv)
+    value = parsed.value(*RESTART_OPTIONS)
+    if value is None:
+        return DEFAULT_RESTARTS, list(argv)
+    try:
+        count = int(value)
+        if count < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--max-restarts {value}: give a number of restarts (0: none; default {DEFAULT_RESTARTS})") from None
+    return count, [*flatten(parsed.without(*RESTART_OPTIONS)), *([] if parsed.script is None else [parsed.script]),
+                   *parsed.script_args]
 
 
 def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
+    """``launch_once``'s exit code."""
+    return launch_once(cmd, env).code
+
+
+def launch_once(cmd: list[str], env: dict[str, str]) -> Outcome:
     """Run the launcher with its stderr passed through as it comes. A training process that stops on a usage error
     (``scripts/finetune.py`` exits 2 with one line) writes that line to ``USAGE_ERROR_FILE``; from then on the stream
     goes through ``AfterUsageError``: the same line from other ranks and the launcher's own report of the failed worker
@@ -282,7 +316,7 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         shown = b""  # what the launcher printed (its root cause is read from it)
         written = b""  # what reached our stderr: the usage line may have been dropped as another rank's copy
         after: AfterUsageError | None = None
-        with SignalForwarder(proc.pid, progress):
+        with SignalForwarder(proc.pid, progress) as forwarder:
             while chunk := os.read(proc.stderr.fileno(), 65536):
                 if after is None and marker.exists():
                     after = AfterUsageError(marker)
@@ -303,14 +337,19 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
             if marker:  # the sbatch requeues on it even when srun reports another node's code (launch/render.py)
                 with contextlib.suppress(OSError):
                     Path(marker).write_text(steps + "\n")
-            return PREEMPTED_EXIT_CODE
+            return Outcome(PREEMPTED_EXIT_CODE, preempted=True)
         if not marker.exists():
             hang = read_hang_report(progress)
-            line = failure_line(root_cause(shown.decode(errors="replace")), read_progress(progress), hang) if code else None
+            cause, reached = root_cause(shown.decode(errors="replace")), read_progress(progress)
+            line = failure_line(cause, reached, hang) if code else None
             if line:
                 node = os.environ.get("SLURMD_NODENAME")  # several machines under SLURM: which one's ranks these are
                 print(f"hf-gpu-train launch{f' on node {node}' if node else ''}: {line}", file=sys.stderr)
-            return HANG_EXIT_CODE if code and hang is not None else code
+            steps = tuple(sorted((rank, int(p["step"])) for rank, p in reached.items() if isinstance(p.get("step"), int)))
+            # a stop signal came (the processes did not end with 75: a script without preemption handling): the
+            # scheduler wants the job gone, never restarted here
+            return Outcome(HANG_EXIT_CODE if code and hang is not None else code, cause, steps,
+                           preempted=bool(forwarder.received))
         if after is not None:
             rest = after.flush()
             _write(rest)
@@ -319,7 +358,7 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
         if message.encode() not in written:
             print(message, file=sys.stderr)
         print("hf-gpu-train launch: the training processes stopped on the usage error above (exit 2)", file=sys.stderr)
-        return 2
+        return Outcome(2, usage_error=True)
 
 
 def _write(data: bytes) -> None:

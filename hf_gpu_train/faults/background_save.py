@@ -8,12 +8,13 @@ have written it. A background thread then writes the staged files (and ``fsync``
 survives a machine that loses its page cache, which the Trainer's own save does not promise). Everything else the save
 does (``trainer_state.json``, the tokenizer, the config, collectives of FSDP and DeepSpeed) happens as before, at once.
 
-The completion marker (``checkpoint_marker.py``) is written only once every rank's background write finished: at each
-step's start and end while a write is in flight every rank takes one vote on the CPU (writing / done / failed); all
-done, the main process writes the marker and only then does the Trainer's rotation (``save_total_limit``) delete older
-checkpoints. A process that dies during a background write, or after it but before the next step boundary's vote,
-leaves a folder without a marker, which the next run sets aside, resuming from the newest complete one: the work that
-can be lost to a failure is the interval, the write and at most one step (a synchronous save: the interval). At most one write is in flight: a save that comes while the previous one
+The completion marker (``checkpoint_marker.py``) is written only once every rank's background write finished: each
+writer thread, its files written, takes one vote with the other ranks' writers (on a gloo group of their own: never
+the training's), and the main process's writer then writes the marker, and only then does the Trainer's rotation
+(``save_total_limit``) delete older checkpoints. A process that dies during a background write leaves a folder without
+a marker, which the next run sets aside, resuming from the newest complete one: the work a failure can lose is the
+interval and the write (a synchronous save: the interval). The callbacks hear of the save (``on_save``) at the first
+step boundary where every rank has seen it complete (a vote of the training threads, as every rank must act alike). At most one write is in flight: a save that comes while the previous one
 still writes waits for it (said once, with the time the write takes, to space saves out). ``train()`` returns only
 once the last write is complete and marked (the final save and a stop signal's save are waited for), and the
 Trainer's ``_load_best_model`` waits first too.
@@ -192,20 +193,26 @@ def staged(into: list[StagedFile], buffers: StagingBuffers | None = None):
 
 @dataclass
 class BackgroundWrite:
-    """One checkpoint's staged files, written by a thread of their own."""
+    """One checkpoint's staged files, written by a thread of their own, which then waits for every rank's write
+    (``agree``: a vote on a process group of its own) and marks the checkpoint complete (``mark``: the marker on the
+    main process, then the rotation of older checkpoints) at once, whatever the training threads are doing."""
 
     folder: Path
     step: int
     files: list[StagedFile]
-    finish: Callable[[], None]  # on the main process once every rank's write is done: marker, then rotation
+    mark: Callable[[], None]
+    agree: Callable[[int], tuple[int, int]] = lambda status: (status, status)
     started: float = field(default_factory=time.monotonic)
     blocked_seconds: float = 0.0  # the training time its staging took
     ended: float | None = None
-    error: BaseException | None = None
+    error: BaseException | None = None  # this rank's write, or its marker, failed
+    every_rank_wrote: bool = False
     thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._write, name=f"hf_gpu_train-save-{self.step}", daemon=False)
+        # a daemon: a process that dies with a write in flight leaves the folder unmarked (a resume sets it aside)
+        # rather than hang in the vote of a rank that is gone; a process that ends normally waited for it (``drain``)
+        self.thread = threading.Thread(target=self._write, name=f"hf_gpu_train-save-{self.step}", daemon=True)
         self.thread.start()
 
     def _write(self) -> None:
@@ -215,6 +222,13 @@ class BackgroundWrite:
                 staged_file.content = None  # the host copy goes as soon as its file is on the disk
         except BaseException as error:  # noqa: BLE001 - said on the main thread, at the next step boundary
             self.error = error
+        try:
+            lowest, highest = self.agree(FAILED if self.error is not None else DONE)
+            self.every_rank_wrote = lowest == highest == DONE
+            if self.every_rank_wrote:
+                self.mark()
+        except BaseException as error:  # noqa: BLE001
+            self.error = self.error or error
         finally:
             self.ended = time.monotonic()
 
@@ -222,7 +236,7 @@ class BackgroundWrite:
     def status(self) -> int:
         if self.thread is not None and self.thread.is_alive():
             return WRITING
-        return FAILED if self.error is not None else DONE
+        return DONE if self.error is None and self.every_rank_wrote else FAILED
 
     @property
     def seconds(self) -> float:
@@ -232,21 +246,27 @@ class BackgroundWrite:
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def join(self) -> None:
+    def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout)
 
 
 class BackgroundSaves:
-    """One Trainer's background writes: at most one in flight, finished (marked, rotated) when every rank's is done.
+    """One Trainer's background writes: at most one in flight; the callbacks told (``on_save``) when every rank has
+    seen its write complete.
 
-    ``vote`` is every rank's agreement (``lowest_and_highest`` of a status): every rank calls ``poll`` at each step
-    boundary and ``drain`` before a save and at the end of ``train()``, alike, because every rank saved at the same step
-    (the control flags are agreed: ``guard_saves``)."""
+    ``vote`` is every rank's agreement on the main thread (``lowest_and_highest`` of a status): every rank calls
+    ``poll`` at each step boundary and ``drain`` before a save and at the end of ``train()``, alike, because every rank
+    saved at the same step (the control flags are agreed: ``guard_saves``). ``write_vote`` makes the writers' own vote
+    (None: one process), on a gloo group of its own (made at the first save, on every rank's main thread): a collective
+    in a background thread never shares a group with the training's."""
 
-    def __init__(self, vote: Callable[[int], tuple[int, int]], raise_failure: Callable[[BackgroundWrite], None]):
+    def __init__(self, vote: Callable[[int], tuple[int, int]], raise_failure: Callable[[BackgroundWrite], None],
+                 write_vote: Callable[[], Callable[[int], tuple[int, int]]] | None = None):
         self.vote = vote
         self.raise_failure = raise_failure
+        self.write_vote = write_vote
+        self._writers_agree: Callable[[int], tuple[int, int]] | None = None
         self.in_flight: BackgroundWrite | None = None
         self.buffers = StagingBuffers()  # reused by every save (``staged(files, saves.buffers)``)
         self.blocked_seconds: list[float] = []  # training time each save took (staging included)
@@ -258,6 +278,10 @@ class BackgroundSaves:
         self._said_waiting = False
 
     def begin(self, write: BackgroundWrite, blocked_seconds: float) -> None:
+        if self.write_vote is not None:
+            if self._writers_agree is None:
+                self._writers_agree = self.write_vote()  # a collective: every rank is here, saving the same step
+            write.agree = self._writers_agree
         self.in_flight = write
         write.blocked_seconds = blocked_seconds
         self.blocked_seconds.append(blocked_seconds)
@@ -298,19 +322,17 @@ class BackgroundSaves:
             return
         self._finish()
 
-    def wait_here(self) -> None:
-        """This rank alone (an exception is ending ``train()``): the write finishes, no vote, no marker (the other
-        ranks may not come); the folder stays half-written and a resume sets it aside."""
+    def wait_here(self, timeout_s: float = 60.0) -> None:
+        """This rank alone (an exception is ending ``train()``): the write gets ``timeout_s`` to finish (its vote waits
+        for the other ranks', which may not come: then the folder stays unmarked and a resume sets it aside)."""
         if self.in_flight is not None:
-            self.in_flight.join()
+            self.in_flight.join(timeout_s)
             self.in_flight = None
-            self.buffers.give_back()
 
     def _finish(self) -> None:
         write, self.in_flight = self.in_flight, None
         self.buffers.give_back()
         self.write_seconds.append(write.seconds)
-        write.finish()
         self.tell(write)
 
     def _fail(self) -> None:
@@ -384,3 +406,19 @@ def hears_of_staged_saves(callback) -> bool:
     attribute ``hears_of_staged_saves = True`` and hears of a background save at once (preemption's stop after the
     save, telemetry's pause, the checkpoint interval's measurement); every other callback once the files are written."""
     return bool(getattr(callback, "hears_of_staged_saves", False))
+
+
+def writers_vote() -> Callable[[int], tuple[int, int]]:
+    """The background writers' vote (lowest, highest of a status over every rank) on a gloo group made now, on every
+    rank's main thread at the same point (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+
+    def vote(status: int) -> tuple[int, int]:
+        both = torch.tensor([-int(status), int(status)], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        return -int(both[0]), int(both[1])
+
+    return vote

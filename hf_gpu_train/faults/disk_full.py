@@ -28,7 +28,7 @@ from ..collectives.control_flags import agree_on_control
 from ..collectives.cpu_votes import lowest_and_highest, several_processes, wait_for_every_rank
 from ..errors import UsageError
 from ..textfmt import human
-from .background_save import BackgroundSaves, BackgroundWrite, attach_to_trainer, background_saves_wanted, staged
+from .background_save import BackgroundSaves, BackgroundWrite, attach_to_trainer, background_saves_wanted, staged, writers_vote
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
 from .resume_epoch import exact_mid_epoch_resume
 
@@ -208,7 +208,8 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     save_on_each_node(trainer.args.save_on_each_node)  # each node marks its own copy (its local rank 0 writes it)
     saves = None
     if background_saves_wanted(background) and not trainer.args.push_to_hub and (agreed or several_processes() is None):
-        saves = BackgroundSaves(lowest_and_highest, lambda write: _raise_failed_write(trainer, write, words))
+        saves = BackgroundSaves(lowest_and_highest, lambda write: _raise_failed_write(trainer, write, words),
+                                write_vote=writers_vote if several_processes() is not None else None)
         attach_to_trainer(trainer, saves)
     trainer._hf_gpu_train_background_saves = saves
     training = [False]  # inside train(): a save there may go to the background
@@ -241,7 +242,7 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
                     for rotate in rotations:  # older checkpoints go only once this one is complete
                         rotate()
 
-                if background:
+                if background:  # the writer thread marks it complete (then rotates) once every rank's write is done
                     saves.begin(BackgroundWrite(folder, step, files, finish), blocked_seconds=time.monotonic() - began)
                     return result
                 if mark and agreed:

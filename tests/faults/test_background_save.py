@@ -241,3 +241,36 @@ def test_a_write_thread_outlives_no_train_call(tmp_path):
     trainer.train()
     assert not [t for t in threading.enumerate() if t.name.startswith("hf_gpu_train-save")]
     assert trainer._hf_gpu_train_background_saves.in_flight is None
+
+
+class ReadsTheCheckpointAtOnSave(TrainerCallback):
+    """What MLflow's, W&B's and Ray's callbacks do: read ``checkpoint-{state.global_step}`` in ``on_save``."""
+
+    def __init__(self):
+        self.found = []
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        self.found.append((folder.name, (folder / "model.safetensors").is_file(), (folder / COMPLETE_MARKER).is_file()))
+
+
+class TimesOnSave(TrainerCallback):
+    hears_of_staged_saves = True
+
+    def __init__(self):
+        self.steps = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def test_callbacks_hear_of_a_save_once_its_files_are_written_and_of_its_own_step(tmp_path, monkeypatch):
+    SlowWrites(monkeypatch, seconds=0.1)
+    trainer = plain_trainer(tmp_path / "out")
+    reader, clock = ReadsTheCheckpointAtOnSave(), TimesOnSave()
+    trainer.add_callback(reader)
+    trainer.add_callback(clock)
+    guard_saves(trainer)
+    trainer.train()
+    assert reader.found == [(f"checkpoint-{s}", True, True) for s in (2, 4, 6)]
+    assert clock.steps == [2, 4, 6]  # told at once, at the save's own step

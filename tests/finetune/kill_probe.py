@@ -1,6 +1,9 @@
 """scripts/finetune.py with one rank SIGKILLed at the end of a step (the kernel's OOM killer, a segfault):
 ``KILL_RANK`` and ``KILL_AT_STEP`` say which and when (``KILL_STAMP``: a file for the time of the kill, for
-benchmarks/faults.py). Everything else is the real entry point."""
+benchmarks/faults.py; ``KILL_ONCE``: a file whose existence means the kill happened already: a failure that a
+restart does not meet again). The kill comes once the newest checkpoint is complete (its background write done and
+marked, waited for here, up to a minute): a crash between checkpoints, not during a write (that case:
+tests/faults/test_background_save.py). Everything else is the real entry point."""
 
 import os
 import signal
@@ -13,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
+from hf_gpu_train.faults.checkpoint_marker import COMPLETE_MARKER  # noqa: E402
 from hf_gpu_train.finetune import run  # noqa: E402
 
 end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
@@ -21,6 +25,16 @@ end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 class KillAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == int(os.environ["KILL_AT_STEP"]) and args.process_index == int(os.environ["KILL_RANK"]):
+            once = os.environ.get("KILL_ONCE")
+            if once:
+                if Path(once).exists():
+                    return
+                Path(once).write_text(str(time.time()))
+            newest = max((p for p in Path(args.output_dir).glob("checkpoint-*")), default=None,
+                         key=lambda p: int(p.name.split("-")[1]))
+            deadline = time.monotonic() + 60
+            while newest is not None and not (newest / COMPLETE_MARKER).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             if os.environ.get("KILL_STAMP"):
                 Path(os.environ["KILL_STAMP"]).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)

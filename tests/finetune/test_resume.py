@@ -185,6 +185,10 @@ def test_a_rank_killed_mid_run_then_the_same_command_again_ends_with_the_uninter
     killed = launch(config, Path(__file__).with_name("kill_probe.py"), *command, env={"KILL_RANK": "1", "KILL_AT_STEP": "5"})
     assert killed.returncode != 0 and not (out / "model.safetensors").exists(), killed.stderr[-3000:]
     assert "hf-gpu-train launch: rank 1 died (SIGKILL, exit -9)" in killed.stderr, killed.stderr[-3000:]
+    # restarted once by the launcher (issue 38, item 4), killed again at the same step: not restarted a second time
+    assert "rank 1 died of SIGKILL after step 5: restarting (1 of 3, --max-restarts)" in killed.stderr, killed.stderr[-3000:]
+    assert ("the same failure as the start before (rank 1 died of SIGKILL after step 5): not restarting again"
+            in killed.stderr), killed.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     baseline = json.loads((out / "baseline_results.json").read_text())  # evaluated when it first started
     again = launch(config, SCRIPT, *command)
@@ -194,6 +198,21 @@ def test_a_rank_killed_mid_run_then_the_same_command_again_ends_with_the_uninter
     assert f"before training (the model as loaded): accuracy {baseline['eval_accuracy']:.4g}" in again.stdout.strip().splitlines()[-1]
     assert "hf_gpu_train: preflight: 2 processes joined, all-reduce and broadcast work" in again.stdout
     assert "collective timeout 1800 s" in again.stdout  # the Trainer's ddp_timeout, not the preflight's short one
+    assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
+
+
+def test_a_rank_killed_once_is_restarted_by_the_launcher_and_ends_with_the_uninterrupted_weights(tmp_path, case,
+                                                                                                   uninterrupted):
+    """Issue 38, item 4: rank 1 SIGKILLed after step 5 (checkpoint-4 complete), once; hf-gpu-train launch starts the
+    same command again by itself, it resumes from checkpoint-4 and ends where one uninterrupted process ends."""
+    out = tmp_path / "out"
+    command = [*case, *COMMON, *QUIET, f"output_dir={out}", "save_strategy=steps", "save_steps=2",
+               f"per_device_train_batch_size={GLOBAL_BATCH // 2}"]
+    restarted = launch(cpu_config(tmp_path), Path(__file__).with_name("kill_probe.py"), *command,
+                       env={"KILL_RANK": "1", "KILL_AT_STEP": "5", "KILL_ONCE": str(tmp_path / "killed")})
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "rank 1 died of SIGKILL after step 5: restarting (1 of 3, --max-restarts)" in restarted.stderr
+    assert f"resuming from {out / 'checkpoint-4'}" in restarted.stdout
     assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
 
 

@@ -1,0 +1,94 @@
+"""Restart without a person: a launch whose rank died starts again from the newest complete checkpoint, up to a limit.
+
+A rank that dies (the kernel's OOM killer, a segfault, an ECC error, a lost NCCL peer) ends the whole launch: accelerate
+and torchrun stop every rank. Plain torchrun's ``--max-restarts`` starts the workers again whatever the failure: a usage
+error or a bug that fails at the same step is restarted until the limit, each time reloading everything. Here
+``hf-gpu-train launch`` starts the same command again (scripts/finetune.py resumes from the newest complete
+checkpoint by itself; anyone's script that does ``trainer.train(resume_from_checkpoint=True)`` under ``guard_saves``
+the same) when, and only when, a restart can help:
+
+- never after success (0), a usage error (2: the same command fails the same way) or a stop signal (75: the scheduler
+  wants the job gone, and requeues it itself);
+- never when the failure is the one before again: the same exit of the same kind at the same step reached (a bug, a
+  batch that always runs out of memory, a data row that crashes the collator), said with the step;
+- at most ``--max-restarts`` times (default ``DEFAULT_RESTARTS``) per launch.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from .rank_report import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+DEFAULT_RESTARTS = 3
+RESTART_OPTIONS = ("--max-restarts", "--max_restarts")  # ours; accelerate's --max_restarts is torchelastic's, taken here
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one launch ended: its exit code, torchelastic's root cause (rank, exit code), each rank's last finished
+    step, and whether it ended on a usage error, a stop signal or a hang."""
+
+    code: int
+    cause: tuple[int, int] | None = None
+    steps: tuple[tuple[int, int], ...] = ()  # (rank, step) of each rank's last finished step
+    usage_error: bool = False
+    preempted: bool = False
+
+    @property
+    def furthest_step(self) -> int | None:
+        return max((step for _, step in self.steps), default=None)
+
+    def failure(self) -> tuple:
+        """What makes two failures the same one: the kind of exit and where training had got to."""
+        kind = self.cause[1] if self.cause else self.code
+        return (kind, self.furthest_step)
+
+    def describe(self) -> str:
+        if self.code == HANG_EXIT_CODE:
+            what = "a hang"
+        elif self.cause is not None:
+            rank, code = self.cause
+            what = f"rank {rank} {_how(code)}"
+        else:
+            what = f"exit {self.code}"
+        step = self.furthest_step
+        return what + (f" after step {step}" if step is not None else " before the first step")
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"died of {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died of signal {-code}"
+    return f"exited {code}"
+
+
+class RestartPolicy:
+    """Decides after each launch whether to start it again; says why in one line either way."""
+
+    def __init__(self, max_restarts: int = DEFAULT_RESTARTS):
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.previous: Outcome | None = None
+
+    def restart_line(self, outcome: Outcome) -> tuple[bool, str | None]:
+        """(start again?, the line to say: None when there is nothing to say)."""
+        previous, self.previous = self.previous, outcome
+        if outcome.code == 0 or outcome.usage_error or outcome.preempted or outcome.code == PREEMPTED_EXIT_CODE:
+            return False, None
+        if outcome.code == 2:  # a usage error from the launcher itself (bad options): the same command fails again
+            return False, None
+        if self.max_restarts <= 0:
+            return False, None
+        if previous is not None and previous.failure() == outcome.failure():
+            return False, (f"the same failure as the start before ({outcome.describe()}): not restarting again; the "
+                           f"newest complete checkpoint is kept. Fix the cause, then run the same command")
+        if self.restarts >= self.max_restarts:
+            return False, (f"{outcome.describe()}; {self.max_restarts} restart(s) used (--max-restarts): not restarting "
+                           "again; run the same command to resume from the newest complete checkpoint")
+        self.restarts += 1
+        return True, (f"{outcome.describe()}: restarting ({self.restarts} of {self.max_restarts}, --max-restarts); the "
+                      "run resumes from its newest complete checkpoint")
