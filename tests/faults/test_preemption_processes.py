@@ -22,7 +22,8 @@ PROBE = Path(__file__).with_name("signal_probe.py")
 
 def command(text_case: list[str], out: Path) -> list[str]:
     # 4 rows a process, 16 a step: 2 micro-batches a step, so the signal comes in the middle of one
-    return [*text_case, *COMMON, *QUIET, f"output_dir={out}", "per_device_train_batch_size=4", f"global_batch_size={GLOBAL_BATCH}"]
+    return [*text_case, *COMMON, *QUIET, f"output_dir={out}", "per_device_train_batch_size=4", f"global_batch_size={GLOBAL_BATCH}",
+            "background_saves=true"]  # the default on a GPU
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_and_the_same_command_resumes_exactly(

@@ -3,7 +3,10 @@
 benchmarks/faults.py; ``KILL_ONCE``: a file whose existence means the kill happened already: a failure that a
 restart does not meet again). The kill comes once the newest checkpoint is complete (its background write done and
 marked, waited for here, up to a minute): a crash between checkpoints, not during a write (that case:
-tests/faults/test_background_save.py). Everything else is the real entry point."""
+tests/faults/test_background_save.py; ``KILL_DURING_WRITE=1``: at the save of step ``KILL_AT_STEP`` instead, told at
+once after its staging, while a background write is in flight). ``STEP_STAMP``: a file
+rank 0 appends "time step" to at the first step end of each start (benchmarks/resilience.py: seconds from the kill to
+training again). Everything else is the real entry point."""
 
 import os
 import signal
@@ -23,21 +26,38 @@ end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
 
 
 class KillAt(TrainerCallback):
+    first_step_seen = False
+    hears_of_staged_saves = True  # its on_save comes right after the staging (faults/background_save.py)
+
+    def on_save(self, args, state, control, **kwargs):
+        if (os.environ.get("KILL_DURING_WRITE") == "1" and state.global_step == int(os.environ["KILL_AT_STEP"])
+                and args.process_index == int(os.environ["KILL_RANK"])):
+            self._kill()
+
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == int(os.environ["KILL_AT_STEP"]) and args.process_index == int(os.environ["KILL_RANK"]):
-            once = os.environ.get("KILL_ONCE")
-            if once:
-                if Path(once).exists():
-                    return
-                Path(once).write_text(str(time.time()))
+        if os.environ.get("STEP_STAMP") and args.process_index == 0 and not self.first_step_seen:
+            self.first_step_seen = True
+            with open(os.environ["STEP_STAMP"], "a") as stamps:
+                stamps.write(f"{time.time()} {state.global_step}\n")
+        if (state.global_step == int(os.environ["KILL_AT_STEP"]) and args.process_index == int(os.environ["KILL_RANK"])
+                and os.environ.get("KILL_DURING_WRITE") != "1"):
             newest = max((p for p in Path(args.output_dir).glob("checkpoint-*")), default=None,
                          key=lambda p: int(p.name.split("-")[1]))
             deadline = time.monotonic() + 60
             while newest is not None and not (newest / COMPLETE_MARKER).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if os.environ.get("KILL_STAMP"):
-                Path(os.environ["KILL_STAMP"]).write_text(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._kill()
+
+    @staticmethod
+    def _kill() -> None:
+        once = os.environ.get("KILL_ONCE")
+        if once:
+            if Path(once).exists():
+                return
+            Path(once).write_text(str(time.time()))
+        if os.environ.get("KILL_STAMP"):
+            Path(os.environ["KILL_STAMP"]).write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 defaults = run.default_callbacks

@@ -150,7 +150,7 @@ def test_the_same_command_on_another_number_of_processes_keeps_the_global_batch_
     continues the same run: its global batch kept, accumulation adjusted and said, the same rows from the same position.
     1 -> 2: one process of 16 stopped after checkpoint-4, resumed on 2 (per-device 16 would make 32: 8 x 1 x 2). 2 -> 1:
     two processes of 8 killed after checkpoint-4, resumed on 1 (8 x 2 x 1). Both end with the uninterrupted weights."""
-    saving = ["save_strategy=steps", "save_steps=2"]
+    saving = ["save_strategy=steps", "save_steps=2", "background_saves=true"]  # the default on a GPU
     config = cpu_config(tmp_path)
     # 1 -> 2
     up = tmp_path / "up"
@@ -207,7 +207,7 @@ def test_a_rank_killed_once_is_restarted_by_the_launcher_and_ends_with_the_unint
     same command again by itself, it resumes from checkpoint-4 and ends where one uninterrupted process ends."""
     out = tmp_path / "out"
     command = [*case, *COMMON, *QUIET, f"output_dir={out}", "save_strategy=steps", "save_steps=2",
-               f"per_device_train_batch_size={GLOBAL_BATCH // 2}"]
+               f"per_device_train_batch_size={GLOBAL_BATCH // 2}", "background_saves=true"]  # on a GPU by default
     restarted = launch(cpu_config(tmp_path), Path(__file__).with_name("kill_probe.py"), *command,
                        env={"KILL_RANK": "1", "KILL_AT_STEP": "5", "KILL_ONCE": str(tmp_path / "killed")})
     assert restarted.returncode == 0, restarted.stderr[-3000:]

@@ -105,7 +105,7 @@ def test_zero2_through_plain_accelerate_launch_trains_what_one_process_trains(tm
 def test_zero3_killed_then_stopped_by_a_signal_resumes_to_the_uninterrupted_weights(tmp_path, text, one_process):
     config = deepspeed_config(tmp_path, "deepspeed-zero3")
     out = tmp_path / "zero3"
-    command = arguments(text, out, "save_strategy=steps", "save_steps=2")
+    command = arguments(text, out, "save_strategy=steps", "save_steps=2", "background_saves=true")  # as on a GPU
     killed = launch(config, KILL_PROBE, *command, env={"KILL_RANK": "1", "KILL_AT_STEP": "5"}, timeout=600)
     assert killed.returncode != 0 and "rank 1 died (SIGKILL, exit -9)" in killed.stderr, killed.stderr[-3000:]
     assert sorted(c.name for c in complete_checkpoints(out)) == ["checkpoint-2", "checkpoint-4"]
