@@ -87,3 +87,13 @@ def plan_interval(save_cost_s: float, mtbf_hours: float | None, gpus: int, write
     best = max(optimal_interval_s(save_cost_s, mtbf_s), write_s)
     capped = best > cap_minutes * 60.0
     return CheckpointInterval(min(best, cap_minutes * 60.0), save_cost_s, write_s, mtbf_s, source, capped)
+
+
+def staging_bytes(breakdown) -> float:
+    """Host memory a background save holds on a writing process (``faults/background_save.py``'s buffers, kept for the
+    run): the state it writes, from the plan's per-GPU breakdown: the weights, the optimizer's states and ZeRO's fp32
+    master weights (the rank's shard where the strategy shards them); a LoRA run's adapters and their states only.
+    Under DDP only rank 0 writes them (the others stage their RNG state)."""
+    if breakdown.method in ("lora", "qlora"):
+        return breakdown.adapter_weights + breakdown.optimizer
+    return breakdown.weights + breakdown.optimizer + breakdown.master_weights

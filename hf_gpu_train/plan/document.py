@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
+from .checkpoint_interval import staging_bytes
 from .lever_plan import LEVER_KEYS, lever_settings, levers_apply
 from .memory import HEADROOM_FRACTION, usable_bytes
 from .model_spec import model_fingerprint
@@ -102,6 +103,8 @@ def _memory(plan: LaunchPlan) -> dict | None:
         "reasons": list(m.reasons),
         "levers": dict(m.levers),
         "host_bytes": int(m.host_bytes),
+        # a background save's staging buffers on a writing process (on a GPU, by default): host memory for the run
+        "checkpoint_staging_bytes": int(staging_bytes(m.breakdown)),
     }
 
 
