@@ -152,18 +152,22 @@ def _weights_against(out: Path, reference: Path) -> str:
     return f"max abs diff {max(float((x[k].float() - y[k].float()).abs().max()) for k in y):.2g}"
 
 
-def _resumed_from(stdout: str) -> int | None:
-    import re
+def _starts(stamps: Path) -> list[tuple[float, int]]:
+    """(time, step) of the first step end of each start (rank 0's stamps, tests/finetune/kill_probe.py)."""
+    if not stamps.is_file():
+        return []
+    return [(float(t), int(step)) for t, step in (line.split() for line in stamps.read_text().splitlines() if line.strip())]
 
-    found = re.findall(r"resuming from \S*checkpoint-(\d+)", stdout)
-    return int(found[-1]) if found else None
+
+def _lost(stamps: Path, reached: int) -> str:
+    """Steps lost: the step reached before the event against the step the next start resumed from."""
+    starts = _starts(stamps)
+    return str(reached - (starts[-1][1] - 1)) if starts and starts[-1][1] > 1 or len(starts) > 1 else "-"
 
 
 def _back_to_training(stamps: Path, event_at: float) -> str:
-    """Seconds from the event to the first step end of the next start (rank 0's stamps)."""
-    if not stamps.is_file():
-        return "-"
-    after = [float(line.split()[0]) for line in stamps.read_text().split("\n") if line.strip() and float(line.split()[0]) > event_at]
+    """Seconds from the event to the first step end of the next start."""
+    after = [t for t, _ in _starts(stamps) if t > event_at]
     return f"{min(after) - event_at:.1f} s" if after else "never"
 
 
@@ -191,36 +195,36 @@ def events() -> None:
                    {"KILL_RANK": "1", "KILL_AT_STEP": str(kill_step), "KILL_ONCE": str(tmp / f"{name}.once"),
                     "KILL_STAMP": str(stamp), "STEP_STAMP": str(steps), **env})
         event_at = float(stamp.read_text()) if stamp.is_file() else 0.0
-        start = _resumed_from(run.stdout)
-        lost = "-" if start is None else str(kill_step - start)
-        rows.append((name, f"exit {run.returncode}", lost, _back_to_training(steps, event_at), _weights_against(out, reference)))
+        rows.append((name, f"exit {run.returncode}", _lost(steps, kill_step) if len(_starts(steps)) > 1 else "-",
+                     _back_to_training(steps, event_at), _weights_against(out, reference)))
 
     killed("rank killed after step 15, ours", ours, 15)
     killed("rank killed after step 15, torchrun --max-restarts 1", torchrun, 15)
     killed("rank killed during the background write of step 20, ours", ours, 20, KILL_DURING_WRITE="1")
 
     # a scheduler's stop: SIGTERM to the launcher in the middle of step 16; exit 75; the same command again
-    out = tmp / "stop"
+    out, steps = tmp / "stop", tmp / "stop.steps"
     stopped = _run([*ours, SIGNAL_PROBE, *EVENT_RUN, f"output_dir={out}"],
                    {"SIGNALS": "TERM:launcher:accumulation:16", "SIGNAL_RANK": "0"})
+    import re
+
+    at = re.search(r"rank 0 after step (\d+)", stopped.stderr)
     begin = time.time()
-    again = _run([*ours, SCRIPT, *EVENT_RUN, f"output_dir={out}"], {})
-    resumed = _resumed_from(again.stdout)
+    again = _run([*ours, KILL_PROBE, *EVENT_RUN, f"output_dir={out}"], {"KILL_RANK": "9", "KILL_AT_STEP": "0",
+                                                                          "STEP_STAMP": str(steps)})
     rows.append(("stop signal to the launcher in step 16, then the same command", f"exit {stopped.returncode}, then {again.returncode}",
-                 "-" if resumed is None else str(16 - resumed), f"(a new start: {time.time() - begin:.0f} s to the end)",
+                 _lost(steps, int(at.group(1))) if at else "-", f"{_back_to_training(steps, begin)} (from the new start)",
                  _weights_against(out, reference)))
 
     # a node lost: rank 1 killed after step 15, no restart; the same command on the one process left
     out, stamp, steps = tmp / "fewer", tmp / "fewer.kill", tmp / "fewer.steps"
     _run([*ours, "--max-restarts", "0", KILL_PROBE, *EVENT_RUN, f"output_dir={out}"],
          {"KILL_RANK": "1", "KILL_AT_STEP": "15", "KILL_STAMP": str(stamp)})
+    begin = time.time()
     one = _run([sys.executable, KILL_PROBE, *EVENT_RUN, f"output_dir={out}"], {"KILL_RANK": "9", "KILL_AT_STEP": "0",
                                                                               "STEP_STAMP": str(steps)})
-    resumed = _resumed_from(one.stdout)
-    rows.append(("rank killed after step 15, the same command on 1 process", f"exit {one.returncode}",
-                 "-" if resumed is None else str(15 - resumed),
-                 _back_to_training(steps, float(stamp.read_text())) + " (from the kill; no restart: by hand)",
-                 _weights_against(out, reference)))
+    rows.append(("rank killed after step 15, the same command on 1 process", f"exit {one.returncode}", _lost(steps, 15),
+                 f"{_back_to_training(steps, begin)} (from the new start, by hand)", _weights_against(out, reference)))
 
     print("\nevents: the default fine-tune, 40 steps, a checkpoint every 10 (background saves), 2 gloo processes")
     print("| event | exit | steps lost | from the event to training again | final weights against the uninterrupted run |")

@@ -32,6 +32,7 @@ from ..launch.rank_report import (
     read_hang_report,
     read_preempted,
     read_progress,
+    read_resumes,
     root_cause,
 )
 from ..launch.restarts import DEFAULT_RESTARTS, RESTART_OPTIONS, Outcome, RestartPolicy
@@ -358,7 +359,7 @@ def launch_once(cmd: list[str], env: dict[str, str]) -> Outcome:
             # a stop signal came (the processes did not end with 75: a script without preemption handling): the
             # scheduler wants the job gone, never restarted here
             return Outcome(HANG_EXIT_CODE if code and hang is not None else code, cause, steps,
-                           preempted=bool(forwarder.received))
+                           preempted=bool(forwarder.received), resumes=read_resumes(progress))
         if after is not None:
             rest = after.flush()
             _write(rest)

@@ -49,6 +49,9 @@ FLAGS_ALIKE = frozenset({
     "hf_gpu_train.oom.policy.OOMRecoveryState", "hf_gpu_train.oom.recovery._RecoveryHooks",
     "hf_gpu_train.levers.optimizer_in_backward._InBackwardGuard", "hf_gpu_train.finetune.intervals.EveryFewMinutes",
     "hf_gpu_train.finetune.evaluate_before.EvaluateBeforeTraining", "hf_gpu_train.tune.meter.TrialMeter",
+    "hf_gpu_train.faults.checkpoint_costs.CheckpointCosts",  # sets no flag
+    # votes on the write in flight; the callbacks it tells at a vote hear alike on every rank
+    "hf_gpu_train.faults.background_save.attach_to_trainer.<locals>.BackgroundSavesAtStepBoundaries",
 })
 REPORTERS = "transformers.integrations.integration_utils"  # the report_to sinks (TensorBoard, W&B ...): they set no flag
 

@@ -4,8 +4,8 @@ The Trainer's ``_save_checkpoint`` stops training for as long as it writes (mode
 space their saves out and lose the work between them. Here, while ``_save_checkpoint`` runs, the tensor files it
 writes (``torch.save``, safetensors' ``save_file``: every name a loaded module holds for them) are *staged* instead: each
 tensor copied to host memory (pinned, from a GPU) at the step boundary, the state exactly as a synchronous save would
-have written it. A background thread then writes the staged files (and ``fsync``s them: a checkpoint marked complete
-survives a machine that loses its page cache, which the Trainer's own save does not promise). Everything else the save
+have written it. A background thread then writes the staged files and ``fsync``s them (the tensor files only: the
+marker, ``trainer_state.json`` and the small files are written as the Trainer writes them). Everything else the save
 does (``trainer_state.json``, the tokenizer, the config, collectives of FSDP and DeepSpeed) happens as before, at once.
 
 The completion marker (``checkpoint_marker.py``) is written only once every rank's background write finished: each
@@ -217,6 +217,8 @@ class BackgroundWrite:
     error: BaseException | None = None  # this rank's write, or its marker, failed
     every_rank_wrote: bool = False
     thread: threading.Thread | None = None
+    state: object = None  # the TrainerState at the save (a copy): what the callbacks hear of it with
+    announced: bool = False  # the Trainer called on_save for it (a direct _save_checkpoint call does not)
 
     def start(self) -> None:
         # a daemon: a process that dies with a write in flight leaves the folder unmarked (a resume sets it aside)
@@ -281,7 +283,6 @@ class BackgroundSaves:
         self.blocked_seconds: list[float] = []  # training time each save took (staging included)
         self.write_seconds: list[float] = []  # the background write of each, start to end
         self.staged_bytes: list[int] = []  # each save's tensors, staged in host memory
-        self.staged_untold = False  # a save was staged and the Trainer's on_save for it is still to come
         self.tell: Callable[[BackgroundWrite], None] = lambda write: None  # on_save, once a write is complete
         self.waited_seconds = 0.0  # training time spent waiting for a previous write (a save that came too soon)
         self._said_waiting = False
@@ -295,7 +296,6 @@ class BackgroundSaves:
         write.blocked_seconds = blocked_seconds
         self.blocked_seconds.append(blocked_seconds)
         self.staged_bytes.append(write.bytes)
-        self.staged_untold = True
         write.start()
 
     def poll(self) -> None:
@@ -363,8 +363,9 @@ def attach_to_trainer(trainer, saves: BackgroundSaves) -> None:
     the checkpoint before it marked, when its write is done); the last write waited for at ``on_train_end``, before any
     other callback's ``on_train_end``; and ``on_save`` told to the callbacks once the checkpoint is complete, not when it
     was staged: a callback that reads ``checkpoint-{state.global_step}`` in ``on_save`` (MLflow's, W&B's, Neptune's,
-    ClearML's artifact uploads; a user's copy to object storage) finds it whole. It gets the state with the saved
-    step as ``global_step``, and ``blocked_seconds`` (the training time the save took). Made on call: this module is
+    ClearML's artifact uploads; a user's copy to object storage) finds it whole. It gets the TrainerState as it was at
+    the save (a copy: step, epoch, log history, best metric), and ``blocked_seconds`` (the training time the save
+    took); a control flag it sets acts at the step boundary where it hears, not at the save's. Made on call: this module is
     imported before transformers is."""
     from transformers import TrainerCallback
 
@@ -395,14 +396,16 @@ def attach_to_trainer(trainer, saves: BackgroundSaves) -> None:
         return told_now(*args) if event == "now" else handler.call_event("on_save", *args, **kwargs)
 
     def on_save_once_written(args, state, control):
-        if not saves.staged_untold:
+        write = saves.in_flight
+        if write is None or write.announced or write.step != state.global_step:
             return told_now(args, state, control)
-        saves.staged_untold = False  # the save just staged: the callbacks about the files hear of it once it is written
+        write.announced = True  # the save just staged: the callbacks about the files hear of it once it is written
         return some([c for c in handler.callbacks if hears_of_staged_saves(c)], "now", args, state, control)
 
     def tell(write: BackgroundWrite) -> None:
-        as_saved = copy.copy(trainer.state)
-        as_saved.global_step = write.step
+        if not write.announced:  # a direct _save_checkpoint call (transformers' JIT checkpoint): the Trainer told no one
+            return
+        as_saved = write.state if write.state is not None else copy.copy(trainer.state)
         later = [c for c in handler.callbacks if not hears_of_staged_saves(c)]
         trainer.control = some(later, "on_save", trainer.args, as_saved, trainer.control, blocked_seconds=write.blocked_seconds)
 

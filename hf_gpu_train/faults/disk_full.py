@@ -16,6 +16,7 @@ checkpoints are never touched: the Trainer rotates old checkpoints only after a 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import re
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 from ..collectives.control_flags import agree_on_control
 from ..collectives.cpu_votes import lowest_and_highest, several_processes, wait_for_every_rank
 from ..errors import UsageError
+from ..launch.rank_report import write_resumes
 from ..textfmt import human
 from .background_save import BackgroundSaves, BackgroundWrite, attach_to_trainer, background_saves_wanted, staged, writers_vote
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
@@ -178,6 +180,16 @@ def _same_checkpoint_on_every_node(trainer, chosen) -> None:
                          "it), or remove the newer ones on the nodes that have them")
 
 
+def _after_the_last_write(method, saves):
+    """``method`` once the write in flight is complete and marked (every rank calls it alike)."""
+
+    def once_written(*args, **kwargs):
+        saves.drain()
+        return method(*args, **kwargs)
+
+    return once_written
+
+
 def _raise_failed_write(trainer, write, words: SaveWords) -> None:
     """A background write failed on some rank (said at the step boundary every rank votes at): this rank's own error
     as a save's (a full disk: ``DiskFullError``), or, on the ranks whose write went well, which checkpoint failed."""
@@ -244,7 +256,8 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
                         rotate()
 
                 if background:  # the writer thread marks it complete (then rotates) once every rank's write is done
-                    saves.begin(BackgroundWrite(folder, step, files, finish), blocked_seconds=time.monotonic() - began)
+                    write = BackgroundWrite(folder, step, files, finish, state=copy.deepcopy(trainer.state))
+                    saves.begin(write, blocked_seconds=time.monotonic() - began)
                     return result
                 if mark and agreed:
                     wait_for_every_rank()  # every rank's RNG state (and shards) written before the marker
@@ -265,6 +278,8 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
         elif "resume_from_checkpoint" in kwargs:
             kwargs["resume_from_checkpoint"] = resume_point(kwargs["resume_from_checkpoint"], trainer.args.output_dir)
             _same_checkpoint_on_every_node(trainer, kwargs["resume_from_checkpoint"])
+        if args[0] if args else kwargs.get("resume_from_checkpoint"):
+            write_resumes()  # train(resume_from_checkpoint=...): started again, the script resumes (launch/restarts.py)
         if saves is None:
             return train(*args, **kwargs)
         training[0] = True
@@ -279,14 +294,12 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
         return result
 
     trainer.train = train_from_a_complete_checkpoint
-    if saves is not None and callable(getattr(trainer, "_load_best_model", None)):
-        load_best = trainer._load_best_model
-
-        def load_best_once_written(*args, **kwargs):
-            saves.drain()  # the best checkpoint may be the one still being written
-            return load_best(*args, **kwargs)
-
-        trainer._load_best_model = load_best_once_written
+    if saves is not None:
+        # the Trainer's end of training reads and deletes checkpoints before on_train_end: the best model loaded,
+        # save_total_limit=1's cleanup of every checkpoint but the best. The last write is complete first
+        for name in ("_finalize_training", "_load_best_model"):
+            if callable(getattr(trainer, name, None)):
+                setattr(trainer, name, _after_the_last_write(getattr(trainer, name), saves))
     trainer._hf_gpu_train_saves_guarded = True
     # a resume from any of these checkpoints reads the order the run never stopped reads: every epoch's order seeded by
     # the epoch, and a mid-epoch resume in its epoch's order

@@ -33,8 +33,11 @@ def steps_for(minutes: float, seconds_per_step: float) -> int:
 
 def estimated_save_seconds(model) -> float:
     """A save's blocked time before any was measured: the weights and two optimizer moments copied at host speed."""
-    parameters = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
-    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) if model is not None else 0
+    def count(p) -> int:  # ZeRO-3 partitions a parameter to an empty tensor: its ds_numel is the whole
+        return int(getattr(p, "ds_numel", 0) or p.numel())
+
+    parameters = sum(count(p) * p.element_size() for p in model.parameters()) if model is not None else 0
+    trained = sum(count(p) * 4 for p in model.parameters() if p.requires_grad) if model is not None else 0
     return (parameters + 2 * trained) / STAGING_BYTES_PER_S
 
 
@@ -87,7 +90,9 @@ class EveryFewMinutes(TrainerCallback):
         if self.minutes is not None:
             self.every = steps_for(self.minutes, self.seconds_per_step)
             return
-        plan = plan_interval(save_seconds, self.mtbf_hours, max(1, args.world_size), write_s=self.write_seconds())
+        # every input agreed (the slowest rank's), so every rank plans the same steps
+        save_seconds = self._slowest(save_seconds, args)
+        plan = plan_interval(save_seconds, self.mtbf_hours, max(1, args.world_size), write_s=self._slowest(self.write_seconds(), args))
         self.costs.plan = plan
         every = steps_for(plan.interval_s / 60.0, self.seconds_per_step)
         if every != self.every and args.process_index == 0 and (not self._said or how == "measured" and self.every

@@ -26,6 +26,7 @@ from ..faults.background_save import last_write_seconds
 from ..faults.checkpoint_marker import resume_point
 from ..faults.disk_full import FINETUNE_WORDS, MERGED, guard_saves, saving_to
 from ..faults.preflight_collective import preflight
+from ..launch.rank_report import write_resumes
 from ..levers.from_config import apply_levers, release_memory, release_memory_before_cuda
 from ..plan.decisions import accelerate_uses_cpu
 from ..report.writer import render_report
@@ -324,10 +325,10 @@ class FinetuneRun:
             self.cfg = cfg = cfg.with_values(**changes)
             self.accumulation, self.effective = gradient_accumulation(cfg, runtime.world_size)
             self.identity = RunIdentity.of(cfg, runtime.precision, self.effective)
-            if is_main_process():
-                print(f"hf_gpu_train: {line}", flush=True)
         if check_previous_run(cfg, self.identity, self.previous, runtime.world_size) == "finished":
             return _report_finished(cfg, self.previous.results)
+        if kept is not None and is_main_process():  # said of a run that goes on, not of a finished one
+            print(f"hf_gpu_train: {kept[1]}", flush=True)
         return None
 
     def _load(self) -> dict | None:
@@ -353,6 +354,8 @@ class FinetuneRun:
             if check_previous_run(cfg, self.identity, previous, runtime.world_size) == "finished":
                 return _report_finished(cfg, previous.results)
         self.resume = _resume_point(cfg, data.label_names, previous.finished)
+        if cfg.resume == "auto":
+            write_resumes()  # a launcher that restarts this run finds it where it stopped
         back_up_config(cfg.output_dir, cfg)
         if is_main_process():
             save_resolved(cfg, cfg.output_dir)

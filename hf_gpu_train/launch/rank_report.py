@@ -41,6 +41,19 @@ def _write_json(name: str, record: dict, environ=os.environ) -> None:
         pass  # a courtesy to the launcher, as the progress
 
 
+RESUMES = "resumes.json"  # the training processes resume from their newest complete checkpoint: a restart helps
+
+
+def write_resumes(environ=os.environ) -> None:
+    """Say to the launcher that this run resumes from its newest complete checkpoint when started again
+    (``launch/restarts.py`` restarts only such a run: another would train from step 0 over its own checkpoints)."""
+    _write_json(RESUMES, {"pid": os.getpid()}, environ)
+
+
+def read_resumes(folder: Path) -> bool:
+    return (Path(folder) / RESUMES).is_file()
+
+
 def write_worker_pid(rank: int, environ=os.environ) -> None:
     """This training process, for the launcher to forward a stop signal to (``launch/signals.py``)."""
     _write_json(f"worker-{rank}.json", {"pid": os.getpid()}, environ)

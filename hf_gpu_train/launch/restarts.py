@@ -9,6 +9,9 @@ the same) when, and only when, a restart can help:
 
 - never after success (0), a usage error (2: the same command fails the same way) or a stop signal (75: the scheduler
   wants the job gone, and requeues it itself);
+- never for a script that did not say it resumes (``rank_report.write_resumes``: scripts/finetune.py with
+  ``resume=auto``, or ``train(resume_from_checkpoint=...)`` under ``guard_saves``): started again it would train from
+  step 0, and the Trainer's rotation by time could delete the checkpoints the first start made;
 - never when the failure is the one before again: the same exit of the same kind at the same step reached (a bug, a
   batch that always runs out of memory, a data row that crashes the collator), said with the step;
 - at most ``--max-restarts`` times (default ``DEFAULT_RESTARTS``) per launch.
@@ -35,6 +38,7 @@ class Outcome:
     steps: tuple[tuple[int, int], ...] = ()  # (rank, step) of each rank's last finished step
     usage_error: bool = False
     preempted: bool = False
+    resumes: bool = False  # a training process said it resumes from its newest complete checkpoint (rank_report)
 
     @property
     def furthest_step(self) -> int | None:
@@ -54,7 +58,7 @@ class Outcome:
         else:
             what = f"exit {self.code}"
         step = self.furthest_step
-        return what + (f" after step {step}" if step is not None else " before the first step")
+        return what + (f" after step {step}" if step is not None else " (its step not recorded: watchdog=off?)")
 
 
 def _how(code: int) -> str:
@@ -83,6 +87,11 @@ class RestartPolicy:
             return False, None
         if self.max_restarts <= 0:
             return False, None
+        if not outcome.resumes:
+            return False, (f"{outcome.describe()}: not restarted, as the training processes did not say they resume from "
+                           "their newest complete checkpoint (scripts/finetune.py and -m hf_gpu_train.finetune do with "
+                           "resume=auto; a Trainer of your own under guard_saves does with train(resume_from_checkpoint="
+                           "...)): a restart would train from step 0 and its rotation could delete the checkpoints made")
         if previous is not None and previous.failure() == outcome.failure():
             return False, (f"the same failure as the start before ({outcome.describe()}): not restarting again; the "
                            f"newest complete checkpoint is kept. Fix the cause, then run the same command")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .strategies import DEEPSPEED, EVERYTHING, FSDP, family_of, strategy
+
 GPU_DAYS_PER_FAILURE = 54 * 16384 / 419  # Llama 3 405B pre-training: ~2,112 GPU-days between unexpected interruptions
 MTBF_SOURCE = "Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs"
 CAP_MINUTES = 60.0
@@ -89,11 +91,26 @@ def plan_interval(save_cost_s: float, mtbf_hours: float | None, gpus: int, write
     return CheckpointInterval(min(best, cap_minutes * 60.0), save_cost_s, write_s, mtbf_s, source, capped)
 
 
-def staging_bytes(breakdown) -> float:
-    """Host memory a background save holds on a writing process (``faults/background_save.py``'s buffers, kept for the
-    run): the state it writes, from the plan's per-GPU breakdown: the weights, the optimizer's states and ZeRO's fp32
-    master weights (the rank's shard where the strategy shards them); a LoRA run's adapters and their states only.
-    Under DDP only rank 0 writes them (the others stage their RNG state)."""
-    if breakdown.method in ("lora", "qlora"):
+def staging_bytes(breakdown, world: int) -> float:
+    """Host memory a background save holds on its largest writer (``faults/background_save.py``'s buffers, kept for
+    the run), from the plan's per-GPU breakdown and its strategy's family:
+
+    - one GPU, DDP: rank 0 writes the weights and the optimizer's states (a LoRA run: its adapters and their states);
+    - FSDP: nothing of the model or optimizer (its sharded files go through ``torch.distributed.checkpoint``, written at
+      once); the RNG state only;
+    - DeepSpeed ZeRO: every rank its optimizer partition (fp32 master weights and states), and rank 0 the whole 16-bit
+      model twice more (the engine's module states, and the model file gathered for the save: the toolkit's ZeRO-3
+      config gathers it, ``stage3_gather_16bit_weights_on_model_save``)."""
+    family = family_of(breakdown.strategy)
+    lora = breakdown.method in ("lora", "qlora")
+    if family == FSDP:
+        return 0.0
+    if family == DEEPSPEED:
+        shards_weights = strategy(breakdown.strategy).shards == EVERYTHING  # ZeRO-3: each GPU holds 1/world of them
+        whole_16bit = breakdown.weights * (max(1, world) if shards_weights else 1)
+        shard = breakdown.optimizer + breakdown.master_weights
+        return shard + (2 * (breakdown.adapter_weights if lora else whole_16bit))
+    if lora:
         return breakdown.adapter_weights + breakdown.optimizer
     return breakdown.weights + breakdown.optimizer + breakdown.master_weights
+

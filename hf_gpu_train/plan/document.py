@@ -104,7 +104,7 @@ def _memory(plan: LaunchPlan) -> dict | None:
         "levers": dict(m.levers),
         "host_bytes": int(m.host_bytes),
         # a background save's staging buffers on a writing process (on a GPU, by default): host memory for the run
-        "checkpoint_staging_bytes": int(staging_bytes(m.breakdown)),
+        "checkpoint_staging_bytes": int(staging_bytes(m.breakdown, plan.accelerate["num_processes"])),
     }
 
 

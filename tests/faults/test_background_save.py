@@ -1,9 +1,9 @@
 """Checkpoints written in the background (issue 38, item 1), in a plain Trainer on one process: the staged state is the
 state at the save's step whatever training does next, the marker waits for the write, a write that fails or a process
 that dies during it leaves no checkpoint that looks complete, and a resume from a background checkpoint ends with the
-weights of the run never interrupted. Two processes: tests/finetune/test_resume.py and
-tests/faults/test_preemption_processes.py run scripts/finetune.py, where background saves are on by default, and
-``test_a_rank_killed_during_a_background_write`` below."""
+weights of the run never interrupted. Two processes (background_saves=true, the default on a GPU):
+tests/finetune/test_resume.py, tests/faults/test_preemption_processes.py and the ZeRO-3 and FSDP kill-and-resume tests
+of tests/scaling/; a rank killed during a background write on 2 processes: benchmarks/resilience.py's events."""
 
 from __future__ import annotations
 
@@ -247,21 +247,23 @@ class ReadsTheCheckpointAtOnSave(TrainerCallback):
     """What MLflow's, W&B's and Ray's callbacks do: read ``checkpoint-{state.global_step}`` in ``on_save``."""
 
     def __init__(self):
-        self.found = []
+        self.found, self.states = [], []
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         self.found.append((folder.name, (folder / "model.safetensors").is_file(), (folder / COMPLETE_MARKER).is_file()))
+        self.states.append((state.epoch, len(state.log_history)))
 
 
 class TimesOnSave(TrainerCallback):
     hears_of_staged_saves = True
 
     def __init__(self):
-        self.steps = []
+        self.steps, self.states = [], []
 
     def on_save(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
+        self.states.append((state.epoch, len(state.log_history)))
 
 
 def test_callbacks_hear_of_a_save_once_its_files_are_written_and_of_its_own_step(tmp_path, monkeypatch):
@@ -274,6 +276,8 @@ def test_callbacks_hear_of_a_save_once_its_files_are_written_and_of_its_own_step
     trainer.train()
     assert reader.found == [(f"checkpoint-{s}", True, True) for s in (2, 4, 6)]
     assert clock.steps == [2, 4, 6]  # told at once, at the save's own step
+    assert reader.states == clock.states  # told later, of the state as it was at the save
+
 
 
 def test_by_default_on_a_gpu_and_off_on_the_cpu_and_the_environment_or_the_caller_decides(monkeypatch):
@@ -286,3 +290,17 @@ def test_by_default_on_a_gpu_and_off_on_the_cpu_and_the_environment_or_the_calle
     monkeypatch.setenv(BACKGROUND_ENV, "0")
     assert not background_saves_wanted("auto", on_gpu=True)
     assert background_saves_wanted(True, on_gpu=False) and not background_saves_wanted(False, on_gpu=True)
+
+
+def test_the_trainers_end_of_training_cleanup_waits_for_the_last_write(tmp_path, monkeypatch):
+    """Review finding (issue 38): save_total_limit=1 with a best checkpoint: the Trainer deletes every checkpoint but
+    the best after the loop, before on_train_end, while the last one was still being written (a SafetensorError from
+    the writer, in a run that succeeds with synchronous saves)."""
+    SlowWrites(monkeypatch, seconds=0.3)
+    out = tmp_path / "out"
+    trainer = plain_trainer(out, TokenDataset(n=16), eval_strategy="steps", eval_steps=2, save_total_limit=1,
+                            metric_for_best_model="loss", greater_is_better=True)
+    guard_saves(trainer, background=True)
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert [p.name for p in out.glob("checkpoint-*")] == [best.name] and (best / COMPLETE_MARKER).is_file()

@@ -8,7 +8,7 @@ from hf_gpu_train.cli.launch import take_restarts
 from hf_gpu_train.errors import UsageError
 from hf_gpu_train.launch.restarts import Outcome, RestartPolicy
 
-KILLED_AT_5 = Outcome(1, cause=(1, -9), steps=((0, 5), (1, 5)))
+KILLED_AT_5 = Outcome(1, cause=(1, -9), steps=((0, 5), (1, 5)), resumes=True)
 
 
 def test_a_rank_that_died_is_restarted_and_the_same_failure_twice_is_not():
@@ -21,7 +21,7 @@ def test_a_rank_that_died_is_restarted_and_the_same_failure_twice_is_not():
 
 def test_failures_at_other_steps_are_restarted_up_to_the_limit():
     policy = RestartPolicy(max_restarts=2)
-    answers = [policy.restart_line(Outcome(1, cause=(0, -9), steps=((0, step),))) for step in (3, 7, 11)]
+    answers = [policy.restart_line(Outcome(1, cause=(0, -9), steps=((0, step),), resumes=True)) for step in (3, 7, 11)]
     assert [again for again, _ in answers] == [True, True, False]
     assert "2 restart(s) used (--max-restarts)" in answers[-1][1]
 
@@ -36,8 +36,13 @@ def test_zero_restarts_is_the_launch_as_before():
     assert RestartPolicy(0).restart_line(KILLED_AT_5) == (False, None)
 
 
-def test_a_failure_before_the_first_step_is_said_so():
-    assert Outcome(1, cause=(0, 1)).describe() == "rank 0 exited 1 before the first step"
+def test_a_failure_whose_step_was_not_recorded_is_said_so():
+    assert Outcome(1, cause=(0, 1)).describe() == "rank 0 exited 1 (its step not recorded: watchdog=off?)"
+
+
+def test_a_script_that_does_not_resume_is_not_restarted():
+    again, line = RestartPolicy().restart_line(Outcome(1, cause=(1, -9), steps=((0, 5),)))
+    assert not again and "did not say they resume" in line and "train from step 0" in line
 
 
 def test_the_option_is_taken_out_of_accelerates_options_in_either_spelling():

@@ -52,13 +52,18 @@ def test_a_background_write_is_the_floor_and_the_cap_is_said():
     assert short.expected_loss_per_failure_s == pytest.approx(short.interval_s / 2)
 
 
-def test_the_staging_of_a_background_save_is_the_state_a_writer_holds():
+def test_the_staging_of_a_background_save_is_the_state_its_largest_writer_holds():
     from hf_gpu_train.plan.checkpoint_interval import staging_bytes
     from hf_gpu_train.plan.memory import MemoryBreakdown
 
-    full = MemoryBreakdown("ddp", weights=4e9, gradients=4e9, optimizer=8e9, master_weights=0, comm_buffers=1e8,
-                           gathered_params=0, activations=2e9, context=5e8)
-    assert staging_bytes(full) == 12e9  # weights and Adam's two moments; not gradients, activations or buffers
-    lora = MemoryBreakdown("ddp", weights=2e9, gradients=1e7, optimizer=2e7, master_weights=0, comm_buffers=0,
-                           gathered_params=0, activations=1e9, context=5e8, adapter_weights=1e7, method="lora")
-    assert staging_bytes(lora) == 3e7  # the adapters and their states only
+    def breakdown(strategy, **rows):
+        values = dict(weights=4e9, gradients=4e9, optimizer=8e9, master_weights=0, comm_buffers=1e8, gathered_params=0,
+                      activations=2e9, context=5e8)
+        return MemoryBreakdown(strategy, **{**values, **rows})
+
+    assert staging_bytes(breakdown("ddp"), 8) == 12e9  # weights and Adam's moments; not gradients or activations
+    assert staging_bytes(breakdown("ddp", adapter_weights=1e7, optimizer=2e7, method="lora"), 8) == 3e7  # adapters only
+    assert staging_bytes(breakdown("fsdp"), 8) == 0  # torch.distributed.checkpoint writes its shards at once
+    # ZeRO-3 on 8 GPUs: 16-bit weights 1/8 per GPU; rank 0 stages the whole 16-bit model twice and its partition
+    zero3 = breakdown("deepspeed-zero3", weights=1e9, optimizer=1e9, master_weights=0.5e9)
+    assert staging_bytes(zero3, 8) == 1.5e9 + 2 * 8e9
