@@ -150,7 +150,7 @@ def test_image_classification_under_zero3_through_the_printed_torchrun_line_trai
     out, lines = tmp_path / "zero3", []
     deepspeed_config(tmp_path, "deepspeed-zero3", lines)
     torchrun = lines[lines.index("or with torchrun:") + 1].strip()
-    assert "ACCELERATE_USE_DEEPSPEED=true" in torchrun and torchrun.endswith("scripts/finetune.py")
+    assert "ACCELERATE_USE_DEEPSPEED=true" in torchrun and torchrun.endswith("-m hf_gpu_train.finetune")  # a pip install has it too
     command = f"{torchrun} {shlex.join([*vision, f'per_device_train_batch_size={GLOBAL_BATCH // 2}', f'output_dir={out}'])}"
     run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"})
