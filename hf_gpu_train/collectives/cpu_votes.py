@@ -41,16 +41,16 @@ def any_rank(mine: bool) -> bool:
     return bool(votes.item())
 
 
-def lowest_and_highest(value: int) -> tuple[int, int]:
+def lowest_and_highest(value: int, group=None) -> tuple[int, int]:
     """(the lowest, the highest) of ``value`` over every rank (one all-reduce on the CPU; every rank must call it at the
-    same point)."""
+    same point). ``group``: a gloo group of the caller's own (None: the votes' group)."""
     import torch
 
     dist = several_processes()
     if dist is None:
         return value, value
     both = torch.tensor([-int(value), int(value)], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cpu_group(dist))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cpu_group(dist) if group is None else group)
     return -int(both[0]), int(both[1])
 
 

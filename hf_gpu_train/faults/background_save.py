@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..collectives.cpu_votes import lowest_and_highest
+
 log = logging.getLogger("hf_gpu_train.checkpoints")
 
 BACKGROUND_ENV = "HF_GPU_TRAIN_BACKGROUND_SAVES"  # 1 / 0: background saves on / off in anyone's Trainer (unset: on a GPU)
@@ -423,14 +425,7 @@ def hears_of_staged_saves(callback) -> bool:
 def writers_vote() -> Callable[[int], tuple[int, int]]:
     """The background writers' vote (lowest, highest of a status over every rank) on a gloo group made now, on every
     rank's main thread at the same point (a collective)."""
-    import torch
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")
-
-    def vote(status: int) -> tuple[int, int]:
-        both = torch.tensor([-int(status), int(status)], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        return -int(both[0]), int(both[1])
-
-    return vote
+    return lambda status: lowest_and_highest(status, group)

@@ -42,7 +42,9 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _slowest(value: float, args) -> float:
+def slowest_rank(value: float, args) -> float:
+    """The largest ``value`` over every rank (one all-reduce on the training's device; every rank calls it at the same
+    point): a figure every rank plans with alike."""
     import torch
 
     if args.world_size < 2 or not torch.distributed.is_initialized():
@@ -102,7 +104,7 @@ class CheckpointCosts(TrainerCallback):
         # every rank saves here: the vote is every rank's whatever it measured (a background save is told at once:
         # the time is its staging's)
         blocked = time.perf_counter() - self._stopped if self._stopped is not None else 0.0
-        self.blocked_s.append(_slowest(blocked, args))
+        self.blocked_s.append(slowest_rank(blocked, args))
         self._stopped = None
         if args.process_index == 0:
             self.note_progress(args, state)  # a checkpoint: the progress a failure from here on is measured against

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import time
 
-import torch
 from transformers import TrainerCallback
 
-from ..faults.checkpoint_costs import CheckpointCosts
+from ..faults.checkpoint_costs import CheckpointCosts, slowest_rank
 from ..plan.checkpoint_interval import plan_interval
 
 CALIBRATION_STEPS = 10
@@ -73,7 +72,7 @@ class EveryFewMinutes(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         done = state.global_step - self._start_step
         if self.every is None and done >= CALIBRATION_STEPS:
-            self.seconds_per_step = self._slowest((time.perf_counter() - self._start) / done, args)
+            self.seconds_per_step = slowest_rank((time.perf_counter() - self._start) / done, args)
             self._plan(args, estimated_save_seconds(kwargs.get("model")), "estimated")
         if self.every is not None and state.global_step % self.every == 0:
             control.should_evaluate = control.should_evaluate or self.evaluate
@@ -91,8 +90,8 @@ class EveryFewMinutes(TrainerCallback):
             self.every = steps_for(self.minutes, self.seconds_per_step)
             return
         # every input agreed (the slowest rank's), so every rank plans the same steps
-        save_seconds = self._slowest(save_seconds, args)
-        plan = plan_interval(save_seconds, self.mtbf_hours, max(1, args.world_size), write_s=self._slowest(self.write_seconds(), args))
+        save_seconds = slowest_rank(save_seconds, args)
+        plan = plan_interval(save_seconds, self.mtbf_hours, max(1, args.world_size), write_s=slowest_rank(self.write_seconds(), args))
         self.costs.plan = plan
         every = steps_for(plan.interval_s / 60.0, self.seconds_per_step)
         if every != self.every and args.process_index == 0 and (not self._said or how == "measured" and self.every
@@ -100,14 +99,6 @@ class EveryFewMinutes(TrainerCallback):
             self.say(f"hf_gpu_train: {plan.line()}: every {every} steps ({how} save)")
             self._said = True
         self.every = every
-
-    @staticmethod
-    def _slowest(seconds_per_step: float, args) -> float:
-        if args.world_size < 2 or not torch.distributed.is_initialized():
-            return seconds_per_step
-        mine = torch.tensor([seconds_per_step], dtype=torch.float64, device=args.device)
-        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
-        return float(mine.item())
 
 
 def interval_callbacks(eval_strategy: str, save_strategy: str, minutes: float | str, mtbf_hours: float | None = None,
