@@ -19,6 +19,7 @@ _LAZY = {
     "OOMFaultInjector": ("hf_gpu_train.oom", "OOMFaultInjector"),
     "attach_watchdog": ("hf_gpu_train.faults.watchdog", "attach_watchdog"),
     "attach_preemption": ("hf_gpu_train.faults.preemption", "attach_preemption"),
+    "share_running_statistics": ("hf_gpu_train.collectives.running_statistics", "share_running_statistics"),
     "make_plan": ("hf_gpu_train.plan.planner", "make_plan"),
     "FinetuneConfig": ("hf_gpu_train.finetune.config", "FinetuneConfig"),
     "load_config": ("hf_gpu_train.finetune.loading", "load_config"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..closed_pipe import until_the_pipe_closes
+from ..collectives.clipping_order import clipping_order_line
 from ..errors import UsageError, report_usage_error
 from ..fast_exit import end_quickly
 from ..faults.background_save import last_write_seconds
@@ -255,6 +256,7 @@ def assemble_trainer(cfg: FinetuneConfig, runtime, prepared: Prepared, *, callba
     ``attach_pieces``, after whatever the caller does before the first step."""
     from transformers import Trainer
 
+    from ..collectives.running_statistics import share_running_statistics
     from .trainer_factory import build_trainer
 
     trainer = build_trainer(cfg, runtime, prepared.model, prepared.train, prepared.validation, prepared.collator,
@@ -270,6 +272,7 @@ def assemble_trainer(cfg: FinetuneConfig, runtime, prepared: Prepared, *, callba
         if isinstance(callback, EveryFewMinutes):
             callback.write_seconds = lambda: last_write_seconds(trainer)
     lines = apply_levers(trainer, cfg.lever_keys(), runtime)  # selective checkpointing, offloading, optimizer in backward
+    lines += share_running_statistics(trainer) + clipping_order_line(trainer)  # each rank evaluates the saved model
     lines += [strategy_line] if strategy_line else []
     model_line = task_for(cfg.task).confirm_model(trainer.model, cfg, runtime.precision) if confirm_model else None
     return AssembledTrainer(trainer, strategy_of_state(trainer.accelerator.state), lines, model_line)

@@ -16,6 +16,9 @@ gradient (> 1e-4 here) is normalised as before. AdamW is almost blind to a const
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 LOSS_RTOL = 1e-5
@@ -33,6 +36,13 @@ def assert_same_params(got: dict, expected: dict, atol: float = PARAM_ATOL) -> N
     for key in expected:
         diff = (got[key].float() - expected[key].float()).abs().max().item()
         assert diff <= atol, f"parameter {key} differs by {diff:.3g} (tolerance {atol})"
+
+
+def assert_same_evaluation(got: Path, expected: Path) -> None:
+    """The final evaluation's loss and accuracy in each run's all_results.json."""
+    a, b = (json.loads((out / "all_results.json").read_text()) for out in (got, expected))
+    assert_same_series("evaluation loss", [a["eval_loss"]], [b["eval_loss"]])
+    assert a["eval_accuracy"] == b["eval_accuracy"], f"evaluation accuracy {a['eval_accuracy']} against {b['eval_accuracy']}"
 
 
 def assert_trained(final: dict, initial: dict, at_least: float = 100 * PARAM_ATOL) -> None:

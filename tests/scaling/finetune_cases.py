@@ -48,26 +48,36 @@ def text_case(root: Path) -> list[str]:
     return [f"model={model_dir}", f"train_file={root / 'train.csv'}", f"validation_file={root / 'validation.csv'}", "max_length=32"]
 
 
-def vision_case(root: Path) -> list[str]:
-    """timm's test_vit (LayerNorm, no dropout) with saved 3-class weights; 16 + 6 of scikit-learn's digits as PNGs."""
+def vision_case(root: Path, model: str = "test_vit", image_size: int = IMAGE_SIZE, validation: int = 6) -> list[str]:
+    """timm's test_vit (LayerNorm, no dropout), or another timm ``model``, with saved 3-class weights; 16 + 6 (or
+    ``validation``) of scikit-learn's digits as PNGs."""
     import numpy as np
     import timm
     from PIL import Image
     from sklearn.datasets import load_digits
 
     torch.manual_seed(0)
-    weights = root / "test_vit.pth"
-    torch.save(timm.create_model("test_vit", num_classes=3).state_dict(), weights)
+    weights = root / f"{model}.pth"
+    torch.save(timm.create_model(model, num_classes=3).state_dict(), weights)
     digits = load_digits()
-    chosen = [i for i, y in enumerate(digits.target) if y < 3][:GLOBAL_BATCH + 6]
+    chosen = [i for i, y in enumerate(digits.target) if y < 3][:GLOBAL_BATCH + validation]
     for n, i in enumerate(chosen):
         split = "train" if n < GLOBAL_BATCH else "validation"
         folder = root / "digits" / split / str(digits.target[i])
         folder.mkdir(parents=True, exist_ok=True)
         pixels = (digits.images[i] * (255 / 16)).astype(np.uint8)
         Image.fromarray(pixels).convert("RGB").save(folder / f"{i}.png")
-    return ["task=image-classification", "model=timm/test_vit", f"pretrained_weights={weights}",
-            f"dataset=imagefolder:{root / 'digits'}", f"image_size={IMAGE_SIZE}", DETERMINISTIC_AUGMENTATION]
+    return ["task=image-classification", f"model=timm/{model}", f"pretrained_weights={weights}",
+            f"dataset=imagefolder:{root / 'digits'}", f"image_size={image_size}", DETERMINISTIC_AUGMENTATION]
+
+
+def batchnorm_case(root: Path) -> list[str]:
+    """timm's test_efficientnet (BatchNorm, no dropout) at 64 pixels, with weight decay and a cosine schedule, clipping
+    off (tests/scaling/conftest.py says why), on 2 processes of 8 images; 8 validation images in batches of 4, so
+    that every rank evaluates rows of its own (with 6 in one batch, rank 1's copy of rank 0's is dropped)."""
+    return [*vision_case(root, "test_efficientnet", 64, validation=8), "per_device_eval_batch_size=4", *[a for a in COMMON if not a.startswith("extra=")],
+            "extra={adam_epsilon: 1.0e-6, max_grad_norm: 0.0}", "weight_decay=0.05", "lr_scheduler_type=cosine",
+            "telemetry=false", f"global_batch_size={GLOBAL_BATCH}", f"per_device_train_batch_size={GLOBAL_BATCH // 2}"]
 
 
 def text_loss_by_hand(root: Path) -> float:

@@ -1,7 +1,8 @@
 """FSDP2 through scripts/finetune.py and a config from `hf-gpu-train config --strategy fsdp`: two gloo processes
 sharding the model train what one process trains (the same losses, gradient norms and final weights), checkpoints
 are written as shards (one file per rank), a run killed after a sharded checkpoint resumes from it to the same
-final weights, and the final model is saved whole."""
+final weights, and the final model is saved whole; a BatchNorm model trains and evaluates what DDP does on the same 2
+processes (issue 41, tests/scaling/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 from hf_gpu_train.finetune.run import main
 from hf_gpu_train.finetune.run_record import RECORD
 from tests.launching import free_port, launch
-from tests.scaling.equivalence import assert_same_params, assert_same_series
+from tests.scaling.equivalence import assert_same_evaluation, assert_same_params, assert_same_series
 from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
 
 pytestmark = pytest.mark.slow
@@ -82,3 +83,17 @@ def test_loading_the_weights_on_rank_0_only_trains_the_same_model(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     assert_same_series("logged loss", history(out, "loss"), history(reference, "loss"))
     assert_same_params(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))
+
+
+def test_a_batchnorm_model_under_fsdp_trains_and_evaluates_what_ddp_does(tmp_path, batchnorm_ddp):
+    """Issue 41: the same losses, gradient norms, weights and running statistics (rank 0's) as DDP, and the same
+    evaluation (each rank evaluates rank 0's running statistics, under either strategy)."""
+    case, ddp = batchnorm_ddp
+    out = tmp_path / "fsdp-batchnorm"
+    run = launch(fsdp_config(tmp_path), SCRIPT, *case, f"output_dir={out}", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "BatchNorm running statistics: rank 0's on every rank after every optimizer step" in run.stdout
+    assert_same_series("logged loss", history(out, "loss"), history(ddp, "loss"))
+    assert_same_series("gradient norm", history(out, "grad_norm"), history(ddp, "grad_norm"))
+    assert_same_params(load_file(out / "model.safetensors"), load_file(ddp / "model.safetensors"))
+    assert_same_evaluation(out, ddp)
