@@ -1,14 +1,15 @@
 """BatchNorm's running statistics the same on every rank, whatever the strategy: the model the Trainer evaluates on
 each rank is the model it saves.
 
-The Trainer evaluates the unwrapped model (``_wrap_model(training=False)`` returns it), each rank a share of the rows,
-and saves rank 0's. Under DDP (``broadcast_buffers=True``) rank 0's buffers reach the others before every training
-forward, and each rank then updates them with its own batch: rank 1 evaluates rank 0's statistics of the step before,
-moved by rank 1's last batch. DeepSpeed's engine and FSDP broadcast nothing: each rank keeps the statistics of its own
+The Trainer evaluates the unwrapped model (``_wrap_model(training=False)`` returns it),
+each rank a share of the rows, and saves rank 0's. Under DDP (``broadcast_buffers=True``) rank 0's buffers reach the
+others at the first forward of each optimizer step (the forwards under ``no_sync`` do not sync), and each rank then
+moves them with its own micro-batches: rank 1 evaluates rank 0's statistics of the step before, moved by rank 1's
+batches of the last step. DeepSpeed's engine and FSDP broadcast nothing: each rank keeps the statistics of its own
 batches throughout. Either way the evaluation scores a mix of models, none of them the saved one, and the mix differs
-by strategy. Measured (issue 41: EfficientNet-Lite0 on the digits, 2 processes, 6 steps, no clipping): ZeRO-2's
-saved weights and statistics equal DDP's bit for bit, and the evaluation said accuracy 0.1922 against DDP's 0.1838.
-Training is untouched (in training mode BatchNorm normalises with the batch's own statistics), so broadcasting rank
+by strategy. Measured (issue 41: the EfficientNet-Lite0 digits recipe, 2 processes of 8 images, 6 steps, no
+clipping; ``benchmarks/strategy_agreement.py``): ZeRO-2's saved weights and statistics equal DDP's bit for bit, and
+the evaluation said accuracy 0.1922 against DDP's 0.1838. Training is untouched (in training mode BatchNorm normalises with the batch's own statistics), so broadcasting rank
 0's statistics after every optimizer step (every rank ends it together) makes every rank evaluate the saved model,
 under every strategy alike.
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
+from .wrappers import broadcast_from_rank_0
+
 
 def running_statistics(model) -> list:
     """The buffers training changes: every module's running mean, variance and count, in the model's own order (the
@@ -32,23 +35,6 @@ def running_statistics(model) -> list:
         if isinstance(module, _NormBase) and module.track_running_stats:
             found += [b for b in (module.running_mean, module.running_var, module.num_batches_tracked) if b is not None]
     return found
-
-
-def broadcast_from_rank_0(tensors: list) -> None:
-    """Every rank's ``tensors`` become rank 0's: one broadcast per (device, dtype), in place."""
-    import torch
-    import torch.distributed as dist
-
-    groups: dict = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for same in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, src=0)
-        offset = 0
-        for tensor in same:
-            tensor.data.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
 
 
 class RunningStatisticsBroadcast(TrainerCallback):

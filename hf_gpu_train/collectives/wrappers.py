@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
 import torch.distributed as dist
 
 GATED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -45,3 +46,19 @@ def unwrap_collectives(mark: str) -> None:
         current = getattr(dist, name, None)
         if getattr(current, mark, False):
             setattr(dist, name, current.__wrapped__)
+
+
+def broadcast_from_rank_0(tensors: list, group=None) -> None:
+    """Every rank's ``tensors`` become rank 0's: one broadcast per (device, dtype), in place, through the unwrapped
+    collective (ours, not the training's: outside the OOM recovery's gate and the watchdog's count)."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for same in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            raw.broadcast(flat, src=0, group=group)
+            offset = 0
+            for tensor in same:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()

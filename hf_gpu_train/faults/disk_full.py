@@ -200,6 +200,18 @@ def _raise_failed_write(trainer, write, words: SaveWords) -> None:
         raise write.error
 
 
+def _every_stateful_callback_named(trainer) -> None:
+    """transformers' ``_save_checkpoint`` reads ``state.stateful_callbacks[name]`` for every stateful callback
+    (``ExportableState``); a state resumed from a checkpoint written without one of them (a DeepSpeed run, where OOM
+    recovery is off, resumed on one process, where it is on; a callback added since) lacks the name: KeyError at the
+    first save. The callback's own state fills it in (the save overwrites it a moment later)."""
+    from transformers.trainer_callback import ExportableState
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ExportableState):
+            trainer.state.stateful_callbacks.setdefault(type(callback).__name__, callback.state())
+
+
 def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable[[Path], None] | None = None,
                 background: bool | str | None = None) -> None:
     """For anyone's Trainer, before ``trainer.train()``: a full disk during ``_save_checkpoint`` or ``save_model``
@@ -242,6 +254,8 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
                 saves.drain(why=f"the save at step {step} came")
             began = time.monotonic()
             files: list = []
+            if mark:
+                _every_stateful_callback_named(trainer)
             with saving_to(trainer, folder, what, words):
                 if mark and main:
                     begin_save(folder, step)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives.wrappers import raw
+from ..collectives.wrappers import broadcast_from_rank_0, raw
 from .lockstep import COST, END, Outcome
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
@@ -233,15 +233,4 @@ def broadcast_buffers(model: torch.nn.Module, group=None) -> None:
     """DDP's buffer sync (rank 0's BatchNorm statistics, position ids ...) as one broadcast per dtype."""
     if not getattr(model, "broadcast_buffers", True):
         return
-    buffers = list(getattr(model, "modules_buffers", None) or getattr(model, "module", model).buffers())
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for buffer in buffers:
-        by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-    with torch.no_grad():
-        for same in by_kind.values():
-            flat = torch.cat([b.reshape(-1) for b in same])
-            raw.broadcast(flat, src=0, group=group)
-            offset = 0
-            for b in same:
-                b.copy_(flat[offset:offset + b.numel()].view(b.shape))
-                offset += b.numel()
+    broadcast_from_rank_0(list(getattr(model, "modules_buffers", None) or getattr(model, "module", model).buffers()), group)

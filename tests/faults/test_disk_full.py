@@ -5,6 +5,7 @@ checkpoint and the config survive; the same command again (with space) resumes f
 from __future__ import annotations
 
 import errno
+import json
 import subprocess
 import uuid
 
@@ -191,3 +192,23 @@ def test_with_save_on_each_node_nodes_that_would_resume_from_different_steps_sto
     monkeypatch.setattr(disk_full, "lowest_and_highest", lambda step: (2, step))
     with pytest.raises(UsageError, match="resume from different checkpoints.*checkpoint-2"):
         trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_resume_with_a_stateful_callback_the_checkpoint_did_not_know_saves(tmp_path):
+    """transformers' _save_checkpoint reads state.stateful_callbacks[name] for every stateful callback; a state resumed
+    from a checkpoint written without one (a DeepSpeed run, where OOM recovery is off, resumed on one process, where it
+    is on; a callback added since) raised KeyError: 'OOMRecoveryState' at the first save of the resumed run."""
+    from hf_gpu_train.faults.disk_full import guard_saves
+    from hf_gpu_train.oom import enable_oom_recovery
+
+    out = tmp_path / "out"
+    first = _plain_trainer(out, max_steps=2)
+    guard_saves(first)
+    first.train()
+    second = _plain_trainer(out, max_steps=4)
+    guard_saves(second)
+    enable_oom_recovery(second)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 4
+    saved = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert "OOMRecoveryState" in saved

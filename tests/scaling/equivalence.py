@@ -39,7 +39,11 @@ def assert_same_params(got: dict, expected: dict, atol: float = PARAM_ATOL) -> N
 
 
 def assert_same_evaluation(got: Path, expected: Path) -> None:
-    """The final evaluation's loss and accuracy in each run's all_results.json."""
+    """Every evaluation's loss during training (trainer_state.json), and the final evaluation's loss and accuracy
+    (all_results.json)."""
+    during = [[h["eval_loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in h]
+              for out in (got, expected)]
+    assert_same_series("evaluation loss during training", *during)
     a, b = (json.loads((out / "all_results.json").read_text()) for out in (got, expected))
     assert_same_series("evaluation loss", [a["eval_loss"]], [b["eval_loss"]])
     assert a["eval_accuracy"] == b["eval_accuracy"], f"evaluation accuracy {a['eval_accuracy']} against {b['eval_accuracy']}"

@@ -73,11 +73,15 @@ def vision_case(root: Path, model: str = "test_vit", image_size: int = IMAGE_SIZ
 
 def batchnorm_case(root: Path) -> list[str]:
     """timm's test_efficientnet (BatchNorm, no dropout) at 64 pixels, with weight decay and a cosine schedule, clipping
-    off (tests/scaling/conftest.py says why), on 2 processes of 8 images; 8 validation images in batches of 4, so
-    that every rank evaluates rows of its own (with 6 in one batch, rank 1's copy of rank 0's is dropped)."""
-    return [*vision_case(root, "test_efficientnet", 64, validation=8), "per_device_eval_batch_size=4", *[a for a in COMMON if not a.startswith("extra=")],
-            "extra={adam_epsilon: 1.0e-6, max_grad_norm: 0.0}", "weight_decay=0.05", "lr_scheduler_type=cosine",
-            "telemetry=false", f"global_batch_size={GLOBAL_BATCH}", f"per_device_train_batch_size={GLOBAL_BATCH // 2}"]
+    off (tests/scaling/conftest.py says why), on 2 processes of 2 micro-batches of 4 images (accumulation 2); no
+    evaluation before training (DeepSpeed and FSDP runs skip it); an
+    evaluation after every step, of 8 validation images in batches of 4, so that every rank evaluates rows of its own
+    (with 6 in one batch, rank 1's copy of rank 0's is dropped)."""
+    kept = [a for a in COMMON if not a.startswith(("extra=", "eval_strategy="))]
+    return [*vision_case(root, "test_efficientnet", 64, validation=8), *kept, "eval_strategy=steps", "eval_steps=1",
+            "per_device_eval_batch_size=4", "extra={adam_epsilon: 1.0e-6, max_grad_norm: 0.0}", "weight_decay=0.05",
+            "lr_scheduler_type=cosine", "telemetry=false", "evaluate_before=false", f"global_batch_size={GLOBAL_BATCH}",
+            f"per_device_train_batch_size={GLOBAL_BATCH // 4}"]
 
 
 def text_loss_by_hand(root: Path) -> float:

@@ -99,6 +99,7 @@ def test_zero2_through_plain_accelerate_launch_trains_what_one_process_trains(tm
                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "CPU x2" in run.stdout and "batch 4 x 2 x 2 = 16" in run.stdout
+    assert "gradient clipping at 1 under DeepSpeed: the norm is summed over each rank's shard" in run.stdout  # issue 41
     assert_same_training(out, one_process)
     assert_same_params(load_file(out / "model.safetensors"), load_file(one_process / "model.safetensors"))
 
