@@ -31,6 +31,7 @@ from ..errors import UsageError
 from ..launch.rank_report import write_resumes
 from ..textfmt import human
 from .background_save import BackgroundSaves, BackgroundWrite, attach_to_trainer, background_saves_wanted, staged, writers_vote
+from .checkpoint_layout import check_resume
 from .checkpoint_marker import begin_save, complete_checkpoints, resume_point, save_on_each_node, write_marker
 from .resume_epoch import exact_mid_epoch_resume
 
@@ -292,7 +293,9 @@ def guard_saves(trainer, words: SaveWords = SaveWords(), before_marker: Callable
         elif "resume_from_checkpoint" in kwargs:
             kwargs["resume_from_checkpoint"] = resume_point(kwargs["resume_from_checkpoint"], trainer.args.output_dir)
             _same_checkpoint_on_every_node(trainer, kwargs["resume_from_checkpoint"])
-        if args[0] if args else kwargs.get("resume_from_checkpoint"):
+        resuming = args[0] if args else kwargs.get("resume_from_checkpoint")
+        check_resume(trainer, resuming, trainer.args.world_size)  # a checkpoint this engine would get wrong: said
+        if resuming:
             write_resumes()  # train(resume_from_checkpoint=...): started again, the script resumes (launch/restarts.py)
         if saves is None:
             return train(*args, **kwargs)
