@@ -10,6 +10,8 @@ Vision: 16 training images, one global batch per epoch, so step 1 is a mean over
 from __future__ import annotations
 
 import csv
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -121,3 +123,17 @@ def vision_loss_by_hand(root: Path) -> float:
     with torch.no_grad():
         logits = model(pixels)
     return float(torch.nn.functional.cross_entropy(logits, labels))
+
+
+def as_if_killed_after(out: Path, checkpoint: str, target: Path) -> Path:
+    """``target``: what a run into ``out`` killed right after writing ``checkpoint`` leaves behind (its config, label
+    map, that checkpoint, and its record unfinished); the same command on ``target`` resumes from it."""
+    from hf_gpu_train.finetune.run_record import RECORD
+
+    target.mkdir()
+    for name in ("finetune_config.yaml", "label_map.json"):
+        shutil.copy(out / name, target / name)
+    shutil.copytree(out / checkpoint, target / checkpoint)
+    record = json.loads((out / RECORD).read_text())
+    (target / RECORD).write_text(json.dumps({**record, "finished": False, "global_step": None}))
+    return target

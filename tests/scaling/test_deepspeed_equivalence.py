@@ -27,7 +27,7 @@ from hf_gpu_train.finetune.run import main
 from hf_gpu_train.launch.rank_report import PREEMPTED_EXIT_CODE
 from tests.launching import ROOT, free_port, hf_gpu_train, launch
 from tests.scaling.equivalence import assert_same_evaluation, assert_same_params, assert_same_series, assert_trained
-from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case, vision_case
+from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, as_if_killed_after, text_case, vision_case
 
 pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "scripts" / "finetune.py"
@@ -104,7 +104,7 @@ def test_zero2_through_plain_accelerate_launch_trains_what_one_process_trains(tm
     assert_same_params(load_file(out / "model.safetensors"), load_file(one_process / "model.safetensors"))
 
 
-def test_zero3_killed_then_stopped_by_a_signal_resumes_to_the_uninterrupted_weights(tmp_path, text, one_process):
+def test_zero3_killed_then_stopped_by_a_signal_resumes_on_one_process_to_the_uninterrupted_weights(tmp_path, text, one_process):
     config = deepspeed_config(tmp_path, "deepspeed-zero3")
     out = tmp_path / "zero3"
     command = arguments(text, out, "save_strategy=steps", "save_steps=2", "background_saves=true")  # as on a GPU
@@ -121,11 +121,33 @@ def test_zero3_killed_then_stopped_by_a_signal_resumes_to_the_uninterrupted_weig
     assert "stopped for a stop signal (rank 0 after step 5, rank 1 after step 5)" in stopped.stderr, stopped.stderr[-3000:]
     assert complete_checkpoints(out)[0].name == "checkpoint-5"  # the newest complete one
 
-    again = launch(config, SCRIPT, *command, timeout=600)
+    # resumed on one process (issue 38 item 3): DeepSpeed refuses its 2 partitions on 1 rank; its universal checkpoint
+    # (converted beside the original) loads
+    again = launch(config, "--num_processes", "1", SCRIPT, *command, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoint-5'}" in again.stdout
+    assert f"resuming from {out / 'checkpoint-5'}" in again.stdout and "CPU x1" in again.stdout
+    assert "batch 4 x 4 x 1 = 16" in again.stdout  # global_batch_size=16 in the command: accumulation 4
+    assert "converting it to DeepSpeed's universal checkpoint (global_step5_universal)" in again.stderr
+    assert (out / "checkpoint-5" / "global_step5_universal").is_dir() and (out / "checkpoint-5" / "global_step5").is_dir()
     assert_same_training(out, one_process)
     assert_same_params(pretrained_weights(out), pretrained_weights(one_process))
+
+
+def test_zero2_written_by_one_process_resumes_on_two_to_the_uninterrupted_weights(tmp_path, text, one_process):
+    """Issue 38 item 3, 1 -> 2: a ZeRO-2 run on one process killed after checkpoint-4, resumed by the same command on
+    two (its one partition converted to DeepSpeed's universal checkpoint, sliced for each rank)."""
+    config = deepspeed_config(tmp_path, "deepspeed-zero2")
+    first = tmp_path / "on-one"
+    saving = ["save_strategy=steps", "save_steps=2"]
+    run = launch(config, "--num_processes", "1", SCRIPT, *arguments(text, first, *saving), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    killed = as_if_killed_after(first, "checkpoint-4", tmp_path / "on-two")
+    again = launch(config, SCRIPT, *arguments(text, killed, *saving), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {killed / 'checkpoint-4'}" in again.stdout and "CPU x2" in again.stdout
+    assert "holds DeepSpeed's optimizer state in 1 partitions and this run has 2 processes" in again.stderr
+    assert_same_training(killed, one_process)
+    assert_same_params(load_file(killed / "model.safetensors"), load_file(one_process / "model.safetensors"))
 
 
 def test_zero2_offload_steps_with_deepspeeds_cpu_adam_what_one_process_trains(tmp_path, text):

@@ -1,13 +1,12 @@
 """FSDP2 through scripts/finetune.py and a config from `hf-gpu-train config --strategy fsdp`: two gloo processes
 sharding the model train what one process trains (the same losses, gradient norms and final weights), checkpoints
 are written as shards (one file per rank), a run killed after a sharded checkpoint resumes from it to the same
-final weights, and the final model is saved whole; a BatchNorm model trains and evaluates what DDP does on the same 2
+final weights on another number of processes (2 -> 1, then 1 -> 2), and the final model is saved whole; a BatchNorm model trains and evaluates what DDP does on the same 2
 processes (issue 41, tests/scaling/conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +15,9 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_gpu_train.finetune.run import main
-from hf_gpu_train.finetune.run_record import RECORD
 from tests.launching import free_port, launch
 from tests.scaling.equivalence import assert_same_evaluation, assert_same_params, assert_same_series
-from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
+from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, as_if_killed_after, text_case
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
@@ -44,7 +42,7 @@ def test_two_fsdp_processes_train_what_one_process_trains(tmp_path):
     reference = tmp_path / "one"
     assert main([*arguments, f"output_dir={reference}"]) == 0
     out, config = tmp_path / "sharded", fsdp_config(tmp_path)
-    saving = ["save_strategy=steps", "save_steps=2", "background_saves=true"]  # as on a GPU (sharded files: at once)
+    saving = ["save_strategy=steps", "save_steps=2", "save_total_limit=3", "background_saves=true"]  # as on a GPU
     run = launch(config, SCRIPT, *arguments, *saving, f"output_dir={out}", timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "sharding with FSDP2 over gloo" in run.stderr
@@ -54,17 +52,19 @@ def test_two_fsdp_processes_train_what_one_process_trains(tmp_path):
     shards = sorted(p.name for p in (out / "checkpoint-4").rglob("*.distcp"))
     assert len(shards) >= 4 and {name.split("_")[2] for name in shards} == {"0", "1"}  # model and optimizer, a file per rank
 
-    killed = tmp_path / "killed"  # what a run killed after its step-4 checkpoint leaves behind
-    killed.mkdir()
-    for name in ("finetune_config.yaml", "label_map.json"):
-        shutil.copy(out / name, killed / name)
-    shutil.copytree(out / "checkpoint-4", killed / "checkpoint-4")
-    record = json.loads((out / RECORD).read_text())
-    (killed / RECORD).write_text(json.dumps({**record, "finished": False, "global_step": None}))
-    again = launch(config, SCRIPT, *arguments, *saving, f"output_dir={killed}", timeout=600)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert f"resuming from {killed / 'checkpoint-4'}" in again.stdout
-    assert_same_params(load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors"))
+    # another number of processes resumes it (issue 38 item 3: torch.distributed.checkpoint reshards the model's and the
+    # optimizer's shards): 2 -> 1 from checkpoint-2, then that run's own checkpoint-4 1 -> 2; both end where the
+    # uninterrupted run ends
+    one = launch(config, "--num_processes", "1", SCRIPT, *arguments, *saving,
+                 f"output_dir={as_if_killed_after(out, 'checkpoint-2', tmp_path / 'on-one')}", timeout=600)
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert f"resuming from {tmp_path / 'on-one' / 'checkpoint-2'}" in one.stdout and "CPU x1" in one.stdout
+    assert_same_params(load_file(tmp_path / "on-one" / "model.safetensors"), load_file(reference / "model.safetensors"))
+    two = launch(config, SCRIPT, *arguments, *saving,
+                 f"output_dir={as_if_killed_after(tmp_path / 'on-one', 'checkpoint-4', tmp_path / 'on-two')}", timeout=600)
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert f"resuming from {tmp_path / 'on-two' / 'checkpoint-4'}" in two.stdout and "CPU x2" in two.stdout
+    assert_same_params(load_file(tmp_path / "on-two" / "model.safetensors"), load_file(reference / "model.safetensors"))
 
 
 def test_loading_the_weights_on_rank_0_only_trains_the_same_model(tmp_path):
