@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from .deepspeed_resharding import load_universal
 
 DEEPSPEED, FSDP, WHOLE = "DeepSpeed", "FSDP", "DDP or one process"
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -91,6 +92,4 @@ def check_resume(trainer, checkpoint: str | Path | None, processes: int) -> None
                          f"Resume it {_RESUMES_IT[layout.engine]}; or start a new run from its weights (a new "
                          f"output_dir, the model from {checkpoint})")
     if now == DEEPSPEED and layout.partitions not in (None, processes):
-        from .deepspeed_resharding import load_universal
-
         load_universal(trainer, checkpoint, layout.partitions, processes)

@@ -26,6 +26,8 @@ import shutil
 from argparse import Namespace
 from pathlib import Path
 
+from ..collectives.cpu_votes import wait_for_every_rank
+
 log = logging.getLogger("hf_gpu_train.faults")
 
 
@@ -53,8 +55,6 @@ def convert(step_folder: Path) -> Path:
 def load_universal(trainer, checkpoint: str | Path, partitions: int, processes: int) -> str:
     """Convert (main process; every rank waits) and configure the engine to load the universal checkpoint; the line
     to say."""
-    from ..collectives.cpu_votes import wait_for_every_rank
-
     steps = sorted(p for p in Path(checkpoint).iterdir() if p.is_dir() and p.name.startswith("global_step")
                    and not p.name.endswith(("_universal", ".partial")))
     if trainer.args.should_save:
