@@ -1,6 +1,7 @@
 """Issue 41: what ZeRO-2, ZeRO-3 and FSDP train and evaluate against DDP on the same 2 CPU processes, for the shipped
-BatchNorm vision recipe, with gradient clipping off and on, and DDP against itself with max_grad_norm moved in its 7th
-digit (how much this run amplifies a 1e-7 change of the clip factor).
+BatchNorm vision recipe, with gradient clipping off and on, each strategy against itself (the same command twice), and
+DDP against itself with max_grad_norm moved in its 7th digit (how much this run amplifies a 1e-7 change of the clip
+factor).
 
     python benchmarks/strategy_agreement.py [--steps 6]
 
@@ -25,7 +26,10 @@ sys.path.insert(0, str(ROOT))
 NO_CLIP = "extra={adam_epsilon: 1.0e-6, max_grad_norm: 0.0}"
 CLIP = "extra={adam_epsilon: 1.0e-6}"  # max_grad_norm 1.0, the Trainer's default
 CLIP_MOVED = "extra={adam_epsilon: 1.0e-6, max_grad_norm: 1.0000001}"
+AGAIN = " "  # the same arguments, a second run (a space more: another key, the same command)
 ROWS = (  # (label, (strategy, extra), (strategy, extra))
+    ("DDP against DDP, the same command twice", ("ddp", CLIP), ("ddp", CLIP + AGAIN)),
+    ("ZeRO-2 against ZeRO-2, the same command twice", ("deepspeed-zero2", CLIP), ("deepspeed-zero2", CLIP + AGAIN)),
     ("ZeRO-2 against DDP, clipping off", ("deepspeed-zero2", NO_CLIP), ("ddp", NO_CLIP)),
     ("ZeRO-3 against DDP, clipping off", ("deepspeed-zero3", NO_CLIP), ("ddp", NO_CLIP)),
     ("FSDP against DDP, clipping off", ("fsdp", NO_CLIP), ("ddp", NO_CLIP)),
@@ -51,7 +55,7 @@ def train(config: str, out: Path, extra: str, steps: int) -> Path:
     run = launch(config, "-m", "hf_gpu_train.finetune", "--config", "efficientnet_lite0_digits", f"max_steps={steps}",
                  "logging_steps=1", "eval_strategy=no", "save_strategy=no", "seed=7", "evaluate_before=false",
                  "per_device_train_batch_size=8", "telemetry=false",
-                 "augmentation={scale: [1.0, 1.0], ratio: [1.0, 1.0], hflip: 0.0, color_jitter: 0.0}", extra,
+                 "augmentation={scale: [1.0, 1.0], ratio: [1.0, 1.0], hflip: 0.0, color_jitter: 0.0}", extra.strip(),
                  f"output_dir={out}")
     if run.returncode != 0:
         raise SystemExit(f"{out.name} failed:\n{run.stderr[-3000:]}")
