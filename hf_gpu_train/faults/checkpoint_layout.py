@@ -15,12 +15,13 @@ reshards the model's and the optimizer's shards on load), DeepSpeed ZeRO through
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from .deepspeed_resharding import load_universal
+from .deepspeed_resharding import latest_step_folder, load_universal
 
 DEEPSPEED, FSDP, WHOLE = "DeepSpeed", "FSDP", "DDP or one process"
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -43,15 +44,19 @@ def layout_of(checkpoint: str | Path) -> CheckpointLayout | None:
     except OSError:
         return None
     names = {p.name for p in entries}
-    steps = [p for p in entries if p.is_dir() and p.name.startswith("global_step")]
-    if steps:
-        ranks = {m.group(1) for step in steps for f in step.iterdir() if (m := _PARTITION.match(f.name))}
+    step = latest_step_folder(Path(checkpoint))
+    if step is not None:
+        ranks = {m.group(1) for f in step.iterdir() if (m := _PARTITION.match(f.name))}
         return CheckpointLayout(DEEPSPEED, len(ranks) or None)
     if any(name.startswith(("pytorch_model_fsdp", "optimizer_0")) for name in names):
         return CheckpointLayout(FSDP)
     if any(name.startswith("optimizer.") for name in names):
         return CheckpointLayout(WHOLE)
     return None
+
+
+def _local_processes(trainer) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", trainer.args.world_size))
 
 
 def engine_of(trainer) -> str:
@@ -92,4 +97,9 @@ def check_resume(trainer, checkpoint: str | Path | None, processes: int) -> None
                          f"Resume it {_RESUMES_IT[layout.engine]}; or start a new run from its weights (a new "
                          f"output_dir, the model from {checkpoint})")
     if now == DEEPSPEED and layout.partitions not in (None, processes):
+        if getattr(trainer.args, "save_on_each_node", False) and trainer.args.world_size > max(1, _local_processes(trainer)):
+            raise UsageError(f"hf_gpu_train: {name} holds DeepSpeed's optimizer state in {layout.partitions} partitions "
+                             f"on this node's disk (save_on_each_node: each node keeps its own ranks' partitions) and this "
+                             f"run has {processes} processes: resume it on {layout.partitions}, or keep checkpoints on "
+                             "storage every node shares (save_on_each_node=false) to change the count")
         load_universal(trainer, checkpoint, layout.partitions, processes)
