@@ -19,8 +19,10 @@ still writes waits for it (said once, with the time the write takes, to space sa
 once the last write is complete and marked (the final save and a stop signal's save are waited for), and the
 Trainer's ``_load_best_model`` waits first too.
 
-What is not moved to the background: ``torch.distributed.checkpoint`` writes (FSDP's SHARDED_STATE_DICT; they stay
-synchronous, correct but not faster), a file object rather than a path, and saves outside ``train()``. The host memory
+``torch.distributed.checkpoint`` writes (FSDP's SHARDED_STATE_DICT model and optimizer, through accelerate) become DCP's
+own ``async_save``: DCP copies the rank's shards to host memory at once, then plans and writes them on a thread and a
+gloo group of its own; the writer thread waits for that before the vote. What is not moved to the background: a file
+object rather than a path, a DCP save given its own process group, and saves outside ``train()``. The host memory
 the staging takes (the size of the checkpoint's tensors, on each writing rank) is in the memory plan.
 """
 
@@ -146,11 +148,41 @@ class StagedFile:
             os.fsync(handle.fileno())
 
 
+@dataclass
+class DistributedCheckpointWrite:
+    """One ``torch.distributed.checkpoint.save`` made asynchronous (``async_save``: the state copied to host memory at
+    once, planned and written by DCP's own thread on a gloo group of its own); ``write`` waits for it."""
+
+    future: object
+    path: str
+    size: int = 0
+    content: object = None
+
+    def write(self) -> None:
+        self.future.result()  # DCP's FileSystemWriter fsyncs its files (sync_files) before the future completes
+
+
+_DCP_GROUPS: list = []
+
+
+def _dcp_group(index: int):
+    """The gloo group the ``index``-th DCP save of a checkpoint plans on (FSDP's model, then its optimizer): each
+    ``async_save`` runs on a thread of its own, at the same time as the others of its checkpoint, so each gets its own
+    group (one group shared by two threads would interleave their collectives differently on each rank: a hang), and
+    none is the training's. Made at the first checkpoint, which every rank reaches together, in the same order."""
+    import torch.distributed as dist
+
+    while len(_DCP_GROUPS) <= index:
+        _DCP_GROUPS.append(dist.new_group(backend="gloo"))
+    return _DCP_GROUPS[index]
+
+
 def _tensor_bytes(value) -> int:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        local = getattr(value, "_local_tensor", value)  # a DTensor: this rank's shard is what it writes
+        return local.numel() * local.element_size()
     if isinstance(value, dict):
         return sum(_tensor_bytes(v) for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -165,12 +197,32 @@ _NAMES = ("save", "save_file", "safe_save_file", "safetensors_save_file")
 def staged(into: list[StagedFile], buffers: StagingBuffers | None = None):
     """Inside, ``torch.save(obj, path)`` and safetensors' ``save_file(tensors, path)`` (under every name a loaded module
     holds them: transformers' ``safe_save_file``, PEFT's, accelerate's) stage their content into ``into`` instead of
-    writing. A file object, or anything but a path, is written at once as before."""
+    writing. A file object, or anything but a path, is written at once as before. ``torch.distributed.checkpoint``'s
+    ``save`` (FSDP's sharded model and optimizer, through accelerate) becomes its ``async_save`` on a process group of
+    several: its future joins ``into``."""
     import safetensors.torch
     import torch
+    import torch.distributed.checkpoint as dcp
 
     originals = {id(torch.save): torch.save, id(safetensors.torch.save_file): safetensors.torch.save_file}
     device_copies = [False]
+    dcp_saves = [0]
+
+    def asynchronous(original):
+        def async_instead(state_dict=None, *args, checkpoint_id=None, storage_writer=None, planner=None,
+                          process_group=None, **kwargs):
+            import torch.distributed as dist
+
+            if args or kwargs or process_group is not None or not (dist.is_initialized() and dist.get_world_size() > 1):
+                return original(state_dict, *args, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                planner=planner, process_group=process_group, **kwargs)
+            future = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                    planner=planner, process_group=_dcp_group(dcp_saves[0]))
+            dcp_saves[0] += 1
+            where = checkpoint_id or getattr(storage_writer, "path", "") or ""
+            into.append(DistributedCheckpointWrite(future, os.fspath(where), _tensor_bytes(state_dict)))
+            return None
+        return async_instead
 
     def staging(original):
         def stage_instead(content, path, *args, **kwargs):
@@ -189,13 +241,19 @@ def staged(into: list[StagedFile], buffers: StagingBuffers | None = None):
             found = getattr(module, name, None) if module is not None else None
             if found is not None and id(found) in originals and found is originals[id(found)]:
                 replaced.append((module, name, found))
+    dcp_save = dcp.save
+    dcp_modules = [m for m in (dcp, sys.modules.get("torch.distributed.checkpoint.state_dict_saver")) if m is not None]
     try:
         for module, name, found in replaced:
             setattr(module, name, staging(found))
+        for module in dcp_modules:
+            module.save = asynchronous(dcp_save)
         yield into
     finally:
         for module, name, found in replaced:
             setattr(module, name, found)
+        for module in dcp_modules:
+            module.save = dcp_save
         if device_copies[0]:
             torch.cuda.synchronize()  # the pinned copies are complete before training changes the tensors
 

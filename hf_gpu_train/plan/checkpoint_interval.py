@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .strategies import DEEPSPEED, EVERYTHING, FSDP, family_of, strategy
+from .strategies import DEEPSPEED, EVERYTHING, family_of, strategy
 
 GPU_DAYS_PER_FAILURE = 54 * 16384 / 419  # Llama 3 405B pre-training: ~2,112 GPU-days between unexpected interruptions
 MTBF_SOURCE = "Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs"
@@ -96,15 +96,13 @@ def staging_bytes(breakdown, world: int) -> float:
     the run), from the plan's per-GPU breakdown and its strategy's family:
 
     - one GPU, DDP: rank 0 writes the weights and the optimizer's states (a LoRA run: its adapters and their states);
-    - FSDP: nothing of the model or optimizer (its sharded files go through ``torch.distributed.checkpoint``, written at
-      once); the RNG state only;
+    - FSDP: every rank its shards of the same (``torch.distributed.checkpoint``'s ``async_save`` copies them to host
+      memory, freshly allocated at each save);
     - DeepSpeed ZeRO: every rank its optimizer partition (fp32 master weights and states), and rank 0 the whole 16-bit
       model twice more (the engine's module states, and the model file gathered for the save: the toolkit's ZeRO-3
       config gathers it, ``stage3_gather_16bit_weights_on_model_save``)."""
     family = family_of(breakdown.strategy)
     lora = breakdown.method in ("lora", "qlora")
-    if family == FSDP:
-        return 0.0
     if family == DEEPSPEED:
         shards_weights = strategy(breakdown.strategy).shards == EVERYTHING  # ZeRO-3: each GPU holds 1/world of them
         whole_16bit = breakdown.weights * (max(1, world) if shards_weights else 1)

@@ -304,3 +304,44 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_last_write(tmp_path,
     trainer.train()
     best = Path(trainer.state.best_model_checkpoint)
     assert [p.name for p in out.glob("checkpoint-*")] == [best.name] and (best / COMPLETE_MARKER).is_file()
+
+
+def _dcp_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from hf_gpu_train.faults.background_save import DistributedCheckpointWrite, staged
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        state = {"model": {"w": torch.full((4,), float(rank + 1))}, "optimizer": {"m": torch.arange(3.0)}}
+        files: list = []
+        with staged(files):
+            dcp.save({"model": state["model"]}, checkpoint_id=f"{out}/model")  # accelerate's two saves of a checkpoint
+            dcp.save({"optimizer": state["optimizer"]}, checkpoint_id=f"{out}/optimizer")
+        asynchronous = [type(f) is DistributedCheckpointWrite for f in files]
+        state["model"]["w"].add_(100.0)  # training goes on: the checkpoint holds the state at the save
+        for written in files:
+            written.write()
+        back = {"model": {"w": torch.zeros(4)}}
+        dcp.load(back, checkpoint_id=f"{out}/model")
+        torch.save({"asynchronous": asynchronous, "w": back["model"]["w"], "plain_save_is_back": dcp.save.__name__},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_distributed_checkpoint_save_becomes_dcps_async_save_and_holds_the_state_at_the_save(tmp_path):
+    """FSDP's sharded files (accelerate's dist_cp.save of the model, then of the optimizer) go to DCP's async_save,
+    each on a gloo group of its own (one shared group hung the two saves' planning threads)."""
+    import torch.multiprocessing as mp
+
+    from tests.launching import free_port
+
+    mp.spawn(_dcp_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["asynchronous"] == [True, True] and got["plain_save_is_back"] == "save"
+        assert torch.equal(got["w"], torch.full((4,), 1.0))  # rank 0's replicated tensor as it was at the save

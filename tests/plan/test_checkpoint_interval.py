@@ -63,7 +63,7 @@ def test_the_staging_of_a_background_save_is_the_state_its_largest_writer_holds(
 
     assert staging_bytes(breakdown("ddp"), 8) == 12e9  # weights and Adam's moments; not gradients or activations
     assert staging_bytes(breakdown("ddp", adapter_weights=1e7, optimizer=2e7, method="lora"), 8) == 3e7  # adapters only
-    assert staging_bytes(breakdown("fsdp"), 8) == 0  # torch.distributed.checkpoint writes its shards at once
+    assert staging_bytes(breakdown("fsdp"), 8) == 12e9  # its shards (the per-GPU breakdown): DCP's async_save stages them
     # ZeRO-3 on 8 GPUs: 16-bit weights 1/8 per GPU; rank 0 stages the whole 16-bit model twice and its partition
     zero3 = breakdown("deepspeed-zero3", weights=1e9, optimizer=1e9, master_weights=0.5e9)
     assert staging_bytes(zero3, 8) == 1.5e9 + 2 * 8e9
