@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -16,6 +17,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_process_group(rank: int, port: int, world_size: int = 2):
+    """Inside a process ``torch.multiprocessing.spawn`` started: this rank joined a gloo group on ``port``, left after."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
 
 
 def hf_gpu_train(*args: str, timeout: int = 240, **kw) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ test_fsdp_equivalence.py."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +16,7 @@ from hf_gpu_train.collectives.running_statistics import (
     running_statistics,
     share_running_statistics,
 )
-from tests.launching import free_port
+from tests.launching import free_port, gloo_process_group
 
 
 def batchnorm_net() -> torch.nn.Module:
@@ -59,19 +58,13 @@ def test_clipping_is_said_only_where_a_sharded_engine_clips_over_several_process
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_process_group(rank, port):
         torch.manual_seed(rank)  # each rank's own batches
         net = batchnorm_net().train()
         for _ in range(rank + 1):
             net[:2](torch.randn(3, 3, 5, 5))
         RunningStatisticsBroadcast(net).on_step_end(None, None, None)
         torch.save({k: v for k, v in net.state_dict().items() if k.startswith("1.")}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -307,14 +307,12 @@ def test_the_trainers_end_of_training_cleanup_waits_for_the_last_write(tmp_path,
 
 
 def _dcp_rank(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from hf_gpu_train.faults.background_save import DistributedCheckpointWrite, staged
+    from tests.launching import gloo_process_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_process_group(rank, port):
         state = {"model": {"w": torch.full((4,), float(rank + 1))}, "optimizer": {"m": torch.arange(3.0)}}
         files: list = []
         with staged(files):
@@ -328,8 +326,6 @@ def _dcp_rank(rank: int, port: int, out: str) -> None:
         dcp.load(back, checkpoint_id=f"{out}/model")
         torch.save({"asynchronous": asynchronous, "w": back["model"]["w"], "plain_save_is_back": dcp.save.__name__},
                    f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

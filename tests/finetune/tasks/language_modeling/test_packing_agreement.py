@@ -3,30 +3,22 @@ rank-0-only loading, only rank 0 holds weights it can run the check on)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.launching import free_port
+from tests.launching import free_port, gloo_process_group
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
     from hf_gpu_train.finetune.tasks.language_modeling import packing
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_process_group(rank, port):
         seen = {0: packing.PackingVerdict(True, "sdpa attention (weights not loaded on this process, so not run)"),
                 1: packing.PackingVerdict(False, "attention crosses example boundaries")}
         packing.packing_support = lambda model, pad: seen[rank]  # what each rank sees on its own
         verdict = packing.agreed_packing_support(None, 0)
         torch.save((verdict.supported, verdict.reason), f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
