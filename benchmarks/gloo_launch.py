@@ -11,14 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cpu_config(folder: str | Path, processes: int = 2) -> str:
-    """``hf-gpu-train config --machine cpu-only`` for ``processes`` gloo processes on a free port; the YAML's path."""
+def cpu_config(folder: str | Path, processes: int = 2, strategy: str | None = None) -> str:
+    """``hf-gpu-train config --machine cpu-only`` for ``processes`` gloo processes on a free port (``--strategy
+    STRATEGY`` where given); the YAML's path."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = Path(folder) / f"cpu{processes}"
-    subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", str(processes),
-                    "--main-process-port", str(port), "--output", str(cfg)], check=True, capture_output=True)
+    cfg = Path(folder) / (strategy or f"cpu{processes}")
+    chosen = ["--strategy", strategy] if strategy else []
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes",
+                           str(processes), *chosen, "--main-process-port", str(port), "--output", str(cfg)],
+                          capture_output=True, text=True, cwd=ROOT)
+    if made.returncode != 0:
+        raise SystemExit(made.stderr)
     return f"{cfg}.yaml"
 
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gloo_launch import ROOT, launch
+from gloo_launch import ROOT, cpu_config, launch
 
 sys.path.insert(0, str(ROOT))
 
@@ -37,18 +37,6 @@ ROWS = (  # (label, (strategy, extra), (strategy, extra))
     ("ZeRO-3 against DDP, clipped at 1.0", ("deepspeed-zero3", CLIP), ("ddp", CLIP)),
     ("DDP at max_grad_norm 1.0 against 1.0000001", ("ddp", CLIP), ("ddp", CLIP_MOVED)),
 )
-
-
-def configs(folder: Path) -> dict[str, str]:
-    import subprocess
-
-    made = {}
-    for strategy in ("ddp", "deepspeed-zero2", "deepspeed-zero3", "fsdp"):
-        out = folder / strategy
-        subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "2",
-                        "--strategy", strategy, "--output", str(out)], check=True, capture_output=True, cwd=ROOT)
-        made[strategy] = f"{out}.yaml"
-    return made
 
 
 def train(config: str, out: Path, extra: str, steps: int) -> Path:
@@ -89,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        made, runs = configs(folder), {}
+        made = {strategy: cpu_config(folder, 2, strategy) for strategy in ("ddp", "deepspeed-zero2", "deepspeed-zero3", "fsdp")}
+        runs = {}
         for _, *sides in ROWS:
             for strategy, extra in sides:
                 key = (strategy, extra)

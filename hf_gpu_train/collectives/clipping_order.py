@@ -13,21 +13,15 @@ group) are said where they arise (docs/deepspeed.md)."""
 
 from __future__ import annotations
 
+from .engines import sharded_engine
+
 MEASURED = ("in one BatchNorm run measured, every step clipped: 6.8e-4 on a weight after 6 steps, while two DDP runs whose "
             "max_grad_norm differs by 1e-7 end 1.2e-3 apart")
 
 
-def _sharded_engine(trainer) -> str | None:
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "FSDP"
-    return None
-
-
 def clipping_order_line(trainer) -> list[str]:
     """The line to print before training where DeepSpeed or FSDP clips over several processes; nothing elsewhere."""
-    engine = _sharded_engine(trainer)
+    engine = sharded_engine(trainer)
     if engine is None or trainer.args.world_size < 2:
         return []
     clip = float(trainer.args.max_grad_norm or 0)  # DeepSpeed's gradient_clipping: "auto" or the same (transformers refuses others)

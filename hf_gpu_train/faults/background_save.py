@@ -154,9 +154,8 @@ class DistributedCheckpointWrite:
     once, planned and written by DCP's own thread on a gloo group of its own); ``write`` waits for it."""
 
     future: object
-    path: str
     size: int = 0
-    content: object = None
+    content: object = None  # nothing of ours to let go once written (the writer clears it after every file)
 
     def write(self) -> None:
         self.future.result()  # DCP's FileSystemWriter fsyncs its files (sync_files) before the future completes
@@ -219,8 +218,7 @@ def staged(into: list[StagedFile], buffers: StagingBuffers | None = None):
             future = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                                     planner=planner, process_group=_dcp_group(dcp_saves[0]))
             dcp_saves[0] += 1
-            where = checkpoint_id or getattr(storage_writer, "path", "") or ""
-            into.append(DistributedCheckpointWrite(future, os.fspath(where), _tensor_bytes(state_dict)))
+            into.append(DistributedCheckpointWrite(future, _tensor_bytes(state_dict)))
             return None
         return async_instead
 

@@ -20,10 +20,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..collectives.engines import DEEPSPEED, FSDP, sharded_engine
 from ..errors import UsageError
 from .deepspeed_resharding import latest_step_folder, load_universal
 
-DEEPSPEED, FSDP, WHOLE = "DeepSpeed", "FSDP", "DDP or one process"
+WHOLE = "DDP or one process"
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
@@ -60,11 +61,7 @@ def _local_processes(trainer) -> int:
 
 
 def engine_of(trainer) -> str:
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return DEEPSPEED
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return FSDP
-    return WHOLE
+    return sharded_engine(trainer) or WHOLE
 
 
 _RESUMES_IT = {
@@ -87,9 +84,9 @@ def check_resume(trainer, checkpoint: str | Path | None, processes: int) -> None
     if not checkpoint or not isinstance(checkpoint, (str, Path)):
         return
     layout = layout_of(checkpoint)
-    now = engine_of(trainer)
     if layout is None:
         return
+    now = engine_of(trainer)
     name = Path(checkpoint).name
     if layout.engine != now:
         would = _WOULD.get((layout.engine, now), f"cannot load it ({now}'s loader looks for its own files there)")

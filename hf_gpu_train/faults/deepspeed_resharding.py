@@ -67,9 +67,9 @@ def convert(step_folder: Path) -> Path:
     return target
 
 
-def load_universal(trainer, checkpoint: str | Path, partitions: int, processes: int) -> str:
+def load_universal(trainer, checkpoint: str | Path, partitions: int, processes: int) -> None:
     """Convert (global rank 0; every rank learns whether it worked) and have the engine load the universal checkpoint
-    this once; the folder's name."""
+    this once."""
     step_folder = latest_step_folder(Path(checkpoint))
     failed = False
     if trainer.args.process_index == 0:
@@ -87,7 +87,6 @@ def load_universal(trainer, checkpoint: str | Path, partitions: int, processes: 
     config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
     config.setdefault("checkpoint", {})["load_universal"] = True
     _as_saved_after_loading(step_folder, config)
-    return universal_folder(step_folder).name
 
 
 def _inner_optimizer(engine):
@@ -100,7 +99,8 @@ def _as_saved(engine, step_folder: Path) -> None:
 
     states = sorted(step_folder.glob("*model_states.pt"))  # mp_rank_00_... (ZeRO-1/2), zero_pp_rank_0_mp_rank_00_... (3)
     if states:
-        saved = torch.load(states[0], map_location="cpu", weights_only=False).get("module") or {}
+        # mapped, not read: ZeRO-1/2's file holds the whole 16-bit model, of which only the buffers are wanted
+        saved = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True).get("module") or {}
         with torch.no_grad():
             for name, buffer in engine.module.named_buffers():
                 if name in saved and saved[name].shape == buffer.shape:

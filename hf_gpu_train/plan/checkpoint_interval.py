@@ -111,4 +111,3 @@ def staging_bytes(breakdown, world: int) -> float:
     if lora:
         return breakdown.adapter_weights + breakdown.optimizer
     return breakdown.weights + breakdown.optimizer + breakdown.master_weights
-
