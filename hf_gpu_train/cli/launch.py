@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
 from ..finetune.loading import load_config_and_keys
 from ..finetune.recipe_names import resolve_recipe
+from ..launch.elastic import NNODES_OPTION, NodeRange, elastic_command, parse_node_range
 from ..launch.grace import GRACE_ENV
 from ..launch.rank_report import (
     HANG_EXIT_CODE,
@@ -55,7 +57,7 @@ from ..plan.run_plan_file import (
 from ..plan.scope import scope_to_this_machine
 from . import example
 
-USAGE = ("hf-gpu-train launch [--max-restarts N] [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT "
+USAGE = ("hf-gpu-train launch [--max-restarts N] [--nnodes MIN:MAX] [ACCELERATE_LAUNCH_OPTIONS] --config-file FILE SCRIPT "
          "[SCRIPT_ARGS ...]")
 DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS` with FILE's .env (written by `hf-gpu-train "
                "config`) in the environment of every process (your own exported variables win, and are named), "
@@ -63,8 +65,12 @@ DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS`
                "SCRIPT other than --config-file go to accelerate launch unchanged (e.g. --num_processes 2 --main_process_port "
                "29600); what they change against FILE is printed. A launch whose rank died starts again, resuming from the newest "
                "complete checkpoint, up to --max-restarts times (default 3 on one machine, 0 on several: the scheduler "
-               "requeues there), never after a usage error, a stop signal or the same failure at the same step twice.")
+               "requeues there, 3 with --nnodes), never after a usage error, a stop signal or the same failure at the same step "
+               "twice. --nnodes MIN:MAX: an elastic launch (torchrun's c10d rendezvous at --main_process_ip:--main_process_port, "
+               "hosted by --machine_rank 0): after a failure the nodes that start again, at least MIN, go on as a group of "
+               "their number, the global batch kept.")
 HELP_FLAGS = ("-h", "--help")
+REJOIN_SECONDS = 120  # an elastic node whose rendezvous is found closed tries again this long (launch/elastic.py)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -83,7 +89,8 @@ class Launch:
     env: dict[str, str]
     notes: tuple[str, ...]
     cpus: frozenset[int] | None = None
-    machines: int = 1  # num_machines, as the YAML or --num_machines says
+    machines: int = 1  # num_machines, as the YAML or --num_machines says (--nnodes: its most)
+    nodes: NodeRange | None = None  # --nnodes MIN:MAX: an elastic launch (launch/elastic.py)
 
 
 def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[str]:
@@ -184,9 +191,10 @@ def _deepspeed_file_precision(settings: dict, config: dict) -> tuple[str, str] |
                    "mixed_precision beside deepspeed_config_file")
 
 
-def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here=None) -> Launch:
+def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here=None, nodes: NodeRange | None = None) -> Launch:
     """``here``: the machine the processes start on (None: detected now); a plan made for other hardware reaches
-    them without its machine variables (threads, NCCL topology, devices) and CPU binding."""
+    them without its machine variables (threads, NCCL topology, devices) and CPU binding. ``nodes``: an elastic
+    launch (torchrun with the variables accelerate would export, launch/elastic.py) instead of accelerate launch."""
     import yaml
 
 
@@ -244,6 +252,12 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
     cpus, note = _binding(plan, settings)
     if note:
         notes.append(note)
+    if nodes is not None:
+        elastic_settings = {**settings, **({"mixed_precision": settings_flags[1]} if settings_flags else {})}
+        cmd, launched, elastic_notes = elastic_command(
+            nodes, config, elastic_settings, parsed.script, parsed.script_args, module=parsed.has("-m", "--module"),
+            no_python=parsed.has("--no_python", "--no-python"), run_id=f"hf-gpu-train-{config_file.stem}")
+        return Launch(cmd, {**env, **launched}, (*notes, *elastic_notes), cpus, nodes.most, nodes)
     # The accelerate of this interpreter, whatever PATH says; its launch command alone (accelerate_cli imports every
     # subcommand, estimate-memory's transformers among them: 5 s more before the first process starts)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
@@ -262,24 +276,45 @@ def run(args: argparse.Namespace) -> int:
         print(f"usage: {USAGE}\n\n{DESCRIPTION}\n\n{example('launch')}")
         return 0
     max_restarts, argv = take_restarts(args.argv)
-    launch = build_launch(argv)
+    nodes, argv = take_nnodes(argv)
+    launch = build_launch(argv, nodes=nodes)
     if max_restarts is None:
-        # several machines: each one's launcher would decide alone, and a restart on one node waits for nodes that
-        # stopped; there the scheduler requeues (the sbatch, the Kubernetes operator)
-        max_restarts = DEFAULT_RESTARTS if launch.machines == 1 else 0
+        # several machines of a fixed number: a restart on one node waits for nodes that stopped; there the scheduler
+        # requeues (the sbatch, the Kubernetes operator). --nnodes: the nodes that start again meet and go on
+        max_restarts = DEFAULT_RESTARTS if launch.machines == 1 or launch.nodes is not None else 0
     for note in launch.notes:
         print(f"hf-gpu-train launch: {note}", file=sys.stderr)
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)
         print("hf-gpu-train launch: bound to the plan's CPUs (its taskset binding); every process inherits it", file=sys.stderr)
     policy = RestartPolicy(max_restarts)
+    rejoining_since = None
     while True:
         outcome = launch_once(launch.cmd, launch.env)
+        if launch.nodes is not None and outcome.rendezvous_closed:
+            # this node started again while the host's previous rendezvous was still closing: not a failure of the run
+            rejoining_since = rejoining_since or time.monotonic()
+            if time.monotonic() - rejoining_since < REJOIN_SECONDS:
+                print("hf-gpu-train launch: the rendezvous of the start before was still closing: joining again",
+                      file=sys.stderr, flush=True)
+                time.sleep(2)
+                continue
+        rejoining_since = None
         again, line = policy.restart_line(outcome)
         if line:
             print(f"hf-gpu-train launch: {line}", file=sys.stderr, flush=True)
         if not again:
             return outcome.code
+
+
+def take_nnodes(argv: list[str]) -> tuple[NodeRange | None, list[str]]:
+    """(``--nnodes MIN:MAX`` or None when not given, the argv without it): ours; accelerate has no such option."""
+    parsed = split_launch_argv(argv)
+    if not parsed.has(NNODES_OPTION):
+        return None, list(argv)
+    nodes = parse_node_range(parsed.value(NNODES_OPTION))
+    return nodes, [*flatten(parsed.without(NNODES_OPTION)), *([] if parsed.script is None else [parsed.script]),
+                   *parsed.script_args]
 
 
 def take_restarts(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -359,7 +394,8 @@ def launch_once(cmd: list[str], env: dict[str, str]) -> Outcome:
             # a stop signal came (the processes did not end with 75: a script without preemption handling): the
             # scheduler wants the job gone, never restarted here
             return Outcome(HANG_EXIT_CODE if code and hang is not None else code, cause, steps,
-                           preempted=bool(forwarder.received), resumes=read_resumes(progress))
+                           preempted=bool(forwarder.received), resumes=read_resumes(progress),
+                           rendezvous_closed=bool(code) and not reached and b"RendezvousClosedError" in shown)
         if after is not None:
             rest = after.flush()
             _write(rest)

@@ -39,6 +39,7 @@ class Outcome:
     usage_error: bool = False
     preempted: bool = False
     resumes: bool = False  # a training process said it resumes from its newest complete checkpoint (rank_report)
+    rendezvous_closed: bool = False  # an elastic start that found the rendezvous closed, before any process trained
 
     @property
     def furthest_step(self) -> int | None:

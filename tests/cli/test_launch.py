@@ -86,7 +86,7 @@ def test_usage_errors(cpu, argv, message):
 
 def test_help_and_errors_through_the_cli(cpu, capsys):
     assert main(["launch", "--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: hf-gpu-train launch [--max-restarts N] [ACCELERATE_LAUNCH_OPTIONS] --config-file")
+    assert capsys.readouterr().out.startswith("usage: hf-gpu-train launch [--max-restarts N] [--nnodes MIN:MAX] [ACCELERATE_LAUNCH_OPTIONS] --config-file")
     assert main(["launch", "--num_processes", "2", "train.py"]) == 2
     assert "--config-file FILE is required" in capsys.readouterr().err
 

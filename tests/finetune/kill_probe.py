@@ -6,7 +6,9 @@ marked, waited for here, up to a minute): a crash between checkpoints, not durin
 tests/faults/test_background_save.py; ``KILL_DURING_WRITE=1``: at the save of step ``KILL_AT_STEP`` instead, told at
 once after its staging, while a background write is in flight). ``STEP_STAMP``: a file
 rank 0 appends "time step" to at the first step end of each start (benchmarks/resilience.py: seconds from the kill to
-training again). Everything else is the real entry point."""
+training again). ``KILL_RANK=any``: whichever rank this is (an elastic launch numbers nodes as they join: the node is
+chosen by whose environment says so); ``KILL_WHOLE_NODE=1``: the launcher and torchrun above this process are killed
+with it (a node lost: nothing of it restarts). Everything else is the real entry point."""
 
 import os
 import signal
@@ -31,7 +33,7 @@ class KillAt(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if (os.environ.get("KILL_DURING_WRITE") == "1" and state.global_step == int(os.environ["KILL_AT_STEP"])
-                and args.process_index == int(os.environ["KILL_RANK"])):
+                and self._this_rank(args)):
             self._kill()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -39,7 +41,7 @@ class KillAt(TrainerCallback):
             self.first_step_seen = True
             with open(os.environ["STEP_STAMP"], "a") as stamps:
                 stamps.write(f"{time.time()} {state.global_step}\n")
-        if (state.global_step == int(os.environ["KILL_AT_STEP"]) and args.process_index == int(os.environ["KILL_RANK"])
+        if (state.global_step == int(os.environ["KILL_AT_STEP"]) and self._this_rank(args)
                 and os.environ.get("KILL_DURING_WRITE") != "1"):
             newest = max((p for p in Path(args.output_dir).glob("checkpoint-*")), default=None,
                          key=lambda p: int(p.name.split("-")[1]))
@@ -47,6 +49,10 @@ class KillAt(TrainerCallback):
             while newest is not None and not (newest / COMPLETE_MARKER).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             self._kill()
+
+    @staticmethod
+    def _this_rank(args) -> bool:
+        return os.environ["KILL_RANK"] == "any" or args.process_index == int(os.environ["KILL_RANK"])
 
     @staticmethod
     def _kill() -> None:
@@ -57,6 +63,11 @@ class KillAt(TrainerCallback):
             Path(once).write_text(str(time.time()))
         if os.environ.get("KILL_STAMP"):
             Path(os.environ["KILL_STAMP"]).write_text(str(time.time()))
+        if os.environ.get("KILL_WHOLE_NODE") == "1":
+            launcher = os.getppid()  # torchrun; above it hf-gpu-train launch
+            above = int(Path(f"/proc/{launcher}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            for pid in (above, launcher):
+                os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

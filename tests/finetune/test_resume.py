@@ -6,6 +6,9 @@ the final evaluation runs once."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from hf_gpu_train.finetune.checkpoints import COMPLETE_MARKER, SET_ASIDE_DIR
 from hf_gpu_train.finetune.loading import load_config
 from hf_gpu_train.finetune.run import finetune, main
 from hf_gpu_train.finetune.run_record import RECORD
-from tests.launching import cpu_config, launch
+from tests.launching import ROOT, cpu_config, free_port, launch
 from tests.scaling.equivalence import assert_same_params
 from tests.scaling.finetune_cases import COMMON, GLOBAL_BATCH, text_case
 
@@ -213,6 +216,38 @@ def test_a_rank_killed_once_is_restarted_by_the_launcher_and_ends_with_the_unint
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "rank 1 died of SIGKILL after step 5: restarting (1 of 3, --max-restarts)" in restarted.stderr
     assert f"resuming from {out / 'checkpoint-4'}" in restarted.stdout
+    assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
+
+
+def test_a_node_lost_the_elastic_launch_goes_on_with_the_other_and_ends_with_the_uninterrupted_weights(
+        tmp_path, case, uninterrupted):
+    """Issue 38, item 4, ``--nnodes MIN:MAX``: two nodes of one process each (two ``hf-gpu-train launch --nnodes 1:2``
+    on this machine, meeting at node 0's c10d rendezvous); after step 5 (checkpoint-4 complete) node 1 is lost: its
+    launcher, torchrun and training process SIGKILLed at once. Node 0's launcher starts again, the rendezvous goes on
+    with the one node left, and the run resumes from checkpoint-4 on one process, its global batch of 16 kept
+    (accumulation 2), ending with the weights of the uninterrupted run."""
+    out = tmp_path / "out"
+    command = [*case, *COMMON, *QUIET, f"output_dir={out}", "save_strategy=steps", "save_steps=2",
+               f"per_device_train_batch_size={GLOBAL_BATCH // 2}", "background_saves=true"]
+    config = cpu_config(tmp_path, 1, "cpu", "--num-machines", "2", "--main-process-ip", "127.0.0.1")
+    port = str(free_port())
+    nodes = []
+    for node, kill in ((0, {"KILL_RANK": "-1", "KILL_AT_STEP": "-1"}),
+                       (1, {"KILL_RANK": "any", "KILL_AT_STEP": "5", "KILL_WHOLE_NODE": "1"})):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **kill}
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "hf_gpu_train", "launch", "--nnodes", "1:2", "--machine_rank", str(node),
+             "--main_process_port", port, "--rdzv_conf", "last_call_timeout=2", "--config-file", str(config),
+             str(Path(__file__).with_name("kill_probe.py")), *command],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    (out0, err0), (_, err1) = (p.communicate(timeout=600) for p in nodes)
+    assert nodes[1].returncode == -9, err1[-3000:]  # lost with its processes: nothing of node 1 said or restarted
+    assert nodes[0].returncode == 0, err0[-4000:]
+    assert "restarting (1 of 3, --max-restarts)" in err0, out0[-6000:] + err0[-6000:]
+    assert f"elastic launch: torchrun meets the other nodes at 127.0.0.1:{port} (node 0 hosts the rendezvous)" in err0
+    assert ("resuming a run of 2 process(es) on 1: its global batch of 16 kept (per-device batch 8 x accumulation 2 x 1 "
+            "process(es))") in out0, out0[-3000:]
+    assert f"resuming from {out / 'checkpoint-4'}" in out0
     assert_same_params(load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors"))
 
 
