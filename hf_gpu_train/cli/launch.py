@@ -37,7 +37,7 @@ from ..launch.rank_report import (
     read_resumes,
     root_cause,
 )
-from ..launch.restarts import DEFAULT_RESTARTS, RESTART_OPTIONS, Outcome, RestartPolicy
+from ..launch.restarts import DEFAULT_RESTARTS, REQUEUE_DIR_ENV, RESTART_OPTIONS, Outcome, RestartPolicy, record_verdict
 from ..launch.signals import SignalForwarder, ignore_warning_signals
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
@@ -287,6 +287,12 @@ def run(args: argparse.Namespace) -> int:
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)
         print("hf-gpu-train launch: bound to the plan's CPUs (its taskset binding); every process inherits it", file=sys.stderr)
+    if os.environ.get(REQUEUE_DIR_ENV):  # the sbatch: the scheduler restarts the job, this node says whether
+        outcome = launch_once(launch.cmd, launch.env)
+        line = record_verdict(outcome, max_restarts, Path(os.environ[REQUEUE_DIR_ENV]), os.environ.get("SLURM_NODEID", "0"))
+        if line:
+            print(f"hf-gpu-train launch: {line}", file=sys.stderr, flush=True)
+        return outcome.code
     policy = RestartPolicy(max_restarts)
     rejoining_since = None
     while True:

@@ -15,17 +15,25 @@ the same) when, and only when, a restart can help:
 - never when the failure is the one before again: the same exit of the same kind at the same step reached (a bug, a
   batch that always runs out of memory, a data row that crashes the collator), said with the step;
 - at most ``--max-restarts`` times (default ``DEFAULT_RESTARTS``) per launch.
+
+Under a scheduler that starts the job again itself (the sbatch ``config`` writes: ``scontrol requeue``, onto the nodes
+SLURM has, between ``--nodes=MIN-MAX``), each node's launcher takes the same decision once and leaves it in
+``HF_GPU_TRAIN_REQUEUE_DIR`` (``record_verdict``): its policy's state, kept across requeues, and a ``.restart`` or
+``.stop`` verdict; the job is requeued when some node says restart and none says stop (slurm.py).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from .rank_report import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 DEFAULT_RESTARTS = 3
 RESTART_OPTIONS = ("--max-restarts", "--max_restarts")  # ours; accelerate's --max_restarts is torchelastic's, taken here
+REQUEUE_DIR_ENV = "HF_GPU_TRAIN_REQUEUE_DIR"  # set by the sbatch: the scheduler restarts, the launchers say whether
 
 
 @dataclass(frozen=True)
@@ -74,14 +82,14 @@ def _how(code: int) -> str:
 class RestartPolicy:
     """Decides after each launch whether to start it again; says why in one line either way."""
 
-    def __init__(self, max_restarts: int = DEFAULT_RESTARTS):
+    def __init__(self, max_restarts: int = DEFAULT_RESTARTS, restarts: int = 0, previous_failure: tuple | None = None):
         self.max_restarts = max_restarts
-        self.restarts = 0
-        self.previous: Outcome | None = None
+        self.restarts = restarts
+        self.previous_failure = previous_failure  # Outcome.failure() of the start before
 
     def restart_line(self, outcome: Outcome) -> tuple[bool, str | None]:
         """(start again?, the line to say: None when there is nothing to say)."""
-        previous, self.previous = self.previous, outcome
+        previous, self.previous_failure = self.previous_failure, outcome.failure()
         if outcome.code == 0 or outcome.usage_error or outcome.preempted or outcome.code == PREEMPTED_EXIT_CODE:
             return False, None
         if outcome.code == 2:  # a usage error from the launcher itself (bad options): the same command fails again
@@ -93,7 +101,7 @@ class RestartPolicy:
                            "their newest complete checkpoint (scripts/finetune.py and -m hf_gpu_train.finetune do with "
                            "resume=auto; a Trainer of your own under guard_saves does with train(resume_from_checkpoint="
                            "...)): a restart would train from step 0 and its rotation could delete the checkpoints made")
-        if previous is not None and previous.failure() == outcome.failure():
+        if previous is not None and previous == outcome.failure():
             return False, (f"the same failure as the start before ({outcome.describe()}): not restarting again; the "
                            f"newest complete checkpoint is kept. Fix the cause, then run the same command")
         if self.restarts >= self.max_restarts:
@@ -102,3 +110,23 @@ class RestartPolicy:
         self.restarts += 1
         return True, (f"{outcome.describe()}: restarting ({self.restarts} of {self.max_restarts}, --max-restarts); the "
                       "run resumes from its newest complete checkpoint")
+
+
+def record_verdict(outcome: Outcome, max_restarts: int, folder: Path, node: str) -> str | None:
+    """The decision ``RestartPolicy`` takes for ``outcome``, where the scheduler restarts: the policy's state read from
+    and written to ``folder/NODE.json`` (it outlives the job's requeues), and for a failure ``folder/NODE.restart`` or
+    ``folder/NODE.stop`` holding the line said. A stop signal's exit leaves no verdict (the sbatch requeues it
+    itself). Returns the line (None: nothing to say)."""
+    ledger = folder / f"{node}.json"
+    try:
+        state = json.loads(ledger.read_text())
+        policy = RestartPolicy(max_restarts, int(state["restarts"]),
+                               None if state["previous_failure"] is None else tuple(state["previous_failure"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        policy = RestartPolicy(max_restarts)
+    again, line = policy.restart_line(outcome)
+    folder.mkdir(parents=True, exist_ok=True)
+    ledger.write_text(json.dumps({"restarts": policy.restarts, "previous_failure": policy.previous_failure}))
+    if outcome.code != 0 and not outcome.preempted and outcome.code != PREEMPTED_EXIT_CODE:
+        (folder / f"{node}.{'restart' if again else 'stop'}").write_text(f"{line or outcome.describe()}\n")
+    return line

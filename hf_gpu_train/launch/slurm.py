@@ -21,6 +21,7 @@ from ..plan.run_plan_file import PLAN_ENV, env_path_for, plan_path_for
 from .grace import GRACE_ENV, Grace, grace_for
 from .rank_report import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER_ENV
 from .render import FINETUNE_ENTRY, binding_prefix, deepspeed_precision_flag, run_args_text, shell_word
+from .restarts import DEFAULT_RESTARTS, REQUEUE_DIR_ENV
 
 _SLURM_TIME = re.compile(r"(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?)"
                          r"|(?:(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)")
@@ -70,7 +71,12 @@ def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = FINET
     Preemption: SLURM sends USR1 to the batch shell ``grace.seconds`` before the time limit (``--signal=B:USR1@N``);
     the script passes it (and a TERM or USR2 it receives) to the job step, every rank saves a complete checkpoint
     and exits 75, and the script requeues the job (``--requeue``; ``--open-mode=append`` keeps one log), which
-    resumes from that checkpoint. ``grace``: ``launch.grace.grace_for(plan)`` when not given."""
+    resumes from that checkpoint. ``grace``: ``launch.grace.grace_for(plan)`` when not given.
+
+    A rank that dies: each node's launcher says whether a restart can help (launch/restarts.py: never a usage error or
+    the same failure twice, at most HF_GPU_TRAIN_MAX_RESTARTS times), and the script requeues the job when one says so
+    and none says no; it resumes on the same number of nodes (SLURM's node ranges do not give fewer here: see
+    docs/faults.md)."""
     acc = plan.accelerate
     nodes = acc["num_machines"]
     per_node = plan.processes_per_machine
@@ -96,7 +102,7 @@ set -uo pipefail
 # this shell goes on as USR1 (and one before srun starts, once it has). A TERM to every process of the job (a time limit,
 # `scancel --full`) reaches srun too: then the tasks are killed at once and the next run resumes from the newest
 # complete checkpoint.
-STEP=""; ASKED=""; TERMED=""
+STEP=""; ASKED=""; TERMED=""; REQUEUED=""
 forward() {{ ASKED=$1; echo "hf-gpu-train: SIG$1 at $(date +%T): every rank finishes its step, saves a checkpoint and stops"; [ -n "$STEP" ] && kill -s USR1 "$STEP" 2>/dev/null; }}
 trap 'forward USR1' USR1
 trap 'forward USR2' USR2
@@ -112,6 +118,11 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{grace.
 # checkpoint: srun --kill-on-bad-exit may kill a node still exiting after another's 75, and srun's own code then says 137
 export {PREEMPTED_MARKER_ENV}="$HERE/.hf-gpu-train-preempted-${{SLURM_JOB_ID:-0}}"
 rm -f "${{{PREEMPTED_MARKER_ENV}}}"
+# A rank that died: each node's launcher leaves here whether a restart can help (never after a usage error or the same
+# failure twice; its count kept across requeues); the job is requeued when one says so and none says no
+export {REQUEUE_DIR_ENV}="$HERE/.hf-gpu-train-restarts-${{SLURM_JOB_ID:-0}}"
+export HF_GPU_TRAIN_MAX_RESTARTS=${{HF_GPU_TRAIN_MAX_RESTARTS:-{DEFAULT_RESTARTS}}}
+mkdir -p "${{{REQUEUE_DIR_ENV}}}" && rm -f "${{{REQUEUE_DIR_ENV}}}"/*.restart "${{{REQUEUE_DIR_ENV}}}"/*.stop
 MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
 MAIN_PORT=${{HF_GPU_TRAIN_MAIN_PORT:-{acc.get('main_process_port', 29500)}}}
 HF_GPU_TRAIN=${{HF_GPU_TRAIN:-hf-gpu-train}}
@@ -123,7 +134,7 @@ echo "hf-gpu-train: job ${{SLURM_JOB_ID:-}} on ${{SLURM_JOB_NODELIST:-}}, requeu
 # rendezvous store leaves first (pytorch #69520): the workers have finished by then; check the metrics.
 export HF_GPU_TRAIN_CONFIG_FILE={shell_word(config_path)} HF_GPU_TRAIN_SCRIPT={shlex.quote(script)} MAIN_NODE MAIN_PORT HF_GPU_TRAIN
 srun --kill-on-bad-exit=1 bash -c 'exec {binding_prefix(plan)}$HF_GPU_TRAIN launch --config-file "$HF_GPU_TRAIN_CONFIG_FILE" \\
-    --num_machines {nodes} --num_processes {acc['num_processes']} \\
+    --max-restarts "$HF_GPU_TRAIN_MAX_RESTARTS" --num_machines {nodes} --num_processes {acc['num_processes']} \\
     --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_NODE" --main_process_port "$MAIN_PORT" \\
     --rdzv_backend c10d --same_network{deepspeed_precision_flag(plan)} \\
     $HF_GPU_TRAIN_SCRIPT "$@"' hf-gpu-train "$@" &
@@ -141,12 +152,24 @@ while [ -z "$code" ]; do
 done
 if [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -e "${{{PREEMPTED_MARKER_ENV}}}" ]; then
     rm -f "${{{PREEMPTED_MARKER_ENV}}}"
+# A rank that died: each node's launcher leaves here whether a restart can help (never after a usage error or the same
+# failure twice; its count kept across requeues); the job is requeued when one says so and none says no
+export {REQUEUE_DIR_ENV}="$HERE/.hf-gpu-train-restarts-${{SLURM_JOB_ID:-0}}"
+export HF_GPU_TRAIN_MAX_RESTARTS=${{HF_GPU_TRAIN_MAX_RESTARTS:-{DEFAULT_RESTARTS}}}
+mkdir -p "${{{REQUEUE_DIR_ENV}}}" && rm -f "${{{REQUEUE_DIR_ENV}}}"/*.restart "${{{REQUEUE_DIR_ENV}}}"/*.stop
     code={PREEMPTED_EXIT_CODE}
     echo "hf-gpu-train: stopped with a complete checkpoint: requeueing job ${{SLURM_JOB_ID:-}}"
+    REQUEUED=1
+    scontrol requeue "${{SLURM_JOB_ID:-}}" || echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"
+elif [ "$code" -ne 0 ] && compgen -G "${{{REQUEUE_DIR_ENV}}}/*.restart" >/dev/null \
+        && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; then
+    echo "hf-gpu-train: a rank failed (exit $code): requeueing job ${{SLURM_JOB_ID:-}}; it resumes from its newest complete checkpoint on the nodes SLURM gives it"
+    REQUEUED=1
     scontrol requeue "${{SLURM_JOB_ID:-}}" || echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"
 elif [ -n "$TERMED" ]; then
     echo "hf-gpu-train: SIGTERM reached srun, which kills every task at once (exit $code): submit this script again to resume from the newest complete checkpoint; #SBATCH --signal=B:USR1@N warns N s before a time limit"
 fi
+[ -z "$REQUEUED" ] && rm -rf "${{{REQUEUE_DIR_ENV}}}"  # the verdicts' state outlives requeues only
 exit "$code"
 """
 

@@ -25,6 +25,8 @@ RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID")}}) + "\\n")
+for verdict in filter(None, os.environ.get("VERDICTS", "").split(",")):  # NODE.restart / NODE.stop, as launchers leave
+    open(os.path.join(os.environ["HF_GPU_TRAIN_REQUEUE_DIR"], verdict), "w").write("said")
 sys.exit(int(os.environ.get("EXIT_WITH", "0")))
 """
 
@@ -60,7 +62,8 @@ def test_every_task_gets_the_plans_launch_from_any_folder_and_the_arguments_as_g
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "record.jsonl").read_text())
     assert record["node"] == "1"
-    assert record["argv"] == ["launch", "--config-file", str(config), "--num_machines", "2", "--num_processes", "2",
+    assert record["argv"] == ["launch", "--config-file", str(config), "--max-restarts", "3", "--num_machines", "2",
+                              "--num_processes", "2",
                               "--machine_rank", "1", "--main_process_ip", "n1", "--main_process_port", "29500",
                               "--rdzv_backend", "c10d", "--same_network", "train", "it.py", "--config", "my recipe.yaml",
                               "extra={adam_epsilon: 1.0e-6}"]  # --script is words, as in every printed command
@@ -75,6 +78,19 @@ def test_exit_75_requeues_the_job_and_any_other_failure_does_not(job):
     (tmp_path / "scontrol.txt").unlink()
     failed = run(script, {**env, "EXIT_WITH": "1"})
     assert failed.returncode == 1 and "requeue" not in (tmp_path / "scontrol.txt").read_text()
+
+
+@pytest.mark.parametrize(("verdicts", "requeued"), [("1.restart", True), ("0.restart,1.stop", False), ("1.stop", False)])
+def test_a_failure_requeues_when_a_node_says_a_restart_helps_and_none_says_no(job, verdicts, requeued):
+    """Each node's launcher leaves its restart verdict (launch/restarts.py record_verdict); a usage error, the same
+    failure twice or the restarts used up say stop, and one stop keeps the job from requeueing."""
+    script, _, env, tmp_path = job
+    failed = run(script, {**env, "EXIT_WITH": "1", "VERDICTS": verdicts})
+    assert failed.returncode == 1, failed.stderr
+    said = (tmp_path / "scontrol.txt").read_text()
+    assert ("requeue 42" in said) == requeued and ("a rank failed (exit 1): requeueing job 42" in failed.stdout) == requeued
+    again = run(script, {**env, "EXIT_WITH": "0"})  # the requeued job, verdicts of the run before cleared
+    assert again.returncode == 0 and not list(tmp_path.rglob(".hf-gpu-train-restarts-42"))
 
 
 def test_a_node_killed_while_it_exits_after_another_nodes_75_still_requeues(job):
