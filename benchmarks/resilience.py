@@ -19,7 +19,10 @@ final weights against the uninterrupted run. Ours (``hf-gpu-train launch``, rest
 3. SIGTERM to the launcher after step 15 (a scheduler's stop), then the same command again (the requeued job);
 4. a node lost, fewer after: rank 1 SIGKILLed after step 15 with no restart, then the same command on one process.
 
-    python benchmarks/resilience.py [--only saves|events] [--rounds 2] [--steps 24] [--save-every 8]
+``nodes``: the launcher SIGKILLed with its processes after step 15, then the same command; and a node lost after step 15
+under ``hf-gpu-train launch --nnodes 1:2`` (two launchers of one process each), the other going on alone.
+
+    python benchmarks/resilience.py [--only saves|events|nodes] [--rounds 2] [--steps 24] [--save-every 8]
 """
 
 from __future__ import annotations
@@ -233,9 +236,64 @@ def events() -> None:
         print("| " + " | ".join(row) + " |")
 
 
+def nodes() -> None:
+    """Two ways a machine goes: its launcher SIGKILLed with its processes (nothing of ours is left to restart: the
+    scheduler or a person runs the command again), and a node of an elastic launch lost (``--nnodes 1:2``, two
+    launchers of one process each on this machine, the defaults as shipped: torchelastic's 30 s last call)."""
+    tmp = Path(tempfile.mkdtemp(prefix="resilience-nodes-"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gloo_launch import cpu_config
+
+    config = cpu_config(tmp)
+    ours = [sys.executable, "-m", "hf_gpu_train", "launch", "--config-file", config]
+    reference = tmp / "uninterrupted"
+    assert _run([*ours, SCRIPT, *EVENT_RUN, f"output_dir={reference}"], {}).returncode == 0
+    rows = []
+
+    out, stamp, steps = tmp / "launcher", tmp / "launcher.kill", tmp / "launcher.steps"
+    gone = _run([*ours, KILL_PROBE, *EVENT_RUN, f"output_dir={out}"],
+                {"KILL_RANK": "1", "KILL_AT_STEP": "15", "KILL_WHOLE_NODE": "1", "KILL_STAMP": str(stamp)})
+    begin = time.time()
+    again = _run([*ours, KILL_PROBE, *EVENT_RUN, f"output_dir={out}"], {"KILL_RANK": "9", "KILL_AT_STEP": "0",
+                                                                          "STEP_STAMP": str(steps)})
+    rows.append(("launcher killed with its processes after step 15, then the same command",
+                 f"exit {gone.returncode}, then {again.returncode}", _lost(steps, 15),
+                 f"{_back_to_training(steps, begin)} (from the new start)", _weights_against(out, reference)))
+
+    two = tmp / "two-nodes"
+    made = subprocess.run([sys.executable, "-m", "hf_gpu_train", "config", "--machine", "cpu-only", "--num-processes", "1",
+                           "--num-machines", "2", "--main-process-ip", "127.0.0.1", "--output", str(two)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert made.returncode == 0, made.stderr
+    out, stamp, steps = tmp / "elastic", tmp / "elastic.kill", tmp / "elastic.steps"
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    launchers = []
+    for node, env in ((0, {"KILL_RANK": "-1", "KILL_AT_STEP": "-1", "STEP_STAMP": str(steps)}),
+                      (1, {"KILL_RANK": "any", "KILL_AT_STEP": "15", "KILL_WHOLE_NODE": "1", "KILL_STAMP": str(stamp)})):
+        launchers.append(subprocess.Popen(
+            [sys.executable, "-m", "hf_gpu_train", "launch", "--nnodes", "1:2", "--machine_rank", str(node),
+             "--main_process_port", port, "--config-file", f"{two}.yaml", KILL_PROBE, *EVENT_RUN, f"output_dir={out}"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, stdout=subprocess.DEVNULL,
+            stderr=open(tmp / f"node{node}.err", "w")))  # a file: a pipe read only at the end could fill and block
+    codes = [p.wait(timeout=1800) for p in launchers]
+    assert stamp.is_file(), f"node 1 was never killed: {(tmp / 'node1.err').read_text()[-3000:]}"
+    rows.append(("a node lost after step 15, `launch --nnodes 1:2`: the other goes on alone", f"exit {codes[0]} (node 0)",
+                 _lost(steps, 15), _back_to_training(steps, float(stamp.read_text()) if stamp.is_file() else 0.0),
+                 _weights_against(out, reference)))
+    print("\nnodes: the default fine-tune, 40 steps, a checkpoint every 10 (background saves), 2 gloo processes")
+    print("| event | exit | steps lost | from the event to training again | final weights against the uninterrupted run |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["saves", "events"], default=None)
+    parser.add_argument("--only", choices=["saves", "events", "nodes"], default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-every", type=int, default=8)
@@ -244,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         saves(args.rounds, args.steps, args.save_every)
     if args.only in (None, "events"):
         events()
+    if args.only in (None, "nodes"):
+        nodes()
     return 0
 
 

@@ -53,6 +53,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "instance by UUID (one process); replaces --gpus")
     p.add_argument("--num-processes", type=int, dest="cpu_processes", help="processes per machine on a machine without GPUs")
     p.add_argument("--num-machines", type=int, default=1)
+    p.add_argument("--min-machines", type=int, metavar="N",
+                   help="the SLURM job's fewest nodes: after a rank fails, the training starts again in the job's "
+                   "allocation on the nodes still usable, if at least N (its global batch kept); fewer requeue the job "
+                   "(default: --num-machines)")
     p.add_argument("--machine-rank", type=int, default=0)
     p.add_argument("--main-process-ip")
     p.add_argument("--main-process-port", type=int, default=29500)
@@ -154,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
 
     target = get_target(args.target)
     chosen = target_settings(args, target)
+    if args.min_machines is not None and not (args.target == "slurm" or (args.target == "accelerate" and args.num_machines > 1)):
+        raise UsageError(f"--min-machines {args.min_machines}: for the SLURM sbatch (--target slurm, or --num-machines above 1); "
+                         f"--target {args.target} writes none. Elsewhere `hf-gpu-train launch --nnodes MIN:MAX` goes on "
+                         "with fewer nodes")
     out = Path(args.output)
     job_name = job_name_for(out.name)
     main_process_ip = args.main_process_ip
@@ -173,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     yaml_path, env_path, plan_path = (out.with_name(out.name + suffix) for suffix in (".yaml", ".env", ".plan.json"))
     run_args = tuple(args.run_args)
     settings = TargetSettings(output=out, job_name=job_name, grace=grace_for(plan, args.save_time_from), run_args=run_args,
-                              **chosen)
+                              min_machines=args.min_machines, **chosen)
     rendered = target.render(plan, yaml_path, args.script, settings)
     ours = (yaml_path, env_path, plan_path) + ((deepspeed_path_for(yaml_path),) if plan.deepspeed_file is not None else ())
     ours += tuple(path for path, _ in rendered.files)

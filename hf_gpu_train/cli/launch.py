@@ -37,7 +37,15 @@ from ..launch.rank_report import (
     read_resumes,
     root_cause,
 )
-from ..launch.restarts import DEFAULT_RESTARTS, REQUEUE_DIR_ENV, RESTART_OPTIONS, Outcome, RestartPolicy, record_verdict
+from ..launch.restarts import (
+    ATTEMPT_ENV,
+    DEFAULT_RESTARTS,
+    REQUEUE_DIR_ENV,
+    RESTART_OPTIONS,
+    Outcome,
+    RestartPolicy,
+    record_verdict,
+)
 from ..launch.signals import SignalForwarder, ignore_warning_signals
 from ..plan.accelerate_argv import CONFIG_FILE_OPTIONS, flatten, split_launch_argv
 from ..plan.cpu_binding import TASKSET
@@ -70,7 +78,6 @@ DESCRIPTION = ("Run `accelerate launch --config_file FILE [OPTIONS] SCRIPT ARGS`
                "hosted by --machine_rank 0): after a failure the nodes that start again, at least MIN, go on as a group of "
                "their number, the global batch kept.")
 HELP_FLAGS = ("-h", "--help")
-REJOIN_SECONDS = 120  # an elastic node whose rendezvous is found closed tries again this long (launch/elastic.py)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -91,6 +98,7 @@ class Launch:
     cpus: frozenset[int] | None = None
     machines: int = 1  # num_machines, as the YAML or --num_machines says (--nnodes: its most)
     nodes: NodeRange | None = None  # --nnodes MIN:MAX: an elastic launch (launch/elastic.py)
+    join_timeout_s: float = 0.0  # an elastic launch: how long a closed rendezvous is joined again
 
 
 def _flag_notes(settings: dict, config: dict, plan, config_name: str) -> list[str]:
@@ -256,8 +264,10 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
         elastic_settings = {**settings, **({"mixed_precision": settings_flags[1]} if settings_flags else {})}
         cmd, launched, elastic_notes = elastic_command(
             nodes, config, elastic_settings, parsed.script, parsed.script_args, module=parsed.has("-m", "--module"),
-            no_python=parsed.has("--no_python", "--no-python"), run_id=f"hf-gpu-train-{config_file.stem}")
-        return Launch(cmd, {**env, **launched}, (*notes, *elastic_notes), cpus, nodes.most, nodes)
+            no_python=parsed.has("--no_python", "--no-python"))
+        conf = dict(part.split("=", 1) for part in cmd[cmd.index("--rdzv-conf") + 1].split(","))
+        return Launch(cmd, {**env, **launched}, (*notes, *elastic_notes), cpus, nodes.most, nodes,
+                      float(conf["join_timeout"]))
     # The accelerate of this interpreter, whatever PATH says; its launch command alone (accelerate_cli imports every
     # subcommand, estimate-memory's transformers among them: 5 s more before the first process starts)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
@@ -289,7 +299,9 @@ def run(args: argparse.Namespace) -> int:
         print("hf-gpu-train launch: bound to the plan's CPUs (its taskset binding); every process inherits it", file=sys.stderr)
     if os.environ.get(REQUEUE_DIR_ENV):  # the sbatch: the scheduler restarts the job, this node says whether
         outcome = launch_once(launch.cmd, launch.env)
-        line = record_verdict(outcome, max_restarts, Path(os.environ[REQUEUE_DIR_ENV]), os.environ.get("SLURM_NODEID", "0"))
+        node = os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_NODEID", "0")  # a step's node ids count within it
+        line = record_verdict(outcome, max_restarts, Path(os.environ[REQUEUE_DIR_ENV]), node,
+                              os.environ.get(ATTEMPT_ENV, "0"))
         if line:
             print(f"hf-gpu-train launch: {line}", file=sys.stderr, flush=True)
         return outcome.code
@@ -298,13 +310,18 @@ def run(args: argparse.Namespace) -> int:
     while True:
         outcome = launch_once(launch.cmd, launch.env)
         if launch.nodes is not None and outcome.rendezvous_closed:
-            # this node started again while the host's previous rendezvous was still closing: not a failure of the run
+            # the host's rendezvous was closed (its torchrun ending the start before, while its processes stop): not a
+            # failure of the run; joined again for as long as a join may take (join_timeout)
             rejoining_since = rejoining_since or time.monotonic()
-            if time.monotonic() - rejoining_since < REJOIN_SECONDS:
-                print("hf-gpu-train launch: the rendezvous of the start before was still closing: joining again",
-                      file=sys.stderr, flush=True)
+            waited = time.monotonic() - rejoining_since
+            if waited < launch.join_timeout_s:
+                print("hf-gpu-train launch: the rendezvous was closed (the host's torchrun still ending a start): joining "
+                      "again", file=sys.stderr, flush=True)
                 time.sleep(2)
                 continue
+            print(f"hf-gpu-train launch: the rendezvous stayed closed for {waited:.0f} s (join_timeout): the node hosting "
+                  "it (--machine_rank 0) never started a new one; the scheduler must restart the job", file=sys.stderr)
+            return outcome.code
         rejoining_since = None
         again, line = policy.restart_line(outcome)
         if line:
@@ -376,7 +393,9 @@ def launch_once(cmd: list[str], env: dict[str, str]) -> Outcome:
                 shown = (shown + chunk)[-65536:]
                 written = (written + passed)[-65536:]
             code = proc.wait()
-        preempted = read_preempted(progress)
+        # exit 0: every process ended well at the last start, whatever saved-and-stopped before it (torchelastic stops
+        # the processes, which save as for a stop signal, to take in a node that joined late)
+        preempted = read_preempted(progress) if code != 0 else {}
         if preempted and not marker.exists():
             steps = ", ".join(f"rank {rank} {'at once' if step < 0 else f'after step {step}'}"
                               for rank, step in sorted(preempted.items()))

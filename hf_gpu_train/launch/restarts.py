@@ -16,10 +16,10 @@ the same) when, and only when, a restart can help:
   batch that always runs out of memory, a data row that crashes the collator), said with the step;
 - at most ``--max-restarts`` times (default ``DEFAULT_RESTARTS``) per launch.
 
-Under a scheduler that starts the job again itself (the sbatch ``config`` writes: ``scontrol requeue``, onto the nodes
-SLURM has, between ``--nodes=MIN-MAX``), each node's launcher takes the same decision once and leaves it in
-``HF_GPU_TRAIN_REQUEUE_DIR`` (``record_verdict``): its policy's state, kept across requeues, and a ``.restart`` or
-``.stop`` verdict; the job is requeued when some node says restart and none says stop (slurm.py).
+Under a scheduler's job (the sbatch ``config`` writes), each node's launcher takes the same decision once and leaves it
+in ``HF_GPU_TRAIN_REQUEUE_DIR`` (``record_verdict``): the policy's state of the job, kept across requeues, and the
+node's ``.restart`` or ``.stop`` verdict; the sbatch starts the training again when some node says restart and none
+says stop (in its allocation, on the nodes still usable; requeued when too few are: slurm.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .rank_report import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
 DEFAULT_RESTARTS = 3
 RESTART_OPTIONS = ("--max-restarts", "--max_restarts")  # ours; accelerate's --max_restarts is torchelastic's, taken here
 REQUEUE_DIR_ENV = "HF_GPU_TRAIN_REQUEUE_DIR"  # set by the sbatch: the scheduler restarts, the launchers say whether
+ATTEMPT_ENV = "HF_GPU_TRAIN_ATTEMPT"  # set by the sbatch: which start of the training this is (requeues.starts)
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,15 @@ def _how(code: int) -> str:
 class RestartPolicy:
     """Decides after each launch whether to start it again; says why in one line either way."""
 
-    def __init__(self, max_restarts: int = DEFAULT_RESTARTS, restarts: int = 0, previous_failure: tuple | None = None):
+    def __init__(self, max_restarts: int = DEFAULT_RESTARTS, restarts: int = 0, previous_failures: frozenset = frozenset()):
         self.max_restarts = max_restarts
         self.restarts = restarts
-        self.previous_failure = previous_failure  # Outcome.failure() of the start before
+        # Outcome.failure() of the start before: one here; under a scheduler, what each node saw of it (record_verdict)
+        self.previous_failures = previous_failures
 
     def restart_line(self, outcome: Outcome) -> tuple[bool, str | None]:
         """(start again?, the line to say: None when there is nothing to say)."""
-        previous, self.previous_failure = self.previous_failure, outcome.failure()
+        previous, self.previous_failures = self.previous_failures, frozenset({outcome.failure()})
         if outcome.code == 0 or outcome.usage_error or outcome.preempted or outcome.code == PREEMPTED_EXIT_CODE:
             return False, None
         if outcome.code == 2:  # a usage error from the launcher itself (bad options): the same command fails again
@@ -101,7 +103,7 @@ class RestartPolicy:
                            "their newest complete checkpoint (scripts/finetune.py and -m hf_gpu_train.finetune do with "
                            "resume=auto; a Trainer of your own under guard_saves does with train(resume_from_checkpoint="
                            "...)): a restart would train from step 0 and its rotation could delete the checkpoints made")
-        if previous is not None and previous == outcome.failure():
+        if outcome.failure() in previous:
             return False, (f"the same failure as the start before ({outcome.describe()}): not restarting again; the "
                            f"newest complete checkpoint is kept. Fix the cause, then run the same command")
         if self.restarts >= self.max_restarts:
@@ -112,21 +114,40 @@ class RestartPolicy:
                       "run resumes from its newest complete checkpoint")
 
 
-def record_verdict(outcome: Outcome, max_restarts: int, folder: Path, node: str) -> str | None:
-    """The decision ``RestartPolicy`` takes for ``outcome``, where the scheduler restarts: the policy's state read from
-    and written to ``folder/NODE.json`` (it outlives the job's requeues), and for a failure ``folder/NODE.restart`` or
-    ``folder/NODE.stop`` holding the line said. A stop signal's exit leaves no verdict (the sbatch requeues it
-    itself). Returns the line (None: nothing to say)."""
-    ledger = folder / f"{node}.json"
-    try:
-        state = json.loads(ledger.read_text())
-        policy = RestartPolicy(max_restarts, int(state["restarts"]),
-                               None if state["previous_failure"] is None else tuple(state["previous_failure"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        policy = RestartPolicy(max_restarts)
-    again, line = policy.restart_line(outcome)
+def record_verdict(outcome: Outcome, max_restarts: int, folder: Path, node: str, attempt: str) -> str | None:
+    """The decision ``RestartPolicy`` takes for ``outcome`` where the scheduler restarts the job (the sbatch), one
+    for the job however many nodes decide. ``folder/ledger.json`` holds the policy's state before this ``attempt`` (a
+    start of the training: the sbatch's requeue count and its own count of starts) and after it: the restarts used,
+    counted once per attempt, and every node's failure of it, so that "the same failure twice" holds whichever node
+    saw it first. Read and written under a lock, replaced whole. For a failure, ``folder/NODE.restart`` or
+    ``folder/NODE.stop`` holds the line said; a stop signal's exit leaves no verdict (the sbatch requeues it itself).
+    Returns the line (None: nothing to say)."""
+    import fcntl
+
     folder.mkdir(parents=True, exist_ok=True)
-    ledger.write_text(json.dumps({"restarts": policy.restarts, "previous_failure": policy.previous_failure}))
+    ledger = folder / "ledger.json"
+    with open(folder / "ledger.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            state = json.loads(ledger.read_text())
+        except FileNotFoundError:
+            state = {}
+        except (OSError, ValueError) as error:
+            print(f"hf-gpu-train launch: {ledger} unreadable ({error}): the restarts counted from 0", flush=True)
+            state = {}
+        if state.get("attempt") != attempt:
+            state = {"attempt": attempt, "before": state.get("after", {"restarts": 0, "failures": []})}
+        before = state["before"]
+        policy = RestartPolicy(max_restarts, int(before.get("restarts", 0)),
+                               frozenset(tuple(f) for f in before.get("failures", [])))
+        again, line = policy.restart_line(outcome)
+        after = state.setdefault("after", {"restarts": before.get("restarts", 0), "failures": []})
+        after["restarts"] = max(int(after["restarts"]), policy.restarts)
+        failures = {tuple(f) for f in after["failures"]} | {outcome.failure()}
+        after["failures"] = sorted(map(list, failures), key=str)
+        partial = ledger.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(state))
+        partial.replace(ledger)
     if outcome.code != 0 and not outcome.preempted and outcome.code != PREEMPTED_EXIT_CODE:
         (folder / f"{node}.{'restart' if again else 'stop'}").write_text(f"{line or outcome.describe()}\n")
     return line

@@ -21,7 +21,7 @@ from ..plan.run_plan_file import PLAN_ENV, env_path_for, plan_path_for
 from .grace import GRACE_ENV, Grace, grace_for
 from .rank_report import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER_ENV
 from .render import FINETUNE_ENTRY, binding_prefix, deepspeed_precision_flag, run_args_text, shell_word
-from .restarts import DEFAULT_RESTARTS, REQUEUE_DIR_ENV
+from .restarts import ATTEMPT_ENV, DEFAULT_RESTARTS, REQUEUE_DIR_ENV
 
 _SLURM_TIME = re.compile(r"(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?)"
                          r"|(?:(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)")
@@ -64,7 +64,8 @@ def check_partition(value: str) -> str:
 
 
 def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = FINETUNE_ENTRY, job_name: str = "hf-gpu-train",
-                  *, time_limit: str | None = None, partition: str | None = None, grace: Grace | None = None) -> str:
+                  *, time_limit: str | None = None, partition: str | None = None, grace: Grace | None = None,
+                  min_nodes: int | None = None) -> str:
     """One task per node; each runs ``hf-gpu-train launch`` (the plan's environment, stop signals forwarded to the
     training processes, exit 75 when they stopped for one) with c10d rendezvous from SLURM's variables.
 
@@ -74,11 +75,18 @@ def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = FINET
     resumes from that checkpoint. ``grace``: ``launch.grace.grace_for(plan)`` when not given.
 
     A rank that dies: each node's launcher says whether a restart can help (launch/restarts.py: never a usage error or
-    the same failure twice, at most HF_GPU_TRAIN_MAX_RESTARTS times), and the script requeues the job when one says so
-    and none says no; it resumes on the same number of nodes (SLURM's node ranges do not give fewer here: see
-    docs/faults.md)."""
+    the same failure twice, at most HF_GPU_TRAIN_MAX_RESTARTS times), and when one says so and none says no the script
+    starts the training again in its allocation, on the nodes SLURM still counts usable, when there are at least
+    ``min_nodes`` of them (default: all; fewer asks for ``--no-kill``, so that a node lost does not end the job), and
+    requeues the job otherwise. The run resumes from its newest complete checkpoint, on fewer nodes with its global batch
+    kept."""
     acc = plan.accelerate
     nodes = acc["num_machines"]
+    least = nodes if min_nodes is None else min_nodes
+    if not 1 <= least <= nodes:
+        raise UsageError(f"--min-machines {least}: between 1 and --num-machines {nodes}")
+    # a node lost ends the whole job unless --no-kill: asked for where the job may go on with fewer
+    no_kill = "#SBATCH --no-kill\n" if least < nodes else ""
     per_node = plan.processes_per_machine
     grace = grace or grace_for(plan)
     gres = f"#SBATCH --gpus-per-node={per_node}\n" if "gpu_ids" in acc else ""
@@ -93,7 +101,7 @@ def render_sbatch(plan: LaunchPlan, config_path: str | Path, script: str = FINET
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@{grace.seconds}
+{no_kill}#SBATCH --signal=B:USR1@{grace.seconds}
 {limits}# Preemption: USR1 reaches this script {grace.seconds} s before the time limit; it passes it (and a TERM or USR2) to
 # every task; each rank finishes its step, saves a complete checkpoint and exits {PREEMPTED_EXIT_CODE}; this script then requeues
 # the job, which resumes from that checkpoint. The warning comes {grace.describe()}
@@ -119,11 +127,13 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{grace.
 export {PREEMPTED_MARKER_ENV}="$HERE/.hf-gpu-train-preempted-${{SLURM_JOB_ID:-0}}"
 rm -f "${{{PREEMPTED_MARKER_ENV}}}"
 # A rank that died: each node's launcher leaves here whether a restart can help (never after a usage error or the same
-# failure twice; its count kept across requeues); the job is requeued when one says so and none says no
+# failure at the same step twice; at most HF_GPU_TRAIN_MAX_RESTARTS, counted across requeues). When one says so and none
+# says no, the training starts again in this allocation on the nodes SLURM still counts usable, at least
+# HF_GPU_TRAIN_MIN_NODES of them (a run on fewer keeps its global batch); with fewer, the job is requeued.
 export {REQUEUE_DIR_ENV}="$HERE/.hf-gpu-train-restarts-${{SLURM_JOB_ID:-0}}"
 export HF_GPU_TRAIN_MAX_RESTARTS=${{HF_GPU_TRAIN_MAX_RESTARTS:-{DEFAULT_RESTARTS}}}
-mkdir -p "${{{REQUEUE_DIR_ENV}}}" && rm -f "${{{REQUEUE_DIR_ENV}}}"/*.restart "${{{REQUEUE_DIR_ENV}}}"/*.stop
-MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
+NODES_LEAST=${{HF_GPU_TRAIN_MIN_NODES:-{least}}}
+mkdir -p "${{{REQUEUE_DIR_ENV}}}"
 MAIN_PORT=${{HF_GPU_TRAIN_MAIN_PORT:-{acc.get('main_process_port', 29500)}}}
 HF_GPU_TRAIN=${{HF_GPU_TRAIN:-hf-gpu-train}}
 echo "hf-gpu-train: job ${{SLURM_JOB_ID:-}} on ${{SLURM_JOB_NODELIST:-}}, requeued ${{SLURM_RESTART_COUNT:-0}} time(s); the run resumes from its newest complete checkpoint"
@@ -132,50 +142,76 @@ echo "hf-gpu-train: job ${{SLURM_JOB_ID:-}} on ${{SLURM_JOB_NODELIST:-}}, requeu
 # The arguments after this script's name go to the training script one by one (a value may hold spaces).
 # At the very end torchelastic may report "Error waiting on exit barrier" when the agent hosting the
 # rendezvous store leaves first (pytorch #69520): the workers have finished by then; check the metrics.
-export HF_GPU_TRAIN_CONFIG_FILE={shell_word(config_path)} HF_GPU_TRAIN_SCRIPT={shlex.quote(script)} MAIN_NODE MAIN_PORT HF_GPU_TRAIN
-srun --kill-on-bad-exit=1 bash -c 'exec {binding_prefix(plan)}$HF_GPU_TRAIN launch --config-file "$HF_GPU_TRAIN_CONFIG_FILE" \\
-    --max-restarts "$HF_GPU_TRAIN_MAX_RESTARTS" --num_machines {nodes} --num_processes {acc['num_processes']} \\
-    --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_NODE" --main_process_port "$MAIN_PORT" \\
-    --rdzv_backend c10d --same_network{deepspeed_precision_flag(plan)} \\
-    $HF_GPU_TRAIN_SCRIPT "$@"' hf-gpu-train "$@" &
-STEP=$!
-[ -n "$ASKED" ] && kill -s USR1 "$STEP" 2>/dev/null
-code=""
-while [ -z "$code" ]; do
-    wait "$STEP"; status=$?
-    if [ "$status" -gt 128 ] && kill -0 "$STEP" 2>/dev/null; then continue; fi  # a trapped signal interrupted the wait
-    if [ "$status" -gt 128 ]; then  # srun ended as the signal came: its own status, where bash still has it
-        wait "$STEP" 2>/dev/null; again=$?
-        if [ "$again" -ge 0 ] && [ "$again" -le 255 ] && [ "$again" -ne 127 ]; then status=$again; fi
+export HF_GPU_TRAIN_CONFIG_FILE={shell_word(config_path)} HF_GPU_TRAIN_SCRIPT={shlex.quote(script)} MAIN_PORT HF_GPU_TRAIN
+usable_nodes() {{  # the job's nodes, in its order, less those SLURM drains, lost or cannot reach
+    local bad
+    bad=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %T' 2>/dev/null \
+        | awk '$2 ~ /^(drain|down|fail|maint|unknown|not_responding|inval|power|reboot)/ || $2 ~ /[*~#!%$@^-]$/ {{print $1}}')
+    scontrol show hostnames "$SLURM_JOB_NODELIST" | grep -vxF -f <(printf '%s\n' $bad)
+}}
+requeue() {{  # the verdicts' folder is kept for the requeued job only when the requeue went through
+    if scontrol requeue "${{SLURM_JOB_ID:-}}"; then REQUEUED=1; else echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"; fi
+}}
+run_step() {{  # the training on the nodes of $1 (a comma list), $2 of them; the rest: the script's arguments
+    local nodes=$1
+    STARTS=$(( STARTS + 1 ))
+    export HF_GPU_TRAIN_NODES=$2 MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-${{1%%,*}}}} {ATTEMPT_ENV}="${{SLURM_RESTART_COUNT:-0}}.$STARTS"
+    shift 2
+    rm -f "${{{REQUEUE_DIR_ENV}}}"/*.restart "${{{REQUEUE_DIR_ENV}}}"/*.stop
+    srun --nodes="$HF_GPU_TRAIN_NODES" --ntasks="$HF_GPU_TRAIN_NODES" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 bash -c 'exec {binding_prefix(plan)}$HF_GPU_TRAIN launch --config-file "$HF_GPU_TRAIN_CONFIG_FILE" \\
+        --max-restarts "$HF_GPU_TRAIN_MAX_RESTARTS" --num_machines "$HF_GPU_TRAIN_NODES" \\
+        --num_processes "$(( HF_GPU_TRAIN_NODES * {per_node} ))" \\
+        --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_NODE" --main_process_port "$MAIN_PORT" \\
+        --rdzv_backend c10d --same_network{deepspeed_precision_flag(plan)} \\
+        $HF_GPU_TRAIN_SCRIPT "$@"' hf-gpu-train "$@" &
+    STEP=$!
+    [ -n "$ASKED" ] && kill -s USR1 "$STEP" 2>/dev/null
+    code=""
+    while [ -z "$code" ]; do
+        wait "$STEP"; status=$?
+        if [ "$status" -gt 128 ] && kill -0 "$STEP" 2>/dev/null; then continue; fi  # a trapped signal interrupted the wait
+        if [ "$status" -gt 128 ]; then  # srun ended as the signal came: its own status, where bash still has it
+            wait "$STEP" 2>/dev/null; again=$?
+            if [ "$again" -ge 0 ] && [ "$again" -le 255 ] && [ "$again" -ne 127 ]; then status=$again; fi
+        fi
+        code=$status
+    done
+    STEP=""
+}}
+NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)
+COUNT={nodes}; STARTS=0
+while :; do
+    run_step "$NODES" "$COUNT" "$@"
+    if [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -e "${{{PREEMPTED_MARKER_ENV}}}" ]; then
+        rm -f "${{{PREEMPTED_MARKER_ENV}}}"
+        code={PREEMPTED_EXIT_CODE}
+        echo "hf-gpu-train: stopped with a complete checkpoint: requeueing job ${{SLURM_JOB_ID:-}}"
+        requeue
+    elif [ "$code" -ne 0 ] && [ -z "$ASKED" ] && compgen -G "${{{REQUEUE_DIR_ENV}}}/*.restart" >/dev/null \
+            && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; then
+        NODES=$(usable_nodes | paste -sd, -)
+        COUNT=$(printf '%s' "$NODES" | tr , '\n' | grep -c .)
+        if [ "$COUNT" -ge "$NODES_LEAST" ]; then
+            echo "hf-gpu-train: a rank failed (exit $code): starting again on $COUNT node(s) of the job ($NODES); the run resumes from its newest complete checkpoint"
+            continue
+        fi
+        echo "hf-gpu-train: a rank failed (exit $code) and $COUNT of the job's nodes are usable, fewer than $NODES_LEAST: requeueing job ${{SLURM_JOB_ID:-}}; it resumes from its newest complete checkpoint"
+        requeue
+    elif [ "$code" -ne 0 ] && [ -z "$ASKED" ] && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; then
+        echo "hf-gpu-train: exit $code and no node's launcher said whether a restart helps (killed before it could): not started again; submit this script again to resume from the newest complete checkpoint"
+    elif [ -n "$TERMED" ]; then
+        echo "hf-gpu-train: SIGTERM reached srun, which kills every task at once (exit $code): submit this script again to resume from the newest complete checkpoint; #SBATCH --signal=B:USR1@N warns N s before a time limit"
     fi
-    code=$status
+    break
 done
-if [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -e "${{{PREEMPTED_MARKER_ENV}}}" ]; then
-    rm -f "${{{PREEMPTED_MARKER_ENV}}}"
-# A rank that died: each node's launcher leaves here whether a restart can help (never after a usage error or the same
-# failure twice; its count kept across requeues); the job is requeued when one says so and none says no
-export {REQUEUE_DIR_ENV}="$HERE/.hf-gpu-train-restarts-${{SLURM_JOB_ID:-0}}"
-export HF_GPU_TRAIN_MAX_RESTARTS=${{HF_GPU_TRAIN_MAX_RESTARTS:-{DEFAULT_RESTARTS}}}
-mkdir -p "${{{REQUEUE_DIR_ENV}}}" && rm -f "${{{REQUEUE_DIR_ENV}}}"/*.restart "${{{REQUEUE_DIR_ENV}}}"/*.stop
-    code={PREEMPTED_EXIT_CODE}
-    echo "hf-gpu-train: stopped with a complete checkpoint: requeueing job ${{SLURM_JOB_ID:-}}"
-    REQUEUED=1
-    scontrol requeue "${{SLURM_JOB_ID:-}}" || echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"
-elif [ "$code" -ne 0 ] && compgen -G "${{{REQUEUE_DIR_ENV}}}/*.restart" >/dev/null \
-        && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; then
-    echo "hf-gpu-train: a rank failed (exit $code): requeueing job ${{SLURM_JOB_ID:-}}; it resumes from its newest complete checkpoint on the nodes SLURM gives it"
-    REQUEUED=1
-    scontrol requeue "${{SLURM_JOB_ID:-}}" || echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"
-elif [ -n "$TERMED" ]; then
-    echo "hf-gpu-train: SIGTERM reached srun, which kills every task at once (exit $code): submit this script again to resume from the newest complete checkpoint; #SBATCH --signal=B:USR1@N warns N s before a time limit"
-fi
 [ -z "$REQUEUED" ] && rm -rf "${{{REQUEUE_DIR_ENV}}}"  # the verdicts' state outlives requeues only
 exit "$code"
 """
 
 
 def sbatch_file(plan: LaunchPlan, yaml_path: Path, script: str, path: Path, *, time_limit: str | None = None,
-                partition: str | None = None, grace: Grace, run_args: tuple[str, ...] | list[str] = ()) -> tuple[str, str]:
+                partition: str | None = None, grace: Grace, run_args: tuple[str, ...] | list[str] = (),
+                min_nodes: int | None = None) -> tuple[str, str]:
     """(the sbatch's text, the line ``config`` prints about it) for ``path``; a time limit too short for the grace is a
     usage error, said before anything is written. ``run_args``: the run's arguments, after the script's name in the
     printed line (the sbatch passes its own arguments on to the run)."""
@@ -185,6 +221,6 @@ def sbatch_file(plan: LaunchPlan, yaml_path: Path, script: str, path: Path, *, t
                          f"its limit to save a checkpoint ({grace.describe()}), which leaves too little of "
                          f"{slurm_time_limit(time_limit)} s to train: ask for more than "
                          f"{2 * grace.seconds} s, or measure the save (--save-time-from OUTPUT_DIR)")
-    text = render_sbatch(plan, yaml_path, script, time_limit=time_limit, partition=partition, grace=grace)
+    text = render_sbatch(plan, yaml_path, script, time_limit=time_limit, partition=partition, grace=grace, min_nodes=min_nodes)
     return text, (f"On SLURM: sbatch {shell_word(path)}{run_args_text(run_args)}  (one task per node, c10d rendezvous; "
                   f"grace {grace.describe()})")

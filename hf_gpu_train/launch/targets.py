@@ -47,6 +47,7 @@ class TargetSettings:
     partition: str | None = None
     save_time_from: str | None = None  # what the grace was measured from (grace_for), for a target to say
     checkpoint_volume: str | None = None
+    min_machines: int | None = None  # the fewest nodes a SLURM job goes on with after a failure (None: all of them)
     run_args: tuple[str, ...] = ()
 
     def path(self, suffix: str) -> Path:
@@ -147,7 +148,7 @@ def _check_scheduled_gpus(plan: LaunchPlan, target: str) -> None:
 def _sbatch(plan: LaunchPlan, yaml_path: Path, script: str, settings: TargetSettings) -> Rendered:
     path = settings.path(".sbatch")
     text, line = sbatch_file(plan, yaml_path, script, path, time_limit=settings.time_limit, partition=settings.partition,
-                             grace=settings.grace, run_args=settings.run_args)
+                             grace=settings.grace, run_args=settings.run_args, min_nodes=settings.min_machines)
     return Rendered(((path, text),), (line,))
 
 

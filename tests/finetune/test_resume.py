@@ -229,14 +229,15 @@ def test_a_node_lost_the_elastic_launch_goes_on_with_the_other_and_ends_with_the
     out = tmp_path / "out"
     command = [*case, *COMMON, *QUIET, f"output_dir={out}", "save_strategy=steps", "save_steps=2",
                f"per_device_train_batch_size={GLOBAL_BATCH // 2}", "background_saves=true"]
-    config = cpu_config(tmp_path, 1, "cpu", "--num-machines", "2", "--main-process-ip", "127.0.0.1")
     port = str(free_port())
     nodes = []
     for node, kill in ((0, {"KILL_RANK": "-1", "KILL_AT_STEP": "-1"}),
                        (1, {"KILL_RANK": "any", "KILL_AT_STEP": "5", "KILL_WHOLE_NODE": "1"})):
         env = {**os.environ, "PYTHONPATH": str(ROOT), **kill}
+        config = cpu_config(tmp_path, 1, f"job-rank{node}", "--num-machines", "2", "--machine-rank", str(node),
+                            "--main-process-ip", "127.0.0.1")  # each node its own file, as docs/multi-node.md writes them
         nodes.append(subprocess.Popen(
-            [sys.executable, "-m", "hf_gpu_train", "launch", "--nnodes", "1:2", "--machine_rank", str(node),
+            [sys.executable, "-m", "hf_gpu_train", "launch", "--nnodes", "1:2",
              "--main_process_port", port, "--rdzv_conf", "last_call_timeout=2", "--config-file", str(config),
              str(Path(__file__).with_name("kill_probe.py")), *command],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -116,3 +116,71 @@ def test_restarts_default_to_none_on_several_fixed_machines_and_three_elastic(mo
     assert run_loop(monkeypatch, two_nodes, [died, died], "--max-restarts", "1") == 1
     err = capsys.readouterr().err
     assert "restarting (1 of 1, --max-restarts)" in err and "the same failure as the start before" in err
+
+
+def test_nodes_with_their_own_config_files_meet_at_one_rendezvous(tmp_path):
+    """The documented multi-node setup gives each node its own file (NAME-rank0.yaml, NAME-rank1.yaml): the rendezvous's
+    name comes from what their commands share, the address, never the file's name."""
+    commands = []
+    for rank in (0, 1):
+        assert main(["config", "--machine", "cpu-only", "--num-processes", "1", "--num-machines", "2", "--machine-rank",
+                     str(rank), "--main-process-ip", "10.0.0.1", "--main-process-port", "29611", "--output",
+                     str(tmp_path / f"job-rank{rank}")]) == 0
+        commands.append(build_launch(["--config-file", str(tmp_path / f"job-rank{rank}.yaml"), "-m", "x"], environ={},
+                                     nodes=NodeRange(1, 2)).cmd)
+    assert option(commands[0], "--rdzv-id") == option(commands[1], "--rdzv-id") == "hf-gpu-train-10.0.0.1-29611"
+    assert [option(c, "--rdzv-conf").endswith(f"is_host={h}") for c, h in zip(commands, "10")] == [True, True]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rdzv_conf", "join_timeout:900"], "--rdzv_conf join_timeout:900: 'join_timeout:900' is not key=value"),
+    (["--no_python"], "-m and --no_python together"),
+])
+def test_launch_options_the_elastic_launch_cannot_read_are_usage_errors(two_nodes, argv, message):
+    with pytest.raises(UsageError, match=message):
+        build_launch([*argv, "--config-file", str(two_nodes), "-m", "x"], environ={}, nodes=NodeRange(1, 2))
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ("dynamo_config:\n  dynamo_backend: INDUCTOR\n", "dynamo_backend INDUCTOR with --nnodes 1:2"),
+    ("fp8_config:\n  backend: TE\n", "fp8_config with --nnodes 1:2"),
+    ("distributed_type: XLA\n", "distributed_type XLA with --nnodes 1:2"),
+])
+def test_config_sections_the_elastic_launch_would_drop_are_refused(two_nodes, section, message):
+    text = two_nodes.read_text().replace("distributed_type: MULTI_GPU\n", "") if "distributed_type" in section else two_nodes.read_text()
+    two_nodes.write_text(text + section)
+    with pytest.raises(UsageError, match=message):
+        build_launch(["--config-file", str(two_nodes), "-m", "x"], environ={}, nodes=NodeRange(1, 2))
+
+
+def test_nnodes_without_a_value_says_so():
+    with pytest.raises(UsageError, match="--nnodes needs a value: MIN:MAX"):
+        take_nnodes(["--nnodes"])
+
+
+FAKE_TORCHRUN = """import json, os, sys
+if os.environ.get("PREEMPTED_THEN_DONE"):  # torchelastic stopped the processes to take in a node; they saved, then finished
+    open(os.path.join(os.environ["HF_GPU_TRAIN_PROGRESS_DIR"], "preempted-0.json"), "w").write(json.dumps({"step": 3}))
+    sys.exit(0)
+sys.stderr.write("torch.distributed.elastic.rendezvous.api.RendezvousClosedError\\n")
+sys.exit(1)
+"""
+
+
+def test_the_launcher_reads_a_closed_rendezvous_and_an_exit_0_after_a_save_for_torchelastic(tmp_path):
+    from hf_gpu_train.launch.rank_report import PROGRESS_DIR_ENV
+
+    script = tmp_path / "fake_torchrun.py"
+    script.write_text(FAKE_TORCHRUN)
+    assert PROGRESS_DIR_ENV == "HF_GPU_TRAIN_PROGRESS_DIR"
+    closed = launch_cli.launch_once([sys.executable, str(script)], {"PATH": "/usr/bin:/bin"})
+    assert closed.code == 1 and closed.rendezvous_closed
+    done = launch_cli.launch_once([sys.executable, str(script)], {"PATH": "/usr/bin:/bin", "PREEMPTED_THEN_DONE": "1"})
+    assert done.code == 0 and not done.preempted and not done.rendezvous_closed
+
+
+def test_a_rendezvous_closed_past_the_join_timeout_is_said_and_not_restarted(monkeypatch, two_nodes, capsys):
+    closed = Outcome(1, rendezvous_closed=True)
+    assert run_loop(monkeypatch, two_nodes, [closed, closed], "--rdzv_conf", "join_timeout=0") == 1
+    err = capsys.readouterr().err
+    assert "the rendezvous stayed closed for 0 s (join_timeout)" in err and "restarting" not in err

@@ -181,7 +181,7 @@ def test_taskset_binding_prefixes_torchrun_and_the_sbatch_launch(machine):
     assert plan.cpu_binding.command_prefix == "taskset -c 20-39,60-79"
     assert " ACCELERATE_MIXED_PRECISION=fp16 taskset -c 20-39,60-79 torchrun --nnodes=2 " in torchrun_command(plan)
     script = render_sbatch(plan, "launch_configs/x.yaml")
-    assert "srun --kill-on-bad-exit=1 bash -c 'exec taskset -c 20-39,60-79 $HF_GPU_TRAIN launch --config-file \"$HF_GPU_TRAIN_CONFIG_FILE\"" in script
+    assert "--kill-on-bad-exit=1 bash -c 'exec taskset -c 20-39,60-79 $HF_GPU_TRAIN launch --config-file \"$HF_GPU_TRAIN_CONFIG_FILE\"" in script
     assert "export HF_GPU_TRAIN_CONFIG_FILE=launch_configs/x.yaml " in script
     assert "export HF_GPU_TRAIN_PLAN=launch_configs/x.plan.json\n" in script
     unbound = make_plan(machine("8x-h100-sxm"), PlanOptions(num_machines=2, main_process_ip="node0"))

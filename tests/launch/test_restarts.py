@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hf_gpu_train.cli.launch import take_restarts
 from hf_gpu_train.errors import UsageError
-from hf_gpu_train.launch.restarts import Outcome, RestartPolicy
+from hf_gpu_train.launch.restarts import Outcome, RestartPolicy, record_verdict
 
 KILLED_AT_5 = Outcome(1, cause=(1, -9), steps=((0, 5), (1, 5)), resumes=True)
 
@@ -52,3 +54,48 @@ def test_the_option_is_taken_out_of_accelerates_options_in_either_spelling():
     assert take_restarts(["train.py"]) == (None, ["train.py"])  # the default: DEFAULT_RESTARTS on one machine
     with pytest.raises(UsageError, match="--max-restarts -1"):
         take_restarts(["--max-restarts", "-1", "train.py"])
+
+
+DIED = Outcome(1, (1, -9), ((0, 5), (1, 5)), resumes=True)
+PEER_GONE = Outcome(1, (0, 1), ((0, 5),), resumes=True)  # what the other node sees of the same failure
+
+
+def verdicts(folder) -> dict[str, str]:
+    return {p.name: p.read_text().strip() for p in folder.iterdir() if p.suffix in (".restart", ".stop")}
+
+
+def test_a_jobs_restarts_are_counted_once_per_start_however_many_nodes_decide(tmp_path):
+    """The sbatch's ledger: two nodes of one start decide from the same state (one restart used, not two), and the
+    failure either saw counts as "the start before" for both at the next start."""
+    line = record_verdict(DIED, 3, tmp_path, "n2", "0.1")
+    assert line.startswith("rank 1 died of SIGKILL after step 5: restarting (1 of 3")
+    assert record_verdict(PEER_GONE, 3, tmp_path, "n1", "0.1").startswith("rank 0 exited 1 after step 5: restarting (1 of 3")
+    assert set(verdicts(tmp_path)) == {"n1.restart", "n2.restart"}
+    for name in verdicts(tmp_path):
+        (tmp_path / name).unlink()
+    # the next start fails the same way, seen first by the node that saw the other side before
+    again = record_verdict(PEER_GONE, 3, tmp_path, "n2", "0.2")
+    assert again.startswith("the same failure as the start before (rank 0 exited 1 after step 5)")
+    assert verdicts(tmp_path) == {"n2.stop": again}
+
+
+def test_the_restarts_are_kept_across_requeues_and_end_at_the_limit(tmp_path):
+    for start, step in enumerate((3, 5), start=1):
+        assert "restarting" in record_verdict(Outcome(1, (1, -9), ((1, step),), resumes=True), 2, tmp_path, "n1", f"{start - 1}.1")
+    last = record_verdict(Outcome(1, (1, -9), ((1, 7),), resumes=True), 2, tmp_path, "n1", "2.1")
+    assert "2 restart(s) used (--max-restarts): not restarting again" in last and (tmp_path / "n1.stop").is_file()
+
+
+def test_a_usage_error_says_stop_and_a_stop_signal_or_success_says_nothing(tmp_path):
+    record_verdict(Outcome(0), 3, tmp_path, "n1", "0.1")
+    record_verdict(Outcome(75, preempted=True), 3, tmp_path, "n2", "0.1")
+    assert verdicts(tmp_path) == {}
+    record_verdict(Outcome(2, usage_error=True), 3, tmp_path, "n1", "0.2")
+    assert list(verdicts(tmp_path)) == ["n1.stop"]
+
+
+def test_an_unreadable_ledger_is_said_and_counted_from_zero(tmp_path, capsys):
+    (tmp_path / "ledger.json").write_text('{"attempt": "0.1", "bef')  # a writer killed mid-write (before os.replace)
+    assert "restarting (1 of 3" in record_verdict(DIED, 3, tmp_path, "n1", "0.2")
+    assert "ledger.json unreadable" in capsys.readouterr().out
+    assert json.loads((tmp_path / "ledger.json").read_text())["after"]["restarts"] == 1

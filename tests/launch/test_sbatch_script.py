@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_gpu_train.errors import UsageError
 from hf_gpu_train.launch.render import render_yaml
 from hf_gpu_train.launch.slurm import render_sbatch
 from hf_gpu_train.plan.planner import PlanOptions, make_plan
@@ -25,6 +26,8 @@ RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID")}}) + "\\n")
+if os.environ.get("VERDICTS") and len(open(os.environ["RECORD"]).readlines()) > 1:  # started again: trains to the end
+    raise SystemExit(0)
 for verdict in filter(None, os.environ.get("VERDICTS", "").split(",")):  # NODE.restart / NODE.stop, as launchers leave
     open(os.path.join(os.environ["HF_GPU_TRAIN_REQUEUE_DIR"], verdict), "w").write("said")
 sys.exit(int(os.environ.get("EXIT_WITH", "0")))
@@ -44,7 +47,9 @@ def job(tmp_path, machine):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     executable(bindir / "srun", "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=1 exec \"$@\"\n")
-    executable(bindir / "scontrol", "#!/bin/bash\necho \"$@\" >> \"$SCONTROL_RECORD\"\n[ \"$1\" = show ] && echo n1\nexit 0\n")
+    executable(bindir / "scontrol", "#!/bin/bash\necho \"$@\" >> \"$SCONTROL_RECORD\"\n[ \"$1\" = show ] && printf 'n1\\nn2\\n'\nexit 0\n")
+    # the nodes' states as sinfo -N -o '%N %T' says them (SINFO_STATES), all usable by default
+    executable(bindir / "sinfo", "#!/bin/bash\nprintf '%b' \"${SINFO_STATES:-n1 mixed\\nn2 mixed\\n}\"\n")
     executable(bindir / "recorder", RECORDER.format(python=sys.executable))
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "HF_GPU_TRAIN": str(bindir / "recorder"),
            "RECORD": str(tmp_path / "record.jsonl"), "SCONTROL_RECORD": str(tmp_path / "scontrol.txt"),
@@ -78,19 +83,42 @@ def test_exit_75_requeues_the_job_and_any_other_failure_does_not(job):
     (tmp_path / "scontrol.txt").unlink()
     failed = run(script, {**env, "EXIT_WITH": "1"})
     assert failed.returncode == 1 and "requeue" not in (tmp_path / "scontrol.txt").read_text()
+    assert "no node's launcher said whether a restart helps (killed before it could): not started again" in failed.stdout
 
 
-@pytest.mark.parametrize(("verdicts", "requeued"), [("1.restart", True), ("0.restart,1.stop", False), ("1.stop", False)])
-def test_a_failure_requeues_when_a_node_says_a_restart_helps_and_none_says_no(job, verdicts, requeued):
+@pytest.mark.parametrize(("verdicts", "restarted"), [("1.restart", True), ("0.restart,1.stop", False), ("1.stop", False)])
+def test_a_failure_starts_again_in_the_job_when_a_node_says_a_restart_helps_and_none_says_no(job, verdicts, restarted):
     """Each node's launcher leaves its restart verdict (launch/restarts.py record_verdict); a usage error, the same
-    failure twice or the restarts used up say stop, and one stop keeps the job from requeueing."""
+    failure twice or the restarts used up say stop, and one stop keeps the training from starting again."""
     script, _, env, tmp_path = job
-    failed = run(script, {**env, "EXIT_WITH": "1", "VERDICTS": verdicts})
-    assert failed.returncode == 1, failed.stderr
-    said = (tmp_path / "scontrol.txt").read_text()
-    assert ("requeue 42" in said) == requeued and ("a rank failed (exit 1): requeueing job 42" in failed.stdout) == requeued
-    again = run(script, {**env, "EXIT_WITH": "0"})  # the requeued job, verdicts of the run before cleared
-    assert again.returncode == 0 and not list(tmp_path.rglob(".hf-gpu-train-restarts-42"))
+    done = run(script, {**env, "EXIT_WITH": "1", "VERDICTS": verdicts})
+    assert done.returncode == (0 if restarted else 1), done.stdout + done.stderr
+    starts = (tmp_path / "record.jsonl").read_text().splitlines()
+    assert len(starts) == (2 if restarted else 1) and json.loads(starts[-1])["argv"] == json.loads(starts[0])["argv"]
+    assert ("a rank failed (exit 1): starting again on 2 node(s) of the job (n1,n2)" in done.stdout) == restarted
+    assert "requeue" not in (tmp_path / "scontrol.txt").read_text()
+    assert not list(tmp_path.rglob(".hf-gpu-train-restarts-42"))  # the verdicts' folder gone with the job
+
+
+def test_a_node_drained_the_job_goes_on_with_the_nodes_left_or_requeues_below_its_least(job, machine):
+    script, config, env, tmp_path = job
+    drained = {**env, "EXIT_WITH": "1", "VERDICTS": "0.restart", "SINFO_STATES": "n1 mixed\\nn2 draining\\n"}
+    requeued = run(script, drained)  # at least 2 nodes (the default): requeued for SLURM to give two again
+    assert requeued.returncode == 1 and "1 of the job's nodes are usable, fewer than 2: requeueing job 42" in requeued.stdout
+    assert "requeue 42" in (tmp_path / "scontrol.txt").read_text()
+    assert list(tmp_path.rglob(".hf-gpu-train-restarts-42"))  # kept for the requeued job's verdicts
+    (tmp_path / "record.jsonl").unlink()
+    plan = make_plan(machine("cpu-only"), PlanOptions(num_machines=2, cpu_processes=2, main_process_ip="n1"))
+    elastic = config.with_name("elastic.sbatch")
+    elastic.write_text(render_sbatch(plan, config, "train.py", min_nodes=1))
+    assert "#SBATCH --no-kill\n" in elastic.read_text() and "#SBATCH --no-kill" not in script.read_text()
+    went_on = run(elastic, {**drained, "SINFO_STATES": "n1 mixed\\nn2 down*\\n"})
+    assert went_on.returncode == 0 and "starting again on 1 node(s) of the job (n1)" in went_on.stdout, went_on.stdout
+    first, again = (json.loads(line)["argv"] for line in (tmp_path / "record.jsonl").read_text().splitlines())
+    assert (first[first.index("--num_machines") + 1], first[first.index("--num_processes") + 1]) == ("2", "4")
+    assert (again[again.index("--num_machines") + 1], again[again.index("--num_processes") + 1]) == ("1", "2")
+    with pytest.raises(UsageError, match="--min-machines 3: between 1 and --num-machines 2"):
+        render_sbatch(plan, config, "train.py", min_nodes=3)
 
 
 def test_a_node_killed_while_it_exits_after_another_nodes_75_still_requeues(job):

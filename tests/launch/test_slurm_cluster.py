@@ -113,10 +113,11 @@ def killed_job(slurm_cluster, case, tmp_path_factory) -> dict:
 
 
 def test_a_worker_killed_on_one_node_at_the_same_step_twice_ends_the_job_within_a_minute(killed_job):
-    """Requeued once (a restart can help: the run resumes), killed at the same step again: not requeued a second time,
-    and the job ends within a minute of that kill."""
+    """Started again once in the job (a restart can help: the run resumes), killed at the same step again: not started
+    a third time, and the job ends within a minute of that kill."""
     output = killed_job["output"]
-    assert "requeueing job" in output and "the same failure as the start before" in output, output[-8000:]
+    assert "starting again on 2 node(s) of the job (n1,n2)" in output, output[-8000:]
+    assert "the same failure as the start before" in output and "requeueing" not in output, output[-8000:]
     assert killed_job["state"] == "FAILED" and killed_job["code"] != 0, f"{killed_job['state']} {killed_job['code']}\n{output}"
     assert killed_job["seconds_after_kill"] < 60, f"the job ended {killed_job['seconds_after_kill']:.0f} s after the kill\n{output}"
     assert not (killed_job["out"] / "model.safetensors").exists()
@@ -129,25 +130,36 @@ def test_the_output_names_the_node_and_the_rank_that_died(killed_job):
     assert line in killed_job["output"], killed_job["output"][-8000:]
 
 
-def test_a_rank_killed_once_the_job_requeues_itself_and_ends_with_the_uninterrupted_weights(slurm_cluster, tmp_path, case,
-                                                                                              one_process):
+@pytest.mark.parametrize("drained", [False, True], ids=["same-nodes", "node-drained"])
+def test_a_rank_killed_once_the_job_trains_again_on_the_nodes_it_has_and_ends_with_the_uninterrupted_weights(
+        slurm_cluster, tmp_path, case, one_process, drained):
     """Issue 38, item 4, on SLURM: the generated two-node sbatch; after step 5 (checkpoint-4 complete) n2's training
-    process is SIGKILLed, once. The nodes' launchers say a restart can help, the script requeues the job, and the
-    requeued job resumes from checkpoint-4 and ends with the weights of the uninterrupted run."""
+    process is SIGKILLed, once. The nodes' launchers say a restart can help and the script starts the training again
+    in the job's allocation, no requeue: on both nodes; or, with ``--min-machines 1`` and n2 drained first (its
+    administrator took it out), on n1 alone, resuming on one process with its global batch of 16 (8 x accumulation 2).
+    Either way it resumes from checkpoint-4 and ends with the weights of the uninterrupted run."""
     out = tmp_path / "out"
     batch = recipe(tmp_path, [*case, *COMMON, *QUIET, f"per_device_train_batch_size={GLOBAL_BATCH // 2}", f"output_dir={out}",
                               "save_strategy=steps", "save_steps=2"])
     env, options = submit_environment(slurm_cluster, KILL_NODE="n2", KILL_AT_STEP="5", KILL_STAMP=str(tmp_path / "killed.json"),
-                                      KILL_ONCE=str(tmp_path / "killed-once"))
-    job = slurm_cluster.sbatch(two_node_sbatch(tmp_path, f"{KILL_PROBE} --config {batch}"), cwd=tmp_path, env=env,
-                               options=options)
-    state, code = slurm_cluster.wait(job, 3 * JOB_TIMEOUT_S)
-    info, output = slurm_cluster.job_info(job), slurm_cluster.output(job, tail=200_000)
+                                      KILL_ONCE=str(tmp_path / "killed-once"), DRAIN_NODE="1" if drained else "0")
+    sbatch = two_node_sbatch(tmp_path, f"{KILL_PROBE} --config {batch}", *(["--min-machines", "1"] if drained else []))
+    try:
+        job = slurm_cluster.sbatch(sbatch, cwd=tmp_path, env=env, options=options)
+        state, code = slurm_cluster.wait(job, 3 * JOB_TIMEOUT_S)
+        info, output = slurm_cluster.job_info(job), slurm_cluster.output(job, tail=200_000)
+    finally:
+        if drained:
+            slurm_cluster._run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
     summary = out / "run_summary.json"
     assert (state, code) == ("COMPLETED", 0) or teardown_race_only(output, [summary.is_file()]), f"{state} {code}\n{output[-8000:]}"
     assert (tmp_path / "killed-once").is_file(), f"{info}\n{output[-8000:]}"
-    assert info["RestartCnt"] == "1" and info["NumNodes"] == "2", info
-    assert "a rank failed (exit" in output and "requeued 1 time(s)" in output, output[-8000:]
+    assert info["RestartCnt"] == "0", info  # started again inside the job: no requeue, no wait for an allocation
+    again = "starting again on 1 node(s) of the job (n1)" if drained else "starting again on 2 node(s) of the job (n1,n2)"
+    assert again in output, output[-8000:]
     assert f"resuming from {out / 'checkpoint-4'}" in output, output[-8000:]
+    if drained:
+        assert ("resuming a run of 2 process(es) on 1: its global batch of 16 kept (per-device batch 8 x accumulation 2 "
+                "x 1 process(es))") in output, output[-8000:]
     assert not (ROOT / f".hf-gpu-train-restarts-{job}").exists()  # the verdicts' folder (in HF_GPU_TRAIN_DIR) gone with the job
     assert_same_params(load_file(out / "model.safetensors"), load_file(one_process / "model.safetensors"))
