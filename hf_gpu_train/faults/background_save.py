@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import sys
@@ -74,6 +75,18 @@ class StagingBuffers:
     def __init__(self):
         self.free: dict[tuple, list] = {}
         self.lent: list[tuple[tuple, object]] = []
+        self.dcp: dict[int, tuple[tuple, object]] = {}  # index of a checkpoint's DCP save -> (its layout, its stager)
+
+    def dcp_stager(self, index: int, state_dict):
+        """The stager of a checkpoint's ``index``-th DCP save (FSDP's model, then its optimizer): its host copy of the
+        shards made at the first save and copied into after, as long as the state's layout is the same. DCP's own
+        staging builds that copy afresh at every save (a deep copy of every DTensor: 0.39 s of a 0.50 s save for
+        MiniLM's shards here, against 0.04 s for the copy itself)."""
+        layout = _layout(state_dict)
+        held = self.dcp.get(index)
+        if held is None or held[0] != layout:
+            held = self.dcp[index] = (layout, _reused_staging_class()())
+        return held[1]
 
     def copy_of(self, tensor):
         import torch
@@ -95,7 +108,43 @@ class StagingBuffers:
     @property
     def bytes(self) -> int:
         held = [b for pool in self.free.values() for b in pool] + [b for _, b in self.lent]
-        return sum(b.numel() * b.element_size() for b in held)
+        return (sum(b.numel() * b.element_size() for b in held)
+                + sum(_tensor_bytes(stager.state_dict_cache) for _, stager in self.dcp.values()))
+
+
+def _layout(value, path: str = "") -> tuple:
+    """What a staged copy of ``value`` must match to be copied into: every tensor's place, kind, shape and dtype."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ((path, type(value).__name__, tuple(value.shape), value.dtype),)
+    if isinstance(value, dict):
+        return tuple(item for key in sorted(value, key=str) for item in _layout(value[key], f"{path}/{key}"))
+    if isinstance(value, (list, tuple)):
+        return tuple(item for i, v in enumerate(value) for item in _layout(v, f"{path}/{i}"))
+    return ((path, type(value).__name__),)
+
+
+@functools.cache
+def _reused_staging_class():
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    class ReusedStaging(BlockingAsyncStager):
+        """DCP's blocking stager with its cached host copy, pinned only where there is a GPU to copy from (DCP's pins
+        always, which fails without one)."""
+
+        def __init__(self):
+            super().__init__(cache_staged_state_dict=True)
+
+        def stage(self, state_dict):
+            import torch
+
+            if self.state_dict_cache is None:
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            return _copy_state_dict(state_dict, self.state_dict_cache)
+
+    return ReusedStaging
 
 
 def stage(value, memo: dict | None = None, buffers: StagingBuffers | None = None):
@@ -215,8 +264,9 @@ def staged(into: list[StagedFile], buffers: StagingBuffers | None = None):
             if args or kwargs or process_group is not None or not (dist.is_initialized() and dist.get_world_size() > 1):
                 return original(state_dict, *args, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                                 planner=planner, process_group=process_group, **kwargs)
+            stager = None if buffers is None else buffers.dcp_stager(dcp_saves[0], state_dict)
             future = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-                                    planner=planner, process_group=_dcp_group(dcp_saves[0]))
+                                    planner=planner, process_group=_dcp_group(dcp_saves[0]), async_stager=stager)
             dcp_saves[0] += 1
             into.append(DistributedCheckpointWrite(future, _tensor_bytes(state_dict)))
             return None

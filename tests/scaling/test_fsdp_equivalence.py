@@ -42,7 +42,7 @@ def test_two_fsdp_processes_train_what_one_process_trains(tmp_path):
     reference = tmp_path / "one"
     assert main([*arguments, f"output_dir={reference}"]) == 0
     out, config = tmp_path / "sharded", fsdp_config(tmp_path)
-    saving = ["save_strategy=steps", "save_steps=2", "save_total_limit=3", "background_saves=true"]  # as on a GPU
+    saving = ["save_strategy=steps", "save_steps=1", "save_total_limit=6", "background_saves=true"]  # as on a GPU
     run = launch(config, SCRIPT, *arguments, *saving, f"output_dir={out}", timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "sharding with FSDP2 over gloo" in run.stderr
@@ -53,17 +53,17 @@ def test_two_fsdp_processes_train_what_one_process_trains(tmp_path):
     assert len(shards) >= 4 and {name.split("_")[2] for name in shards} == {"0", "1"}  # model and optimizer, a file per rank
 
     # another number of processes resumes it (issue 38 item 3: torch.distributed.checkpoint reshards the model's and the
-    # optimizer's shards): 2 -> 1 from checkpoint-2, then that run's own checkpoint-4 1 -> 2; both end where the
-    # uninterrupted run ends
+    # optimizer's shards): 2 -> 1 from checkpoint-2 (the second background save, staged into the first's host copy of
+    # the shards), then that run's own checkpoint-3 1 -> 2; both end where the uninterrupted run ends
     one = launch(config, "--num_processes", "1", SCRIPT, *arguments, *saving,
                  f"output_dir={as_if_killed_after(out, 'checkpoint-2', tmp_path / 'on-one')}", timeout=600)
     assert one.returncode == 0, one.stderr[-4000:]
     assert f"resuming from {tmp_path / 'on-one' / 'checkpoint-2'}" in one.stdout and "CPU x1" in one.stdout
     assert_same_params(load_file(tmp_path / "on-one" / "model.safetensors"), load_file(reference / "model.safetensors"))
     two = launch(config, SCRIPT, *arguments, *saving,
-                 f"output_dir={as_if_killed_after(tmp_path / 'on-one', 'checkpoint-4', tmp_path / 'on-two')}", timeout=600)
+                 f"output_dir={as_if_killed_after(tmp_path / 'on-one', 'checkpoint-3', tmp_path / 'on-two')}", timeout=600)
     assert two.returncode == 0, two.stderr[-4000:]
-    assert f"resuming from {tmp_path / 'on-two' / 'checkpoint-4'}" in two.stdout and "CPU x2" in two.stdout
+    assert f"resuming from {tmp_path / 'on-two' / 'checkpoint-3'}" in two.stdout and "CPU x2" in two.stdout
     assert_same_params(load_file(tmp_path / "on-two" / "model.safetensors"), load_file(reference / "model.safetensors"))
 
 
