@@ -301,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
         outcome = launch_once(launch.cmd, launch.env)
         node = os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_NODEID", "0")  # a step's node ids count within it
         line = record_verdict(outcome, max_restarts, Path(os.environ[REQUEUE_DIR_ENV]), node,
-                              os.environ.get(ATTEMPT_ENV, "0"))
+                              os.environ.get(ATTEMPT_ENV) or  # an sbatch of an earlier version: its job step's id
+                              f"{os.environ.get('SLURM_RESTART_COUNT', '0')}.{os.environ.get('SLURM_STEP_ID', '0')}")
         if line:
             print(f"hf-gpu-train launch: {line}", file=sys.stderr, flush=True)
         return outcome.code
@@ -319,8 +320,9 @@ def run(args: argparse.Namespace) -> int:
                       "again", file=sys.stderr, flush=True)
                 time.sleep(2)
                 continue
-            print(f"hf-gpu-train launch: the rendezvous stayed closed for {waited:.0f} s (join_timeout): the node hosting "
-                  "it (--machine_rank 0) never started a new one; the scheduler must restart the job", file=sys.stderr)
+            print(f"hf-gpu-train launch: the rendezvous stayed closed for {waited:.0f} s (join_timeout): the group ended "
+                  "without this node, or the node hosting it (--machine_rank 0) is gone; if the run is not finished, the "
+                  "scheduler must restart the job", file=sys.stderr)
             return outcome.code
         rejoining_since = None
         again, line = policy.restart_line(outcome)

@@ -142,7 +142,7 @@ def _reused_staging_class():
 
             if self.state_dict_cache is None:
                 self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            return _copy_state_dict(state_dict, self.state_dict_cache)
+            return _copy_state_dict(state_dict, self.state_dict_cache, type_check=False)  # as DCP's own staging
 
     return ReusedStaging
 
@@ -341,6 +341,10 @@ class BackgroundWrite:
                 staged_file.content = None  # the host copy goes as soon as its file is on the disk
         except BaseException as error:  # noqa: BLE001 - said on the main thread, at the next step boundary
             self.error = error
+            for left in self.files:  # DCP's threads still reading a host copy: done before it may be staged into again
+                if isinstance(left, DistributedCheckpointWrite):
+                    with contextlib.suppress(BaseException):
+                        left.future.result(timeout=600)
         try:
             lowest, highest = self.agree(FAILED if self.error is not None else DONE)
             self.every_rank_wrote = lowest == highest == DONE
@@ -444,6 +448,8 @@ class BackgroundSaves:
         for the other ranks', which may not come: then the folder stays unmarked and a resume sets it aside)."""
         if self.in_flight is not None:
             self.in_flight.join(timeout_s)
+            if self.in_flight.status == WRITING:  # DCP may still read its host copies: the next save makes new ones
+                self.buffers.dcp.clear()
             self.in_flight = None
 
     def _finish(self) -> None:

@@ -83,6 +83,11 @@ def rendezvous_conf(settings: dict, host: bool) -> dict[str, str]:
                              "last_call_timeout=10,join_timeout=900)")
         given[key.strip()] = value.strip()
     conf = {**RENDEZVOUS_DEFAULTS, **given}
+    for key in RENDEZVOUS_DEFAULTS:
+        try:
+            float(conf[key])
+        except ValueError:
+            raise UsageError(f"--rdzv_conf {key}={conf[key]}: seconds, a number (e.g. {key}={RENDEZVOUS_DEFAULTS[key]})") from None
     conf.setdefault("is_host", "1" if host else "0")
     return conf
 

@@ -25,6 +25,7 @@ says stop (in its allocation, on the nodes still usable; requeued when too few a
 from __future__ import annotations
 
 import json
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,7 @@ class RestartPolicy:
                            "their newest complete checkpoint (scripts/finetune.py and -m hf_gpu_train.finetune do with "
                            "resume=auto; a Trainer of your own under guard_saves does with train(resume_from_checkpoint="
                            "...)): a restart would train from step 0 and its rotation could delete the checkpoints made")
-        if outcome.failure() in previous:
+        if outcome.furthest_step is not None and outcome.failure() in previous:  # no step known: not "the same"
             return False, (f"the same failure as the start before ({outcome.describe()}): not restarting again; the "
                            f"newest complete checkpoint is kept. Fix the cause, then run the same command")
         if self.restarts >= self.max_restarts:
@@ -127,7 +128,11 @@ def record_verdict(outcome: Outcome, max_restarts: int, folder: Path, node: str,
     folder.mkdir(parents=True, exist_ok=True)
     ledger = folder / "ledger.json"
     with open(folder / "ledger.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as error:  # a shared filesystem mounted without locks (Lustre's noflock): decided unlocked
+            print(f"hf-gpu-train launch: no lock on {folder} ({error}): nodes deciding at once may count a restart "
+                  "twice", flush=True)
         try:
             state = json.loads(ledger.read_text())
         except FileNotFoundError:
@@ -145,7 +150,7 @@ def record_verdict(outcome: Outcome, max_restarts: int, folder: Path, node: str,
         after["restarts"] = max(int(after["restarts"]), policy.restarts)
         failures = {tuple(f) for f in after["failures"]} | {outcome.failure()}
         after["failures"] = sorted(map(list, failures), key=str)
-        partial = ledger.with_suffix(".json.tmp")
+        partial = ledger.with_name(f"ledger.{node}.{os.getpid()}.tmp")
         partial.write_text(json.dumps(state))
         partial.replace(ledger)
     if outcome.code != 0 and not outcome.preempted and outcome.code != PREEMPTED_EXIT_CODE:

@@ -143,19 +143,31 @@ echo "hf-gpu-train: job ${{SLURM_JOB_ID:-}} on ${{SLURM_JOB_NODELIST:-}}, requeu
 # At the very end torchelastic may report "Error waiting on exit barrier" when the agent hosting the
 # rendezvous store leaves first (pytorch #69520): the workers have finished by then; check the metrics.
 export HF_GPU_TRAIN_CONFIG_FILE={shell_word(config_path)} HF_GPU_TRAIN_SCRIPT={shlex.quote(script)} MAIN_PORT HF_GPU_TRAIN
-usable_nodes() {{  # the job's nodes, in its order, less those SLURM drains, lost or cannot reach
-    local bad
-    bad=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %T' 2>/dev/null \
-        | awk '$2 ~ /^(drain|down|fail|maint|unknown|not_responding|inval|power|reboot)/ || $2 ~ /[*~#!%$@^-]$/ {{print $1}}')
-    scontrol show hostnames "$SLURM_JOB_NODELIST" | grep -vxF -f <(printf '%s\n' $bad)
+usable_nodes() {{  # the job's nodes, in its order, less those SLURM says are down, drained or draining, failing or
+    # not responding (a '*' after the state); fails when sinfo does
+    local states bad
+    states=$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %T') || return 1
+    bad=$(printf '%s\\n' "$states" | awk '{{s = $2; lost = (s ~ /\\*$/); sub(/[*~#%$@^!-]+$/, "", s)
+        if (lost || s ~ /^(down|drain|drained|draining|fail|failing|not_responding|inval|powered_down|power_down|powering_down|reboot_issued)$/) print $1}}')
+    scontrol show hostnames "$SLURM_JOB_NODELIST" | grep -vxF -f <(printf '%s\\n' $bad) || true  # none usable: no error
 }}
 requeue() {{  # the verdicts' folder is kept for the requeued job only when the requeue went through
     if scontrol requeue "${{SLURM_JOB_ID:-}}"; then REQUEUED=1; else echo "hf-gpu-train: scontrol requeue failed: submit this script again to resume"; fi
 }}
+failed_unjudged() {{  # no node's launcher left a verdict (all killed first, or the step could not start on a node SLURM
+    # does not know is lost yet): requeued, at most HF_GPU_TRAIN_MAX_RESTARTS times, for SLURM to find the nodes again
+    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt "$HF_GPU_TRAIN_MAX_RESTARTS" ]; then
+        echo "hf-gpu-train: exit $code and no node's launcher said whether a restart helps (killed before it could): requeueing job ${{SLURM_JOB_ID:-}}"
+        requeue
+    else
+        echo "hf-gpu-train: exit $code, no node's launcher said whether a restart helps, and the job was requeued ${{SLURM_RESTART_COUNT:-0}} time(s) (HF_GPU_TRAIN_MAX_RESTARTS): not again; submit this script again to resume from the newest complete checkpoint"
+    fi
+}}
 run_step() {{  # the training on the nodes of $1 (a comma list), $2 of them; the rest: the script's arguments
     local nodes=$1
     STARTS=$(( STARTS + 1 ))
-    export HF_GPU_TRAIN_NODES=$2 MAIN_NODE=${{HF_GPU_TRAIN_MAIN_NODE:-${{1%%,*}}}} {ATTEMPT_ENV}="${{SLURM_RESTART_COUNT:-0}}.$STARTS"
+    export HF_GPU_TRAIN_NODES=$2 MAIN_NODE=${{1%%,*}} {ATTEMPT_ENV}="${{SLURM_RESTART_COUNT:-0}}.$STARTS"
+    case ",$1," in *",${{HF_GPU_TRAIN_MAIN_NODE:-}},"*) MAIN_NODE=$HF_GPU_TRAIN_MAIN_NODE ;; esac  # yours, while usable
     shift 2
     rm -f "${{{REQUEUE_DIR_ENV}}}"/*.restart "${{{REQUEUE_DIR_ENV}}}"/*.stop
     srun --nodes="$HF_GPU_TRAIN_NODES" --ntasks="$HF_GPU_TRAIN_NODES" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 bash -c 'exec {binding_prefix(plan)}$HF_GPU_TRAIN launch --config-file "$HF_GPU_TRAIN_CONFIG_FILE" \\
@@ -187,24 +199,33 @@ while :; do
         code={PREEMPTED_EXIT_CODE}
         echo "hf-gpu-train: stopped with a complete checkpoint: requeueing job ${{SLURM_JOB_ID:-}}"
         requeue
-    elif [ "$code" -ne 0 ] && [ -z "$ASKED" ] && compgen -G "${{{REQUEUE_DIR_ENV}}}/*.restart" >/dev/null \
+    elif [ "$code" -ne 0 ] && compgen -G "${{{REQUEUE_DIR_ENV}}}/*.restart" >/dev/null \
             && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; then
-        NODES=$(usable_nodes | paste -sd, -)
-        COUNT=$(printf '%s' "$NODES" | tr , '\n' | grep -c .)
-        if [ "$COUNT" -ge "$NODES_LEAST" ]; then
+        if ! USABLE=$(usable_nodes); then
+            echo "hf-gpu-train: a rank failed (exit $code) and sinfo could not say which nodes are usable: requeueing job ${{SLURM_JOB_ID:-}}"
+            requeue
+            break
+        fi
+        NODES=$(printf '%s\\n' "$USABLE" | paste -sd, -)
+        COUNT=$(printf '%s\\n' "$USABLE" | grep -c .)
+        if [ "$COUNT" -ge "$NODES_LEAST" ] && [ -z "$ASKED" ]; then  # a stop signal, even one during this decision: requeue
             echo "hf-gpu-train: a rank failed (exit $code): starting again on $COUNT node(s) of the job ($NODES); the run resumes from its newest complete checkpoint"
             continue
         fi
-        echo "hf-gpu-train: a rank failed (exit $code) and $COUNT of the job's nodes are usable, fewer than $NODES_LEAST: requeueing job ${{SLURM_JOB_ID:-}}; it resumes from its newest complete checkpoint"
+        echo "hf-gpu-train: a rank failed (exit $code) and $COUNT of the job's nodes are usable (at least $NODES_LEAST wanted)${{ASKED:+, and a stop signal came}}: requeueing job ${{SLURM_JOB_ID:-}}; it resumes from its newest complete checkpoint"
         requeue
-    elif [ "$code" -ne 0 ] && [ -z "$ASKED" ] && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; then
-        echo "hf-gpu-train: exit $code and no node's launcher said whether a restart helps (killed before it could): not started again; submit this script again to resume from the newest complete checkpoint"
+    elif [ "$code" -ne 0 ] && ! compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null && [ -z "$TERMED" ]; then
+        failed_unjudged
     elif [ -n "$TERMED" ]; then
         echo "hf-gpu-train: SIGTERM reached srun, which kills every task at once (exit $code): submit this script again to resume from the newest complete checkpoint; #SBATCH --signal=B:USR1@N warns N s before a time limit"
     fi
     break
 done
-[ -z "$REQUEUED" ] && rm -rf "${{{REQUEUE_DIR_ENV}}}"  # the verdicts' state outlives requeues only
+# the verdicts' state is gone with the job once it ended for good: done, or a node said no (a SIGTERM may be SLURM
+# requeueing it itself: kept)
+if [ -z "$REQUEUED" ] && [ -z "$TERMED" ] && {{ [ "$code" -eq 0 ] || compgen -G "${{{REQUEUE_DIR_ENV}}}/*.stop" >/dev/null; }}; then
+    rm -rf "${{{REQUEUE_DIR_ENV}}}"
+fi
 exit "$code"
 """
 

@@ -63,6 +63,23 @@ def test_staging_copies_the_tensors_and_keeps_their_structure_and_ties():
     assert type(copied["point"]) is Point and copied["point"].y == 3 and copied["number"] == 1.5
 
 
+def test_a_dcp_saves_host_copy_is_made_once_and_copied_into_while_the_layout_holds():
+    """FSDP's DCP saves (background_save.StagingBuffers.dcp_stager): the second save of the same layout copies into
+    the first's host copy (DCP's own staging made a new one every time); another layout gets a new one."""
+    buffers = background_save.StagingBuffers()
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, "step": 1}
+    stager = buffers.dcp_stager(0, state)
+    first = stager.stage(state)
+    assert torch.equal(first["model"]["w"], state["model"]["w"]) and buffers.bytes == 9 * 4
+    state["model"]["w"].add_(1.0)
+    assert buffers.dcp_stager(0, state) is stager
+    second = stager.stage(state)
+    assert second["model"]["w"] is first["model"]["w"] and torch.equal(second["model"]["w"], state["model"]["w"])
+    assert buffers.dcp_stager(1, state) is not stager  # the optimizer's save: its own copy
+    grown = {"model": {"w": torch.zeros(4, 3), "b": torch.ones(3)}, "step": 1}
+    assert buffers.dcp_stager(0, grown) is not stager
+
+
 def test_inside_staged_every_name_of_the_writers_stages_and_outside_they_write(tmp_path):
     import safetensors.torch
     import transformers.modeling_utils

@@ -135,6 +135,7 @@ def test_nodes_with_their_own_config_files_meet_at_one_rendezvous(tmp_path):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--rdzv_conf", "join_timeout:900"], "--rdzv_conf join_timeout:900: 'join_timeout:900' is not key=value"),
     (["--no_python"], "-m and --no_python together"),
+    (["--rdzv_conf", "join_timeout=ten"], "--rdzv_conf join_timeout=ten: seconds, a number"),
 ])
 def test_launch_options_the_elastic_launch_cannot_read_are_usage_errors(two_nodes, argv, message):
     with pytest.raises(UsageError, match=message):

@@ -99,3 +99,12 @@ def test_an_unreadable_ledger_is_said_and_counted_from_zero(tmp_path, capsys):
     assert "restarting (1 of 3" in record_verdict(DIED, 3, tmp_path, "n1", "0.2")
     assert "ledger.json unreadable" in capsys.readouterr().out
     assert json.loads((tmp_path / "ledger.json").read_text())["after"]["restarts"] == 1
+
+
+def test_failures_whose_step_is_not_known_are_never_the_same_one():
+    """A failure before any step was recorded (watchdog off, a crash at start) says nothing of where: restarted up to
+    the limit rather than refused as the one before."""
+    policy = RestartPolicy(2)
+    unknown = Outcome(1, (0, 1), (), resumes=True)
+    assert policy.restart_line(unknown)[0] and policy.restart_line(unknown)[0]
+    assert not policy.restart_line(unknown)[0]  # the limit

@@ -49,7 +49,11 @@ def job(tmp_path, machine):
     executable(bindir / "srun", "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=1 exec \"$@\"\n")
     executable(bindir / "scontrol", "#!/bin/bash\necho \"$@\" >> \"$SCONTROL_RECORD\"\n[ \"$1\" = show ] && printf 'n1\\nn2\\n'\nexit 0\n")
     # the nodes' states as sinfo -N -o '%N %T' says them (SINFO_STATES), all usable by default
-    executable(bindir / "sinfo", "#!/bin/bash\nprintf '%b' \"${SINFO_STATES:-n1 mixed\\nn2 mixed\\n}\"\n")
+    executable(bindir / "sinfo", "#!/bin/bash\n"
+               # SIGNAL_SHELL_FILE: a stop signal to the batch shell (its pid in that file) while it decides on a restart
+               "if [ -n \"${SIGNAL_SHELL_FILE:-}\" ]; then for _ in $(seq 100); do [ -s \"$SIGNAL_SHELL_FILE\" ] && break; "
+               "sleep 0.05; done; kill -USR1 \"$(cat \"$SIGNAL_SHELL_FILE\")\"; sleep 0.2; fi\n"
+               "printf '%b' \"${SINFO_STATES:-n1 mixed\\nn2 mixed\\n}\"\n")
     executable(bindir / "recorder", RECORDER.format(python=sys.executable))
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "HF_GPU_TRAIN": str(bindir / "recorder"),
            "RECORD": str(tmp_path / "record.jsonl"), "SCONTROL_RECORD": str(tmp_path / "scontrol.txt"),
@@ -81,9 +85,13 @@ def test_exit_75_requeues_the_job_and_any_other_failure_does_not(job):
     assert preempted.returncode == 75 and "requeueing job 42" in preempted.stdout
     assert "requeue 42" in (tmp_path / "scontrol.txt").read_text()
     (tmp_path / "scontrol.txt").unlink()
-    failed = run(script, {**env, "EXIT_WITH": "1"})
-    assert failed.returncode == 1 and "requeue" not in (tmp_path / "scontrol.txt").read_text()
-    assert "no node's launcher said whether a restart helps (killed before it could): not started again" in failed.stdout
+    failed = run(script, {**env, "EXIT_WITH": "1"})  # no launcher said whether a restart helps: requeued, up to the limit
+    assert failed.returncode == 1 and "requeue 42" in (tmp_path / "scontrol.txt").read_text()
+    assert "no node's launcher said whether a restart helps (killed before it could): requeueing job 42" in failed.stdout
+    (tmp_path / "scontrol.txt").unlink()
+    last = run(script, {**env, "EXIT_WITH": "1", "SLURM_RESTART_COUNT": "3"})
+    assert last.returncode == 1 and "requeue" not in (tmp_path / "scontrol.txt").read_text()
+    assert "was requeued 3 time(s) (HF_GPU_TRAIN_MAX_RESTARTS): not again" in last.stdout
 
 
 @pytest.mark.parametrize(("verdicts", "restarted"), [("1.restart", True), ("0.restart,1.stop", False), ("1.stop", False)])
@@ -104,7 +112,7 @@ def test_a_node_drained_the_job_goes_on_with_the_nodes_left_or_requeues_below_it
     script, config, env, tmp_path = job
     drained = {**env, "EXIT_WITH": "1", "VERDICTS": "0.restart", "SINFO_STATES": "n1 mixed\\nn2 draining\\n"}
     requeued = run(script, drained)  # at least 2 nodes (the default): requeued for SLURM to give two again
-    assert requeued.returncode == 1 and "1 of the job's nodes are usable, fewer than 2: requeueing job 42" in requeued.stdout
+    assert requeued.returncode == 1 and "1 of the job's nodes are usable (at least 2 wanted): requeueing job 42" in requeued.stdout
     assert "requeue 42" in (tmp_path / "scontrol.txt").read_text()
     assert list(tmp_path.rglob(".hf-gpu-train-restarts-42"))  # kept for the requeued job's verdicts
     (tmp_path / "record.jsonl").unlink()
@@ -119,6 +127,34 @@ def test_a_node_drained_the_job_goes_on_with_the_nodes_left_or_requeues_below_it
     assert (again[again.index("--num_machines") + 1], again[again.index("--num_processes") + 1]) == ("1", "2")
     with pytest.raises(UsageError, match="--min-machines 3: between 1 and --num-machines 2"):
         render_sbatch(plan, config, "train.py", min_nodes=3)
+
+
+@pytest.mark.parametrize(("states", "nodes"), [("n1 mixed-\\nn2 allocated$\\n", "n1,n2"), ("n1 mixed@\\nn2 idle*\\n", "n1"),
+                                              ("n1 drained\\nn2 mixed\\n", "n2"), ("n1 down\\nn2 failing\\n", "")])
+def test_the_nodes_a_restart_runs_on_are_those_sinfo_says_are_usable(job, machine, states, nodes):
+    """Planned-by-backfill (-), maintenance-reserved ($) or reboot-pending (@) nodes still run the job; not responding
+    (*), drained, down or failing ones do not."""
+    _, config, env, tmp_path = job
+    plan = make_plan(machine("cpu-only"), PlanOptions(num_machines=2, cpu_processes=1, main_process_ip="n1"))
+    elastic = config.with_name("elastic.sbatch")
+    elastic.write_text(render_sbatch(plan, config, "train.py", min_nodes=1))
+    done = run(elastic, {**env, "EXIT_WITH": "1", "VERDICTS": "0.restart", "SINFO_STATES": states})
+    if nodes:
+        assert done.returncode == 0 and f"node(s) of the job ({nodes})" in done.stdout, done.stdout + done.stderr
+    else:
+        assert "0 of the job's nodes are usable (at least 1 wanted): requeueing job 42" in done.stdout, done.stdout
+
+
+def test_a_stop_signal_while_a_restart_is_decided_requeues_instead(job):
+    script, _, env, tmp_path = job
+    pid_file = tmp_path / "shell.pid"
+    shell = subprocess.Popen(["bash", str(script)], env={**env, "EXIT_WITH": "1", "VERDICTS": "0.restart",
+                                                          "SIGNAL_SHELL_FILE": str(pid_file)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file.write_text(str(shell.pid))
+    out, err = shell.communicate(timeout=60)
+    assert "hf-gpu-train: SIGUSR1 at" in out and "and a stop signal came: requeueing job 42" in out, out + err
+    assert len((tmp_path / "record.jsonl").read_text().splitlines()) == 1 and "starting again" not in out
 
 
 def test_a_node_killed_while_it_exits_after_another_nodes_75_still_requeues(job):
