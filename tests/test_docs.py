@@ -386,6 +386,14 @@ def launch_problems(sub: str, argv: list[str]) -> list[str]:
                 problems += file_problems("--machine", opts.machine)
             except SystemExit:
                 problems.append(f"tune's own options {own}: {err.getvalue().strip().splitlines()[-1]}")
+    if sub == "launch":  # ours, taken out before accelerate's options are read (cli/launch.py)
+        from hf_gpu_train.cli.launch import take_nnodes, take_restarts
+        from hf_gpu_train.errors import UsageError
+
+        try:
+            argv = take_nnodes(take_restarts(argv)[1])[1]
+        except UsageError as error:
+            return [str(error)]
     parsed = split_launch_argv(argv)
     config = parsed.value(*CONFIG_FILE_OPTIONS)
     if config is None or parsed.script is None:

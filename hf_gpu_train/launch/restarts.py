@@ -24,6 +24,7 @@ says stop (in its allocation, on the nodes still usable; requeued when too few a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -123,8 +124,6 @@ def record_verdict(outcome: Outcome, max_restarts: int, folder: Path, node: str,
     saw it first. Read and written under a lock, replaced whole. For a failure, ``folder/NODE.restart`` or
     ``folder/NODE.stop`` holds the line said; a stop signal's exit leaves no verdict (the sbatch requeues it itself).
     Returns the line (None: nothing to say)."""
-    import fcntl
-
     folder.mkdir(parents=True, exist_ok=True)
     ledger = folder / "ledger.json"
     with open(folder / "ledger.lock", "w") as lock:
