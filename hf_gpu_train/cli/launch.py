@@ -262,12 +262,10 @@ def build_launch(argv: list[str], environ: Mapping[str, str] | None = None, here
         notes.append(note)
     if nodes is not None:
         elastic_settings = {**settings, **({"mixed_precision": settings_flags[1]} if settings_flags else {})}
-        cmd, launched, elastic_notes = elastic_command(
+        cmd, launched, elastic_notes, join_timeout_s = elastic_command(
             nodes, config, elastic_settings, parsed.script, parsed.script_args, module=parsed.has("-m", "--module"),
             no_python=parsed.has("--no_python", "--no-python"))
-        conf = dict(part.split("=", 1) for part in cmd[cmd.index("--rdzv-conf") + 1].split(","))
-        return Launch(cmd, {**env, **launched}, (*notes, *elastic_notes), cpus, nodes.most, nodes,
-                      float(conf["join_timeout"]))
+        return Launch(cmd, {**env, **launched}, (*notes, *elastic_notes), cpus, nodes.most, nodes, join_timeout_s)
     # The accelerate of this interpreter, whatever PATH says; its launch command alone (accelerate_cli imports every
     # subcommand, estimate-memory's transformers among them: 5 s more before the first process starts)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),

@@ -110,8 +110,9 @@ def _check_carried(config: dict, nodes: NodeRange) -> None:
 
 
 def elastic_command(nodes: NodeRange, config: dict, settings: dict, script: str, script_args: tuple[str, ...],
-                    *, module: bool, no_python: bool) -> tuple[list[str], dict[str, str], list[str]]:
-    """(torchrun's command, the variables accelerate would export for ``config`` with ``settings`` applied, notes).
+                    *, module: bool, no_python: bool) -> tuple[list[str], dict[str, str], list[str], float]:
+    """(torchrun's command, the variables accelerate would export for ``config`` with ``settings`` applied, notes,
+    the rendezvous's join timeout in seconds).
 
     ``config``: the accelerate YAML's keys; ``settings``: the launch options by accelerate's key. The processes per node
     are the YAML's ``num_processes / num_machines`` (``--num_processes``/``--num_machines`` on the command line win);
@@ -168,4 +169,4 @@ def elastic_command(nodes: NodeRange, config: dict, settings: dict, script: str,
         cmd.append("--module")
     elif no_python:
         cmd.append("--no-python")
-    return [*cmd, script, *script_args], env, notes
+    return [*cmd, script, *script_args], env, notes, float(conf["join_timeout"])
