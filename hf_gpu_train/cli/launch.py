@@ -336,8 +336,7 @@ def take_nnodes(argv: list[str]) -> tuple[NodeRange | None, list[str]]:
     if not parsed.has(NNODES_OPTION):
         return None, list(argv)
     nodes = parse_node_range(parsed.value(NNODES_OPTION))
-    return nodes, [*flatten(parsed.without(NNODES_OPTION)), *([] if parsed.script is None else [parsed.script]),
-                   *parsed.script_args]
+    return nodes, parsed.argv_without(NNODES_OPTION)
 
 
 def take_restarts(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -353,8 +352,7 @@ def take_restarts(argv: list[str]) -> tuple[int | None, list[str]]:
             raise ValueError
     except ValueError:
         raise UsageError(f"--max-restarts {value}: give a number of restarts (0: none; default {DEFAULT_RESTARTS})") from None
-    return count, [*flatten(parsed.without(*RESTART_OPTIONS)), *([] if parsed.script is None else [parsed.script]),
-                   *parsed.script_args]
+    return count, parsed.argv_without(*RESTART_OPTIONS)
 
 
 def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:

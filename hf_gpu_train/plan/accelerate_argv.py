@@ -49,6 +49,11 @@ class LaunchArgv:
     def without(self, *names: str) -> tuple[tuple[str, str | None], ...]:
         return tuple((n, v) for n, v in self.options if n not in names)
 
+    def argv_without(self, *names: str) -> list[str]:
+        """The command line again, less these options (every spelling given): what a launcher that takes its own
+        options out of accelerate's passes on."""
+        return [*flatten(self.without(*names)), *([] if self.script is None else [self.script]), *self.script_args]
+
     def settings(self) -> dict[str, str | bool]:
         """Options by accelerate's key (``--num-processes 2`` -> {"num_processes": "2"}; a switch -> True)."""
         return {name.lstrip("-").replace("-", "_"): True if value is None else value for name, value in self.options}
