@@ -1,4 +1,4 @@
-"""This rank's own forward time, which holds no collective: with data wait, it names stragglers.
+"""This rank's own forward time per window (``loop/forward_time_s``).
 
 On CUDA a host clock around ``forward`` measures kernel *launches*, not the work (kernels run
 asynchronously), so the time there comes from ``torch.cuda.Event`` pairs recorded on the stream and

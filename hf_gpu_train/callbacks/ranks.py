@@ -1,7 +1,8 @@
 """At log steps only: every rank's compact summary to all ranks, in one collective.
 
-The summary carries what rank 0 needs to name stragglers and uneven memory, and this rank's token
-count since the last log, so the run's tokens are summed here instead of in a collective per step.
+The summary carries what rank 0 needs to show each rank and name uneven memory, and this rank's token
+count since the last log, so the run's tokens are summed here instead of in a collective per step. Which rank is slow
+is not judged here: a rank's own step time cannot tell it (``arrivals.py`` does, by arrival at the collectives).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import logging
 import socket
 
 import torch
-
-from .verdicts import stragglers
 
 log = logging.getLogger("hf_gpu_train.telemetry")
 UNEVEN_MEMORY_FRACTION = 0.2
@@ -24,8 +23,8 @@ def world_size() -> int:
 
 
 def gather_ranks(metrics: dict[str, float], gpus: list[int], tokens: int, is_world_zero: bool) -> tuple[list[dict], int]:
-    """(per-rank summaries with straggler flags, and an ``{"uneven_memory": True}`` entry when so; tokens
-    of all ranks). One process: ([], tokens)."""
+    """(per-rank summaries, and an ``{"uneven_memory": True}`` entry when so; tokens of all ranks). One process:
+    ([], tokens)."""
     world = world_size()
     if world < 2:
         return [], tokens
@@ -38,16 +37,10 @@ def gather_ranks(metrics: dict[str, float], gpus: list[int], tokens: int, is_wor
             "torch_mem_allocated_gib": metrics.get("torch/mem_allocated_gib")}
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     torch.distributed.all_gather_object(gathered, mine)
-    slow = stragglers({r["rank"]: r["own_step_time_s"] for r in gathered if r["own_step_time_s"]})
     memory = [r["mem_used_gib"] or r["torch_mem_allocated_gib"] for r in gathered]
     memory = [m for m in memory if m is not None]
     uneven = bool(memory) and max(memory) > 0 and (max(memory) - min(memory)) / max(memory) >= UNEVEN_MEMORY_FRACTION
-    for r in gathered:
-        r["straggler"] = r["rank"] in slow
-    if is_world_zero:
-        if slow:
-            log.warning("telemetry: straggler rank(s) %s: at least 15%% slower than the median (own time: data wait + forward)", slow)
-        if uneven:
-            log.warning("telemetry: uneven memory across ranks: %s GiB", [round(m, 2) for m in memory])
+    if is_world_zero and uneven:
+        log.warning("telemetry: uneven memory across ranks: %s GiB", [round(m, 2) for m in memory])
     total_tokens = sum(int(r.get("tokens") or 0) for r in gathered)
     return gathered + ([{"uneven_memory": True}] if uneven else []), total_tokens

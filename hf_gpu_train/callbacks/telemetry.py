@@ -34,11 +34,13 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..collectives.control_flags import agree_on_control
+from ..collectives.cpu_votes import several_processes
 from ..collectives.lone_rank import check_not_alone
 from ..hardware.backend import NvmlBackend, NvmlFailure
 from ..hardware.nvml import PynvmlBackend
 from ..hardware.peaks import peak_flops
 from ..oom import OOMRecoveryState
+from .arrivals import PhaseClock, StragglerWatch
 from .devices import cuda_memory, model_device, nvml_handles_for, torch_bus_id
 from .flops import (
     ModelFlops,
@@ -69,6 +71,7 @@ class TelemetryCallback(TrainerCallback):
         memory_probe: Callable[[torch.device], dict[str, float] | None] | None = None,
         write_report: bool = True,
         suggested_micro_batch: int | None = None,
+        straggler_check_steps: int = 5,
     ):
         self.trainer = trainer
         self.interval_s = interval_s
@@ -77,6 +80,8 @@ class TelemetryCallback(TrainerCallback):
         self.memory_probe = memory_probe or cuda_memory
         self.write_report = write_report
         self.suggested_micro_batch = suggested_micro_batch
+        self.straggler_check_steps = straggler_check_steps
+        self.stragglers: StragglerWatch | None = None  # several processes only: which rank the others wait for (arrivals.py)
         self.sampler: DeviceSampler | None = None
         self.timer = LoopTimer()
         self.tokens = TokenCounter()
@@ -140,6 +145,9 @@ class TelemetryCallback(TrainerCallback):
         if model is not None:
             self.tokens.install(model)
             self.forward_timer = ForwardTimer(self.device).install(model)
+            if several_processes() is not None:
+                clock = PhaseClock(self.device).install(self.trainer, model)
+                self.stragglers = StragglerWatch(clock, self.straggler_check_steps)
         self._estimate_flops(args, model, train_dataloader)
         self._install_batch_timer(train_dataloader)
         steps_strategy = logging_strategy(args) == "steps"
@@ -153,6 +161,8 @@ class TelemetryCallback(TrainerCallback):
         self.tokens.remove()
         if self.forward_timer is not None:
             self.forward_timer.remove()
+        if self.stragglers is not None:
+            self.stragglers.clock.remove()
         if self._original_collate is not None:
             loader, collate = self._original_collate
             loader.collate_fn = collate
@@ -176,7 +186,8 @@ class TelemetryCallback(TrainerCallback):
 
             try:
                 write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names,
-                                 log_history=list(state.log_history))  # the loss curves of a Trainer that never saves its state
+                                 log_history=list(state.log_history),
+                                 arrivals=self.stragglers.windows if self.stragglers is not None else None)  # the loss curves of a Trainer that never saves its state
             except Exception as error:  # the report must never cost the run its final evaluation and model
                 log.warning("telemetry: the run report was not written (%s: %s); the training is not affected",
                             type(error).__name__, error)
@@ -188,6 +199,18 @@ class TelemetryCallback(TrainerCallback):
     # -- loop events -------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kwargs):
         self.timer.step_begin(time.perf_counter())
+        if self.stragglers is not None:
+            self.stragglers.clock.step_begin()
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.stragglers is not None:
+            self.stragglers.clock.optimizer_begins()
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.stragglers is not None:
+            self.stragglers.clock.optimizer_ends()
         return control
 
     def on_substep_end(self, args, state, control, **kwargs):
@@ -197,6 +220,8 @@ class TelemetryCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.timer.step_end(time.perf_counter())
         self.tokens.micro_step_done()
+        if self.stragglers is not None:  # at the step numbers every rank counts alike: every rank exchanges, or none
+            self.stragglers.on_step_end(state.global_step, state.is_world_process_zero)
         if self._agreed_on is None and control.should_log and not self.emitting:  # flags not agreed: see the docstring
             self._emit_at_log(args, state, control, gather=on_logging_schedule(args, state))
         return control
@@ -218,18 +243,24 @@ class TelemetryCallback(TrainerCallback):
         self._emit(args, state, gather=gather)
         # Trainer.log -> CallbackHandler.on_log clears should_log; the Trainer still has its own loss to log
         control.should_log = True
+        self._pause_ends()
+
+    def _pause_ends(self) -> None:
+        """A log, evaluation or save just finished: not the loop's time (data wait, a phase of the step)."""
         self.timer.pause_end(time.perf_counter())
+        if self.stragglers is not None:
+            self.stragglers.clock.pause_end()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.timer.pause_end(time.perf_counter())
+        self._pause_ends()
         return control
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self.timer.pause_end(time.perf_counter())
+        self._pause_ends()
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        self.timer.pause_end(time.perf_counter())
+        self._pause_ends()
         return control
 
     def _attach_late(self, trainer) -> None:
@@ -329,11 +360,20 @@ class TelemetryCallback(TrainerCallback):
         trend = speed_trend(self.history) if full else None
         if trend:
             verdict = verdict.with_note(trend)
+        named = dict(self.stragglers.named) if self.stragglers is not None and self.stragglers.named else None
+        if named:  # the rank the others wait for, and in which phase (arrivals.py): numbers for the trackers too
+            verdict = verdict.with_note(named["line"])
+            metrics.update({"straggler/rank": float(named["rank"]), "straggler/excess_ms": named["excess_ms"]})
+        for r in ranks:
+            if "rank" in r:
+                r["straggler"] = named is not None and r["rank"] == named["rank"]
         self.last_verdict = verdict
         record = {"step": state.global_step, "time": time.time(), "final": final, "full": full, "metrics": metrics,
                   "throttle_reasons": {str(k): sorted(v) for k, v in reasons.items()}, "verdict": verdict.to_dict()}
         if ranks:
             record["ranks"] = ranks
+        if named:
+            record["straggler"] = named
         self.records.append(record)
         if state.is_world_process_zero and full and verdict.kind != self._last_kind:
             # the console line names the verdict at every log step; its evidence and next step when it changes

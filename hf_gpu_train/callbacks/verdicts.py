@@ -166,13 +166,3 @@ def speed_trend(history: list[WindowStats]) -> str | None:
         causes.append(f"GPU utilization fell from {_fmt(first.gpu_util_pct, '%')} to {_fmt(last.gpu_util_pct, '%')} (another process on the GPU?)")
     return (f"speed fell {100 * (1 - now / best):.0f}% from its best ({best:.1f} to {now:.1f} samples/s)"
             + (": " + "; ".join(causes) if causes else ""))
-
-
-def stragglers(step_times: dict[int, float], threshold: float = 0.15) -> list[int]:
-    """Ranks at least ``threshold`` slower than the median (by their own, non-collective time)."""
-    if len(step_times) < 2:
-        return []
-    ordered = sorted(step_times.values())
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return sorted(r for r, t in step_times.items() if median > 0 and t >= median * (1 + threshold))

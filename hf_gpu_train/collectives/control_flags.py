@@ -14,6 +14,7 @@ gate's (``faults/collective_gate.py``).
 from __future__ import annotations
 
 from .cpu_votes import any_rank, cpu_group, several_processes
+from .wait_clock import waiting
 
 FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop", "should_epoch_stop")
 STOP_FLAGS = ("should_training_stop", "should_epoch_stop")
@@ -28,7 +29,8 @@ def agree_flags(control, names=FLAGS) -> None:
     if dist is None:
         return
     flags = torch.tensor([int(bool(getattr(control, name))) for name in names], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(dist))
+    with waiting():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(dist))
     for name, value in zip(names, flags.tolist()):
         setattr(control, name, bool(value))
 

@@ -7,6 +7,8 @@ With one process (or no process group) each vote returns this rank's own value, 
 
 from __future__ import annotations
 
+from .wait_clock import waiting
+
 CPU_GROUP: list = []  # the gloo group of the votes, made once (the preflight gives it the run's timeout afterwards)
 
 
@@ -37,7 +39,8 @@ def any_rank(mine: bool) -> bool:
     if dist is None:
         return bool(mine)
     votes = torch.tensor([int(bool(mine))], dtype=torch.int32)
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=cpu_group(dist))
+    with waiting():
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=cpu_group(dist))
     return bool(votes.item())
 
 
@@ -50,7 +53,8 @@ def lowest_and_highest(value: int, group=None) -> tuple[int, int]:
     if dist is None:
         return value, value
     both = torch.tensor([-int(value), int(value)], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cpu_group(dist) if group is None else group)
+    with waiting():
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cpu_group(dist) if group is None else group)
     return -int(both[0]), int(both[1])
 
 
@@ -60,4 +64,5 @@ def wait_for_every_rank() -> None:
 
     dist = several_processes()
     if dist is not None:
-        dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=cpu_group(dist))
+        with waiting():
+            dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=cpu_group(dist))

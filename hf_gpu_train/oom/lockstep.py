@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..collectives.wait_clock import waiting
 from ..collectives.wrappers import on_default_group, raw, unwrap_collectives, wrap_collectives
 
 NO_LIMIT = 2**31 - 1  # "the whole batch" in the micro-batch vote
@@ -97,7 +98,8 @@ class Lockstep:
         box += [int(u) for u in used] if used is not None else [0] * self.num_params
         began = time.perf_counter()
         votes = torch.tensor(box, dtype=torch.int64)
-        raw.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        with waiting():
+            raw.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
         counts = votes.tolist()
         self.ballots += 1
         COST.ballot_s += time.perf_counter() - began

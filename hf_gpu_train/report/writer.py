@@ -1,7 +1,8 @@
 """Write and re-read the run report. Files in ``output_dir``:
 
-- ``telemetry.jsonl``: one line per sampler reading ({"kind": "sample", ...}) and per log window
-  ({"kind": "window", "step", "metrics", "verdict", "ranks"});
+- ``telemetry.jsonl``: one line per sampler reading ({"kind": "sample", ...}), per log window
+  ({"kind": "window", "step", "metrics", "verdict", "ranks"}) and, with several processes, per exchange of the ranks'
+  phase times ({"kind": "arrivals", "step", "ranks", "finding"}: ``callbacks/arrivals.py``);
 - ``telemetry_summary.json``: means and maxima over the run, the final verdict, stragglers;
 - ``report.md`` with the SVG charts from ``plots.py``.
 """
@@ -13,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .generations import generations_section
-from .plots import draw_all
+from .plots import draw_all, draw_rank_timeline
 from .story import LOG_HISTORY, read_json_object, story
 
 JSONL = "telemetry.jsonl"
@@ -22,6 +23,12 @@ REPORT = "report.md"
 
 
 def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu_names: dict) -> dict:
+    named: list[dict] = []  # each straggler the run named, once (rank, phase, the step it was named at)
+    for w in windows:
+        s = w.get("straggler")
+        if isinstance(s, dict) and not any((n["rank"], n["phase"], n["since_step"]) == (s.get("rank"), s.get("phase"),
+                                                                                       s.get("since_step")) for n in named):
+            named.append({k: s.get(k) for k in ("rank", "phase", "since_step", "excess_ms", "step_ms", "line")})
     series: dict[str, list[float]] = defaultdict(list)
     for w in windows:
         for key, value in w.get("metrics", {}).items():
@@ -34,13 +41,15 @@ def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu
     for w in windows:
         verdict_counts[w["verdict"]["kind"]] += 1
     return {"gpus": {str(k): v for k, v in gpu_names.items()}, "samples": len(samples), "windows": len(windows),
-            "metrics": stats, "throttle_reasons_seen": throttle, "straggler_ranks": stragglers,
+            "metrics": stats, "throttle_reasons_seen": throttle, "straggler_ranks": stragglers, "stragglers_named": named,
             "verdict_counts": dict(verdict_counts), "final_verdict": verdict}
 
 
-def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log_history: list | None = None) -> Path:
+def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log_history: list | None = None,
+                     arrivals: list | None = None) -> Path:
     """``verdict``: the run's last (anything with ``to_dict()``: callbacks/verdicts.Verdict), or None. ``log_history``:
-    the Trainer's, written beside (``story.LOG_HISTORY``) for the loss curves of a Trainer that never saves its state."""
+    the Trainer's, written beside (``story.LOG_HISTORY``) for the loss curves of a Trainer that never saves its state.
+    ``arrivals``: the exchanges of the ranks' phase times (``callbacks/arrivals.StragglerWatch.windows``)."""
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +61,8 @@ def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log
             f.write(json.dumps({"kind": "sample", **s}) + "\n")
         for r in records:
             f.write(json.dumps({"kind": "window", **r}) + "\n")
+        for a in arrivals or []:
+            f.write(json.dumps({"kind": "arrivals", **a}) + "\n")
     summary = _summary(sample_dicts, records, verdict.to_dict() if verdict else None, gpu_names)
     (out / SUMMARY).write_text(json.dumps(summary, indent=2))
     render_report(out)
@@ -64,6 +75,8 @@ def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
     out = Path(output_dir)
     samples, windows = [], []
     for line in (out / JSONL).read_text().splitlines():
+        if '"kind": "arrivals"' in line:  # load_arrivals reads those
+            continue
         try:
             item = json.loads(line)
         except ValueError:
@@ -78,6 +91,21 @@ def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
     except ValueError:
         summary = {}
     return samples, windows, summary if isinstance(summary, dict) else {}
+
+
+def load_arrivals(output_dir) -> list[dict]:
+    """The exchanges of the ranks' phase times recorded in telemetry.jsonl (none with one process)."""
+    arrivals = []
+    for line in (Path(output_dir) / JSONL).read_text().splitlines():
+        if '"kind": "arrivals"' not in line:
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict) and isinstance(item.get("ranks"), list):
+            arrivals.append(item)
+    return arrivals
 
 
 def renamed_loop_keys(metrics: dict) -> dict:
@@ -102,6 +130,8 @@ def render_report(output_dir) -> list[Path]:
     recorded = telemetry_recorded(out)
     samples, windows, summary = load_run(out) if recorded else ([], [], {})
     plots = draw_all(out, samples, windows) if recorded else []
+    timeline = draw_rank_timeline(out, load_arrivals(out)) if recorded else None
+    plots += [timeline] if timeline else []
     lines = ["# Run report", "", *told]
     run_summary = read_json_object(out / "run_summary.json")
     plan = run_summary.get("plan") if run_summary is not None else None
@@ -164,8 +194,8 @@ def render_terminal_summary(summary: dict) -> str:
         lines.append(f"throttling seen: {', '.join(summary['throttle_reasons_seen'])}")
     for key in sorted(k for k in m if k.endswith("/power_capped_pct") and m[k]["max"] > 0):
         lines.append(f"{key.split('/')[0]} at power limit (SwPowerCap, not throttling) in {m[key]['mean']:.0f}% of readings on average")
-    if summary.get("straggler_ranks"):
-        lines.append(f"straggler ranks: {summary['straggler_ranks']}")
+    for named in summary.get("stragglers_named") or []:
+        lines.append(f"named at step {named.get('since_step')}: {named.get('line')}")
     counts = summary.get("verdict_counts", {})
     if counts:
         lines.append("verdicts over the run: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))

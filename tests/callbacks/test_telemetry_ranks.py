@@ -20,7 +20,8 @@ def test_two_gloo_processes_produce_the_per_rank_summary_and_name_the_straggler(
     assert all("own_step_time_s" in r and "data_wait_pct" in r for r in ranks)
     summary = json.loads((out / "telemetry_summary.json").read_text())
     assert summary["straggler_ranks"] == [1]
-    assert "straggler rank(s) [1]" in run.stderr
+    assert "telemetry step 4: straggler: rank 1 is slow in data" in run.stderr, run.stderr[-3000:]
+    assert [(n["rank"], n["phase"], n["since_step"]) for n in summary["stragglers_named"]] == [(1, "data", 4)]
     # each rank counts its own tokens; summed once per log step they are the whole epoch's, each sample once
     data = TokenDataset(n=96)
     assert sum(w["metrics"].get("loop/tokens", 0) for w in windows) == sum(int(data[i]["attention_mask"].sum()) for i in range(96))
