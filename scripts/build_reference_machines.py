@@ -18,11 +18,18 @@ PLX switch each, PIX) from the NIC columns of that output and the topology dump 
 (GPU0 06:00.0 and GPU1 07:00.0 under PLX 03:00.0). MIG: profile names and memory as `nvidia-smi`
 shows them on an A100-SXM4-80GB (two 3g.40gb instances, GPU instance ids 1 and 2, 40192 MiB each;
 NVIDIA MIG user guide, "Supported MIG Profiles").
+
+GPU health (NVML, what a healthy board reads): ECC counts zero on datacenter boards; GeForce boards have no ECC
+(NotSupported: None); Tesla boards before Ampere (T4, V100) retire pages and have no row remapper, Ampere and later
+(A100, H100, H200) remap rows and have no page retirement (NVIDIA's A100/H100 memory error management guide); one
+NVLink error counter set per active link, none on boards without NVLink (T4, RTX 4090) and an empty list on boards
+that have NVLink but no link up (an A100 PCIe without a bridge). XIDs: none while detecting.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
 
@@ -30,12 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_gpu_train.hardware import snapshot  # noqa: E402
 from hf_gpu_train.hardware.profile import (  # noqa: E402
+    GpuHealth,
     GpuInfo,
     GpuPair,
     GpuProcess,
     HardwareProfile,
     HostInfo,
     MigInstance,
+    NvLinkErrorCounts,
     cpulist,
 )
 
@@ -112,9 +121,30 @@ def host(name: str, cpu: str, physical: int, logical: int, numa: int, ram_gib: i
     )
 
 
+# What a healthy board of each family reads (see the module docstring): ECC, page retirement, row remapping, NVLink.
+ECC_ZERO = dict(ecc_corrected_volatile=0, ecc_uncorrected_volatile=0, ecc_corrected_aggregate=0, ecc_uncorrected_aggregate=0)
+PAGE_RETIREMENT_ZERO = dict(retired_pages_single_bit=0, retired_pages_double_bit=0, retired_pages_pending=False)
+ROW_REMAP_ZERO = dict(remapped_rows_corrected=0, remapped_rows_uncorrected=0, row_remap_pending=False, row_remap_failed=False)
+HEALTH_BY_NAME = {  # GPU name -> (health fields, has NVLink)
+    "Tesla T4": ({**ECC_ZERO, **PAGE_RETIREMENT_ZERO}, False),
+    "Tesla V100-SXM2-32GB": ({**ECC_ZERO, **PAGE_RETIREMENT_ZERO}, True),
+    "NVIDIA GeForce RTX 4090": ({}, False),
+    "NVIDIA GeForce RTX 3090": ({}, True),
+}
+
+
+def healthy(gpu_info: GpuInfo, pairs) -> GpuHealth:
+    """A healthy reading of ``gpu_info``: zero counts where its family has the counter, its active NVLinks."""
+    counters, has_nvlink = HEALTH_BY_NAME.get(gpu_info.name, ({**ECC_ZERO, **ROW_REMAP_ZERO}, True))
+    links = gpu_info.nvswitch_links or sum(p.nvlinks for p in pairs if gpu_info.index in (p.a, p.b))
+    nvlinks = tuple(NvLinkErrorCounts(link) for link in range(links)) if has_nvlink else None
+    return GpuHealth(**counters, pcie_replays=0, nvlink_errors=nvlinks, xids=())
+
+
 def profile(name, description, host_info, gpus=(), pairs=(), driver="550.127.05", cuda="12.4", **extra) -> HardwareProfile:
+    gpus = tuple(g if g.health is not None else replace(g, health=healthy(g, pairs)) for g in gpus)
     return HardwareProfile(
-        host=host_info, gpus=tuple(gpus), pairs=tuple(pairs), driver_version=driver, cuda_driver_version=cuda,
+        host=host_info, gpus=gpus, pairs=tuple(pairs), driver_version=driver, cuda_driver_version=cuda,
         name=name, description=description, **extra,
     )
 
@@ -288,7 +318,26 @@ def test_machines() -> list[HardwareProfile]:
                        host("4x-h100-vm-nvlink-no-p2p", "Intel(R) Xeon(R) Platinum 8480+", 48, 96, 1, 900, 450, 4),
                        vm, all_pairs(vm, lambda a, b: "PHB", nvlinks=lambda a, b: 18, p2p=lambda a, b: "not supported"),
                        driver="550.127.05", cuda="12.4"))
+    out.append(sick_a100_pair())
     return out
+
+
+def sick_a100_pair() -> HardwareProfile:
+    """GPU 1 of two A100s after a memory failure: a double-bit error (XID 48) earlier in the board's life, a row
+    marked for remapping (XID 63) that waits for a reset, a fall off the bus (XID 79), PCIe replays and CRC errors on
+    one NVLink. GPU 0 is healthy. What the doctor must FAIL and WARN on, with the reset and reseat fixes."""
+    pair = [gpu(i, "a100-sxm-40", bus, cpus=range(0, 64), nvswitch_links=12) for i, bus in enumerate([0x07, 0x0F])]
+    pairs = all_pairs(pair, lambda a, b: "PXB", nvlinks=lambda a, b: 12)
+    well = healthy(pair[1], pairs)
+    links = tuple(NvLinkErrorCounts(c.link, replay=12, crc_flit=57) if c.link == 3 else c for c in well.nvlink_errors)
+    sick = replace(well, ecc_corrected_volatile=3, ecc_corrected_aggregate=41, ecc_uncorrected_aggregate=2,
+                   remapped_rows_uncorrected=1, row_remap_pending=True, pcie_replays=1543, nvlink_errors=links,
+                   xids=(79, 48, 63))
+    pair[1] = replace(pair[1], health=sick)
+    return profile("2x-a100-sick-gpu", "2x A100 SXM4 40GB (NV12); GPU 1 had a double-bit ECC error: a row remap pending "
+                   "a reset, XIDs 79/48/63, PCIe replays and NVLink CRC errors",
+                   host("2x-a100-sick-gpu", "AMD EPYC 7J13 64-Core Processor", 32, 64, 1, 256, 128, 2),
+                   pair, pairs, driver="535.183.01", cuda="12.2")
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import USAGE_ERROR_FILE_ENV, UsageError
+from ..faults.gpu_health import named_events, node_watch
 from ..finetune.loading import load_config_and_keys
 from ..finetune.recipe_names import resolve_recipe
 from ..launch.elastic import NNODES_OPTION, NodeRange, elastic_command, parse_node_range
@@ -34,6 +35,7 @@ from ..launch.rank_report import (
     read_hang_report,
     read_preempted,
     read_progress,
+    read_rank_gpus,
     read_resumes,
     root_cause,
 )
@@ -361,6 +363,17 @@ def run_reporting_usage_errors(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def launch_once(cmd: list[str], env: dict[str, str]) -> Outcome:
+    """``_launch_once`` with every GPU of this node watched from before the processes start until they end: a rank
+    that dies cannot say its GPU's XID, the launcher can (``faults/gpu_health.py``)."""
+    health = node_watch()
+    try:
+        return _launch_once(cmd, env, health)
+    finally:
+        if health is not None:
+            health.close()
+
+
+def _launch_once(cmd: list[str], env: dict[str, str], health) -> Outcome:
     """Run the launcher with its stderr passed through as it comes. A training process that stops on a usage error
     (``scripts/finetune.py`` exits 2 with one line) writes that line to ``USAGE_ERROR_FILE``; from then on the stream
     goes through ``AfterUsageError``: the same line from other ranks and the launcher's own report of the failed worker
@@ -409,7 +422,8 @@ def launch_once(cmd: list[str], env: dict[str, str]) -> Outcome:
         if not marker.exists():
             hang = read_hang_report(progress)
             cause, reached = root_cause(shown.decode(errors="replace")), read_progress(progress)
-            line = failure_line(cause, reached, hang) if code else None
+            events = named_events(health.poll(), read_rank_gpus(progress)) if code and health else []
+            line = failure_line(cause, reached, hang, events) if code else None
             if line:
                 node = os.environ.get("SLURMD_NODENAME")  # several machines under SLURM: which one's ranks these are
                 print(f"hf-gpu-train launch{f' on node {node}' if node else ''}: {line}", file=sys.stderr)

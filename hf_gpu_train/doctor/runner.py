@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..hardware.profile import HardwareProfile, SoftwareInfo
 from .checks import FAIL, Check, check_disk, check_driver, check_shm, gpu_checks, skipped, stack_checks
+from .health_checks import HEALTH_CHECK_NAMES, health_checks
 from .live_checks import TorchProbe, p2p_copy_checks, small_win_checks
 
 LIVE_ONLY = "live check: run `hf-gpu-train doctor` on the machine itself"
@@ -24,11 +25,11 @@ def run_checks(
     driver_broken = driver.status == FAIL
     if driver_broken:
         why = "fix the driver first (see above) before anything that needs the GPU"
-        checks += [skipped(n, why) for n in ("gpus", "GPU models", "other processes", "MIG", "NVLink P2P", "idle clocks", "torch stack",
-                                              "small win")]
+        checks += [skipped(n, why) for n in ("gpus", "GPU models", "other processes", "MIG", "NVLink P2P", "idle clocks",
+                                              *HEALTH_CHECK_NAMES, "torch stack", "small win")]
     else:
         if profile.gpus:
-            checks += gpu_checks(profile)
+            checks += gpu_checks(profile) + health_checks(profile)
         if software is not None:
             checks += stack_checks(profile, software)
         else:

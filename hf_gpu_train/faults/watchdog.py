@@ -32,9 +32,11 @@ from transformers import TrainerCallback
 
 from ..collectives.lone_rank import check_not_alone
 from ..collectives.wrappers import on_default_group, wrap_collectives
+from ..hardware.backend import normalize_bus_id
 from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
 from ..process_group import rendezvous_store
 from .collective_gate import make_collective_safe, new_namespace, publish_position
+from .gpu_health import RankGpu, named_events
 
 PHASES = ("data", "forward", "backward", "optimizer", "evaluation", "save")  # the order a step goes through
 _KEY = "hf_gpu_train/hang"
@@ -190,6 +192,11 @@ def summary(states: dict[int, dict | None], culprit_rank: int, limit_s: float, w
                     f", not in a collective ({s.get('collectives', 0)} entered)")
                  if s else "no answer (stuck holding the interpreter, or gone)")
         lines.append(f"  rank {rank}: {where}" + ("   <- not where the others are" if rank in lagging else ""))
+    health = named_events([e for r in sorted(states) if states[r] for e in states[r].get("gpu_health", [])],
+                          {r: s["gpu"] for r, s in states.items() if s and s.get("gpu") is not None})
+    if health:  # each rank read its own GPU: a hang on a GPU that reported an XID is the GPU's, not the code's
+        lines.append("  GPU health changed during the run:")
+        lines += [f"    {line}" for line in health]
     if len(states) == 1:
         lines.append("  one process: its stacks show where it waits")
     elif not lagging:
@@ -214,6 +221,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._store = None
+        self.gpu: RankGpu | None = None  # this rank's GPU and its health events, for the summary (WatchdogCallback)
 
     def start(self) -> None:
         """Watch from now on (a thread while watched, none otherwise: nothing outlives the training it watched)."""
@@ -288,6 +296,10 @@ class Watchdog:
         stamp, _, first = stamp.partition("|")
         folder = self.output_dir / f"hang-{stamp}"
         state = {**self.progress.state(), "pid": os.getpid()}
+        if self.gpu is not None:  # NVML answers in microseconds; a lost GPU's may not: bounded
+            gpu, health = self.gpu, []
+            _within(min(self.collect_s, 5.0), lambda: health.extend(gpu.events()))
+            state.update(gpu=gpu.index, gpu_health=list(health))
         if culprit is not None:
             state["limit_s"], state["why"] = culprit
         if store is not None:  # before any file: a disk that stops answering must not keep rank 0 from the states
@@ -392,6 +404,21 @@ def _timedelta(seconds: float):
     return timedelta(seconds=seconds)
 
 
+def _watch_gpu(model, rank: int) -> RankGpu | None:
+    """This rank's GPU (by the PCI bus id of the model's device), watched for health events from now on, and left
+    in the launcher's progress folder so a launcher can name the GPU of a rank that died."""
+    import torch
+
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    gpu = RankGpu.watch(normalize_bus_id(f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"))
+    if gpu is not None:
+        gpu.record(rank)
+    return gpu
+
+
 class WatchdogCallback(TrainerCallback):
     """Marks the phases the Trainer goes through; ``attach_watchdog`` adds the evaluation and save phases."""
 
@@ -409,6 +436,8 @@ class WatchdogCallback(TrainerCallback):
         progress.step = state.global_step
         progress.enter("data")
         write_progress(args.process_index, state.global_step, "data")
+        if self.watchdog.gpu is None and model is not None:
+            self.watchdog.gpu = _watch_gpu(model, args.process_index)
         self.watchdog.start()
 
     def _training(self, phase: str) -> None:

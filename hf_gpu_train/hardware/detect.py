@@ -7,10 +7,12 @@ never an exception. CUDA is never initialised here: NVML talks to the driver, no
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import combinations
 from typing import Any
 
 from .backend import INIT_FAILURE_CAUSES, NvmlBackend, NvmlFailure, safe_query
+from .health import XidListener, read_health
 from .host import detect_host
 from .nvml import PynvmlBackend
 from .profile import (
@@ -77,6 +79,7 @@ def _detect_initialised(backend: NvmlBackend, host: HostInfo) -> HardwareProfile
         gpus.append(gpu)
         links.append(gpu_links)
     pairs = _detect_pairs(backend, gpus, handles, links, errors)
+    gpus = _with_health(backend, gpus, handles)
     return HardwareProfile(
         host=host,
         gpus=tuple(gpus),
@@ -128,6 +131,22 @@ def _detect_gpu(backend: NvmlBackend, index: int, handle: Any, errors: list[str]
         pcie_link_width=None if pcie is None else pcie[1],
     )
     return gpu, remotes
+
+
+def _with_health(backend: NvmlBackend, gpus: list[GpuInfo], handles: list[Any]) -> list[GpuInfo]:
+    """Each GPU with its health reading (None when NVML tells nothing of it): ECC, retired pages, remapped rows,
+    PCIe replays, NVLink errors, and the XIDs the driver queued while we listened."""
+    listener = XidListener(backend, {gpu.index: handle for gpu, handle in zip(gpus, handles)})
+    xids: dict[int, list[int]] = {index: [] for index in listener.registered}
+    for index, xid in listener.drain():
+        xids.setdefault(index, []).append(xid)
+    listener.close()
+    out = []
+    for gpu, handle in zip(gpus, handles):
+        health = read_health(backend, handle)
+        health = replace(health, xids=tuple(xids[gpu.index]) if gpu.index in xids else None)
+        out.append(replace(gpu, health=health if health.known else None))
+    return out
 
 
 def nvlinks_between(a: GpuInfo, a_remotes: list[tuple[str, bool]], b: GpuInfo) -> int:

@@ -10,14 +10,20 @@ injected by name, the way a driver would produce them::
 ``series`` replays changing values (utilization, power, clocks, ...) for telemetry tests:
 ``series={"utilization_pct": [(10, 5), (95, 40)]}`` answers each call with the next item and
 keeps the last one; ``{"temperature_c": {0: [60, 85], 1: [60]}}`` gives each GPU its own.
+
+GPU health comes from each GPU's ``health`` in the snapshot (a field that is None there, or no health at all,
+answers NotSupported, as a GPU without ECC, row remapping or NVLink would). A test changes it between two
+readings with ``set_health(index, pcie_replays=12)``, and makes the driver report an XID with
+``inject_xid(index, 79)``. The XIDs a snapshot recorded are queued on every event set when it registers the GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .backend import NOT_SUPPORTED, NvmlFailure
-from .profile import CLOCK_EVENT_REASON_BITS, P2P_STATUS_NAMES, TOPOLOGY_LEVELS, HardwareProfile, MigInstance
+from .profile import CLOCK_EVENT_REASON_BITS, P2P_STATUS_NAMES, TOPOLOGY_LEVELS, GpuHealth, HardwareProfile, MigInstance
 
 _LEVEL_BY_NAME = {name: level for level, name in TOPOLOGY_LEVELS.items()}
 _P2P_BY_NAME = {name: code for code, name in P2P_STATUS_NAMES.items()}
@@ -40,6 +46,8 @@ class FakeNvmlBackend:
         self.calls: dict[str, int] = {}
         self._served: dict[tuple[str, int], int] = {}
         self.initialised = False
+        self.health: dict[int, GpuHealth | None] = {h: gpu.health for h, gpu in enumerate(profile.gpus)}
+        self.event_sets: list[FakeEventSet] = []
         if profile.nvml_error and init_failure is None:
             self.init_failure = "library_not_found"
 
@@ -234,3 +242,77 @@ class FakeNvmlBackend:
         gpu = self._gpu(h)
         default = None if gpu.pcie_link_gen is None else (gpu.pcie_link_gen, gpu.pcie_link_width)
         return self._value("pcie_link", h, default)
+
+    # -- GPU health --------------------------------------------------------------------------
+    def set_health(self, h: int, **changes: Any) -> None:
+        """The GPU's health fields from now on (a counter that rose, a remap now pending)."""
+        self.health[h] = replace(self.health[h] or GpuHealth(), **changes)
+
+    def inject_xid(self, h: int, xid: int) -> None:
+        """The driver reports XID ``xid`` on GPU ``h``: every event set that registered it receives it."""
+        for event_set in self.event_sets:
+            if h in event_set.handles and not event_set.freed:
+                event_set.pending.append((self._gpu(h).index, xid))
+
+    def _health(self, method: str, h: int, field: str) -> Any:
+        self._check(method)
+        value = getattr(self.health[h], field) if self.health[h] is not None else None
+        if value is None:
+            raise NvmlFailure(NOT_SUPPORTED, f"{method}: not supported on {self._gpu(h).name} (snapshot)")
+        return value
+
+    def ecc_error_count(self, h: int, uncorrected: bool, aggregate: bool) -> int:
+        field = f"ecc_{'uncorrected' if uncorrected else 'corrected'}_{'aggregate' if aggregate else 'volatile'}"
+        return self._health("ecc_error_count", h, field)
+
+    def retired_page_count(self, h: int, double_bit: bool) -> int:
+        return self._health("retired_page_count", h, "retired_pages_double_bit" if double_bit else "retired_pages_single_bit")
+
+    def retired_pages_pending(self, h: int) -> bool:
+        return self._health("retired_pages_pending", h, "retired_pages_pending")
+
+    def remapped_rows(self, h: int) -> tuple[int, int, bool, bool]:
+        return (self._health("remapped_rows", h, "remapped_rows_corrected"), self._health("remapped_rows", h, "remapped_rows_uncorrected"),
+                self._health("remapped_rows", h, "row_remap_pending"), self._health("remapped_rows", h, "row_remap_failed"))
+
+    def pcie_replay_count(self, h: int) -> int:
+        return self._health("pcie_replay_count", h, "pcie_replays")
+
+    def active_nvlinks(self, h: int) -> list[int]:
+        return [c.link for c in self._health("active_nvlinks", h, "nvlink_errors")]
+
+    def nvlink_error_counts(self, h: int, link: int) -> tuple[int, int, int, int]:
+        for c in self._health("nvlink_error_counts", h, "nvlink_errors"):
+            if c.link == link:
+                return c.replay, c.recovery, c.crc_flit, c.crc_data
+        raise NvmlFailure("invalid_argument", f"link {link} is not active")
+
+    def xid_event_set(self) -> FakeEventSet:
+        self._check("xid_event_set")
+        event_set = FakeEventSet()
+        self.event_sets.append(event_set)
+        return event_set
+
+    def register_xid_events(self, h: int, event_set: FakeEventSet) -> None:
+        xids = self._health("register_xid_events", h, "xids")
+        event_set.handles.add(h)
+        event_set.pending += [(self._gpu(h).index, xid) for xid in xids]
+
+    def next_xid_event(self, event_set: FakeEventSet) -> tuple[int, int] | None:
+        self._check("next_xid_event")
+        if event_set.freed:
+            raise NvmlFailure("invalid_argument", "event set freed")
+        return event_set.pending.pop(0) if event_set.pending else None
+
+    def free_event_set(self, event_set: FakeEventSet) -> None:
+        self._check("free_event_set")
+        event_set.freed = True
+
+
+class FakeEventSet:
+    """An NVML event set: the GPUs registered on it and the XIDs queued for it, oldest first."""
+
+    def __init__(self) -> None:
+        self.handles: set[int] = set()
+        self.pending: list[tuple[int, int]] = []
+        self.freed = False

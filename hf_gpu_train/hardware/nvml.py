@@ -268,3 +268,82 @@ class PynvmlBackend:
     def pcie_link(self, handle: Any) -> tuple[int, int]:
         nv = self._pynvml
         return int(nv.nvmlDeviceGetCurrPcieLinkGeneration(handle)), int(nv.nvmlDeviceGetCurrPcieLinkWidth(handle))
+
+    # -- GPU health (hardware/health.py) ------------------------------------------------------
+    @_translating
+    def ecc_error_count(self, handle: Any, uncorrected: bool, aggregate: bool) -> int:
+        """Total ECC errors: corrected (single-bit) or uncorrected (double-bit), since the driver loaded (volatile) or
+        over the board's life (aggregate). NotSupported on boards without ECC or with ECC off (GeForce)."""
+        nv = self._pynvml
+        error_type = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED if uncorrected else nv.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        counter = nv.NVML_AGGREGATE_ECC if aggregate else nv.NVML_VOLATILE_ECC
+        return int(nv.nvmlDeviceGetTotalEccErrors(handle, error_type, counter))
+
+    @_translating
+    def retired_page_count(self, handle: Any, double_bit: bool) -> int:
+        """Pages retired for a double-bit error or for repeated single-bit errors (before Ampere; Ampere and later
+        remap rows instead and answer NotSupported)."""
+        nv = self._pynvml
+        cause = (nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR if double_bit
+                 else nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+        return len(nv.nvmlDeviceGetRetiredPages(handle, cause))
+
+    @_translating
+    def retired_pages_pending(self, handle: Any) -> bool:
+        return int(self._pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)) == self._pynvml.NVML_FEATURE_ENABLED
+
+    @_translating
+    def remapped_rows(self, handle: Any) -> tuple[int, int, bool, bool]:
+        corrected, uncorrected, pending, failed = self._pynvml.nvmlDeviceGetRemappedRows(handle)
+        return int(corrected), int(uncorrected), bool(pending), bool(failed)
+
+    @_translating
+    def pcie_replay_count(self, handle: Any) -> int:
+        return int(self._pynvml.nvmlDeviceGetPcieReplayCounter(handle))
+
+    def active_nvlinks(self, handle: Any) -> list[int]:
+        """The NVLinks that are up; NotSupported on a GPU without NVLink (the first link already refuses)."""
+        nv = self._pynvml
+        links = []
+        for link in range(nv.NVML_NVLINK_MAX_LINKS):
+            try:
+                if nv.nvmlDeviceGetNvLinkState(handle, link) == nv.NVML_FEATURE_ENABLED:
+                    links.append(link)
+            except nv.NVMLError as error:
+                if getattr(error, "value", None) in (3, 2) and link > 0:  # no more links
+                    break
+                raise _failure(error) from None
+        return links
+
+    @_translating
+    def nvlink_error_counts(self, handle: Any, link: int) -> tuple[int, int, int, int]:
+        nv = self._pynvml
+        return tuple(int(nv.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter)) for counter in (
+            nv.NVML_NVLINK_ERROR_DL_REPLAY, nv.NVML_NVLINK_ERROR_DL_RECOVERY, nv.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+            nv.NVML_NVLINK_ERROR_DL_CRC_DATA))
+
+    @_translating
+    def xid_event_set(self) -> Any:
+        return self._pynvml.nvmlEventSetCreate()
+
+    @_translating
+    def register_xid_events(self, handle: Any, event_set: Any) -> None:
+        self._pynvml.nvmlDeviceRegisterEvents(handle, self._pynvml.nvmlEventTypeXidCriticalError, event_set)
+
+    def next_xid_event(self, event_set: Any) -> tuple[int, int] | None:
+        """The next XID the driver queued on ``event_set`` as (NVML index, XID), without waiting (timeout 0): None
+        when nothing is pending (NVML's Timeout)."""
+        nv = self._pynvml
+        try:
+            data = nv.nvmlEventSetWait_v2(event_set, 0)
+            if data.eventType != nv.nvmlEventTypeXidCriticalError:
+                return None
+            return int(nv.nvmlDeviceGetIndex(data.device)), int(data.eventData)
+        except nv.NVMLError as error:
+            if getattr(error, "value", None) == nv.NVML_ERROR_TIMEOUT:
+                return None
+            raise _failure(error) from None
+
+    @_translating
+    def free_event_set(self, event_set: Any) -> None:
+        self._pynvml.nvmlEventSetFree(event_set)

@@ -117,6 +117,62 @@ class MigInstance:
 
 
 @dataclass(frozen=True)
+class NvLinkErrorCounts:
+    """One active NVLink's data-link error counters (``nvmlDeviceGetNvLinkErrorCounter``), counted since the driver
+    loaded or the counters were reset. Replays and recoveries are the link repairing itself; CRC errors are damaged
+    flits or data the link had to send again."""
+
+    link: int
+    replay: int = 0
+    recovery: int = 0
+    crc_flit: int = 0
+    crc_data: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.replay + self.recovery + self.crc_flit + self.crc_data
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """What NVML says about a GPU's own soundness: memory errors and their repairs, the bus, the links, XIDs.
+
+    Every field is ``None`` when this GPU or driver does not tell (NVML NotSupported / FunctionNotFound): GeForce
+    boards have no ECC, GPUs before Ampere no row remapping, Ampere and later no page retirement (they remap rows),
+    PCIe boards no NVLink. ``hardware/health.py`` reads it and judges it; the doctor and the fault summaries say it.
+
+    ECC counts are NVML's totals: *volatile* since the driver loaded (the last reboot or GPU reset), *aggregate*
+    over the board's life (kept in its InfoROM); *corrected* are single-bit errors, *uncorrected* double-bit ones.
+    """
+
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    # Page retirement (Kepler..Volta, Turing): pages taken out of use for repeated single-bit or a double-bit error;
+    # ``retired_pages_pending``: retired but still in use until the GPU is reset.
+    retired_pages_single_bit: int | None = None
+    retired_pages_double_bit: int | None = None
+    retired_pages_pending: bool | None = None
+    # Row remapping (Ampere and later): spare DRAM rows replacing failing ones; a remap applies at the next GPU
+    # reset (``row_remap_pending``); ``row_remap_failed``: a bank ran out of spare rows.
+    remapped_rows_corrected: int | None = None
+    remapped_rows_uncorrected: int | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failed: bool | None = None
+    pcie_replays: int | None = None  # PCIe packets the link had to send again (``nvmlDeviceGetPcieReplayCounter``)
+    nvlink_errors: tuple[NvLinkErrorCounts, ...] | None = None  # one entry per active NVLink
+    # XID critical errors NVML delivered through an event set while the GPU was watched (a snapshot: while
+    # detecting; the driver's log keeps older ones: `dmesg | grep -i xid`). None: event sets not supported here.
+    xids: tuple[int, ...] | None = None
+
+    @property
+    def known(self) -> bool:
+        """Whether NVML told anything at all (a snapshot before health fields, or a GPU that supports none: no)."""
+        return any(getattr(self, f) is not None for f in self.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One physical GPU as NVML sees it. ``index`` is the NVML index, which is NOT the CUDA index
     unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: match devices by ``pci_bus_id`` or ``uuid``."""
@@ -148,6 +204,9 @@ class GpuInfo:
     utilization_pct: int | None = None
     pcie_link_gen: int | None = None
     pcie_link_width: int | None = None
+    # ECC, retired pages, remapped rows, PCIe replays, NVLink errors, XIDs; None: not recorded (snapshots before
+    # version 3) or nothing supported.
+    health: GpuHealth | None = None
 
     @property
     def bf16_supported(self) -> bool:

@@ -21,10 +21,11 @@ from ..errors import UsageError
 from .profile import HardwareProfile
 
 FORMAT = "hf_gpu_train.machine"
-# Version 2 added the pending MIG mode and the MIG instances of each GPU. Older versions still load:
-# their missing fields take the dataclass defaults (None, "not recorded").
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# Version 2 added the pending MIG mode and the MIG instances of each GPU; version 3 each GPU's health (ECC, retired
+# pages, remapped rows, PCIe replays, NVLink errors, XIDs). Older versions still load: their missing fields take the
+# dataclass defaults (None, "not recorded").
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MACHINES_DIR = Path(__file__).parent / "machines"
 
 
@@ -39,8 +40,11 @@ def to_dict(profile: HardwareProfile) -> dict[str, Any]:
 def to_json(profile: HardwareProfile) -> str:
     text = json.dumps(to_dict(profile), indent=2)
     # Short lists of numbers on one line ("compute_capability": [8, 0]), so a snapshot reads well.
-    return re.sub(r"\[\s*(-?\d+(?:\.\d+)?(?:,\s*-?\d+(?:\.\d+)?)*)\s*\]",
-                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+    text = re.sub(r"\[\s*(-?\d+(?:\.\d+)?(?:,\s*-?\d+(?:\.\d+)?)*)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    # Small records of integers on one line too (an NVLink's error counters), or 18 links take 126 lines.
+    return re.sub(r"\{\s*(\"\w+\": -?\d+(?:,\s*\"\w+\": -?\d+)*)\s*\}",
+                  lambda m: "{" + ", ".join(x.strip() for x in m.group(1).split(",")) + "}", text) + "\n"
 
 
 def from_dict(data: dict[str, Any], source: str = "snapshot") -> HardwareProfile:

@@ -41,6 +41,21 @@ def _write_json(name: str, record: dict, environ=os.environ) -> None:
         pass  # a courtesy to the launcher, as the progress
 
 
+def write_rank_gpu(rank: int, record: dict, environ=os.environ) -> None:
+    """This rank's GPU ({"gpu": NVML index, "bus_id": ...}), so the launcher can name a dead rank's GPU's health
+    events with the rank (``faults/gpu_health.py``)."""
+    _write_json(f"gpu-{rank}.json", record, environ)
+
+
+def read_rank_gpus(folder: Path) -> dict[int, int]:
+    """{rank: NVML index of its GPU} from what the ranks left with ``write_rank_gpu``."""
+    found = {}
+    for path in Path(folder).glob("gpu-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found[int(path.stem.split("-")[1])] = int(json.loads(path.read_text())["gpu"])
+    return found
+
+
 RESUMES = "resumes.json"  # the training processes resume from their newest complete checkpoint: a restart helps
 
 
@@ -152,9 +167,11 @@ def _how(code: int) -> str:
     return f"failed (exit {code})"
 
 
-def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang: dict | None = None) -> str | None:
-    """The one line a failed launch ends with; None when there is nothing to say."""
-    if cause is None and not progress and hang is None:
+def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang: dict | None = None,
+                 health: list[str] | None = None) -> str | None:
+    """The one line a failed launch ends with; None when there is nothing to say. ``health``: what the node's GPUs
+    reported while the run went (``faults/gpu_health.named_events``), each naming the rank on that GPU."""
+    if cause is None and not progress and hang is None and not health:
         return None
     steps = ", ".join(f"rank {r} {p.get('step')}" for r, p in sorted(progress.items())) or "not recorded"
     if hang is not None:
@@ -163,5 +180,9 @@ def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang:
                  "hang: every rank at the same place") + f" (every rank's stacks in {hang.get('folder')}; exit 3)"
     else:
         first = f"rank {cause[0]} {_how(cause[1])}" if cause else "a rank failed"
+    if health:
+        return (f"{first}; last step finished: {steps}. GPU health changed during the run: " + "; ".join(health)
+                + ". Fix the GPU before running the same command again (it resumes from the last complete checkpoint, "
+                "if one was saved)")
     return (f"{first}; last step finished: {steps}. Run the same command again to resume from the last complete "
             "checkpoint, if one was saved")

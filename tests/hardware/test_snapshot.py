@@ -40,11 +40,11 @@ def test_version_1_snapshots_still_load_with_mig_facts_unknown():
     data = to_dict(load_machine("2x-a100-one-busy"))
     data["version"] = 1
     for gpu in data["profile"]["gpus"]:  # version 1 had neither field
-        del gpu["mig_pending_enabled"], gpu["mig_instances"]
+        del gpu["mig_pending_enabled"], gpu["mig_instances"], gpu["health"]
     old = from_dict(data)
     assert [(g.mig_enabled, g.mig_pending_enabled, g.mig_instances) for g in old.gpus] == [(False, None, None)] * 2
     assert not any(g.mig_change_pending for g in old.gpus)
-    assert to_dict(old)["version"] == snapshot.VERSION == 2
+    assert to_dict(old)["version"] == snapshot.VERSION == 3
 
 
 def test_mig_instances_round_trip(tmp_path):
