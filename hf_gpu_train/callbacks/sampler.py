@@ -4,6 +4,9 @@ NVML refreshes its counters every 1/6 s to 1 s, so sampling faster than the defa
 nothing (torch.cuda.power_draw docs); one NVML call costs ~0.1 ms, against 10-20 ms for an
 ``nvidia-smi`` subprocess. The sampler never breaks training: an error in a query is reported once,
 that field is dropped from later samples, and sampling goes on.
+
+The GPUs' health (XID events, ECC, row remapping, PCIe replays, NVLink errors: ``hardware/health.HealthWatch``) is
+read by the same thread every ``health_every_s``: what changed since the run began, each finding once.
 """
 
 from __future__ import annotations
@@ -36,8 +39,14 @@ class Sample:
 class DeviceSampler:
     """Samples ``handles`` ({NVML index: handle}) every ``interval_s`` in a daemon thread."""
 
-    def __init__(self, backend: NvmlBackend | None, handles: dict[int, Any], interval_s: float = 1.0, keep: int = 200_000):
+    def __init__(self, backend: NvmlBackend | None, handles: dict[int, Any], interval_s: float = 1.0, keep: int = 200_000,
+                 health_every_s: float = 10.0):
         self.backend = backend
+        self.health_every_s = health_every_s
+        self.health = None  # the HealthWatch, made in the thread (its baseline takes a few NVML calls per GPU)
+        self.health_events: list[dict] = []  # every finding so far; ``take_health_events`` hands out the new ones
+        self._health_cursor = 0
+        self._health_due = 0.0
         self.handles = handles
         self.interval_s = interval_s
         self.keep = keep
@@ -78,7 +87,36 @@ class DeviceSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.sample_now()
+            if self.backend is not None and self.handles and time.monotonic() >= self._health_due:
+                self.check_health()
             self._stop.wait(self.interval_s)
+        if self.health is not None:
+            self.health.close()
+
+    def check_health(self) -> list[dict]:
+        """Read the GPUs' health now: the findings since the baseline (the first call takes it). Never raises."""
+        from ..hardware.health import HealthWatch
+
+        self._health_due = time.monotonic() + self.health_every_s
+        try:
+            if self.health is None:
+                self.health = HealthWatch(self.backend, self.handles)
+                return []
+            found = self.health.poll_json()
+        except Exception as error:  # health is a bonus: it must never take the sampler down
+            self._give_up("gpu_health", f"GPU health: {type(error).__name__}: {error}")
+            self._health_due = float("inf")
+            return []
+        with self._lock:
+            self.health_events.extend(found)
+        return found
+
+    def take_health_events(self) -> list[dict]:
+        """The health findings since the last take."""
+        with self._lock:
+            new = self.health_events[self._health_cursor:]
+            self._health_cursor = len(self.health_events)
+        return new
 
     # -- sampling ---------------------------------------------------------------------------
     def _query(self, name: str, fn, *args):

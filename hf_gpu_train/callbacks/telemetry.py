@@ -72,6 +72,7 @@ class TelemetryCallback(TrainerCallback):
         write_report: bool = True,
         suggested_micro_batch: int | None = None,
         straggler_check_steps: int = 5,
+        health_every_s: float = 10.0,
     ):
         self.trainer = trainer
         self.interval_s = interval_s
@@ -81,6 +82,7 @@ class TelemetryCallback(TrainerCallback):
         self.write_report = write_report
         self.suggested_micro_batch = suggested_micro_batch
         self.straggler_check_steps = straggler_check_steps
+        self.health_every_s = health_every_s  # how often the sampler reads the GPUs' health (hardware/health.py)
         self.stragglers: StragglerWatch | None = None  # several processes only: which rank the others wait for (arrivals.py)
         self.sampler: DeviceSampler | None = None
         self.timer = LoopTimer()
@@ -141,7 +143,7 @@ class TelemetryCallback(TrainerCallback):
                     self.gpu_names[index] = backend.name(handle)
                 except NvmlFailure:
                     self.gpu_names[index] = f"GPU {index}"
-        self.sampler = DeviceSampler(backend, handles, self.interval_s).start()
+        self.sampler = DeviceSampler(backend, handles, self.interval_s, health_every_s=self.health_every_s).start()
         if model is not None:
             self.tokens.install(model)
             self.forward_timer = ForwardTimer(self.device).install(model)
@@ -374,6 +376,13 @@ class TelemetryCallback(TrainerCallback):
             record["ranks"] = ranks
         if named:
             record["straggler"] = named
+        health = self.sampler.take_health_events() if self.sampler else []
+        if health:  # said once, by the rank whose GPU it is (each rank samples its own GPUs)
+            rank = _rank()
+            record["gpu_health"] = [{**event, "rank": rank} for event in health]
+            metrics["gpu_health/events"] = float(len(health))
+            for event in health:
+                log.warning("telemetry step %d: rank %d: %s. Fix: %s", state.global_step, rank, event["message"], event["fix"])
         self.records.append(record)
         if state.is_world_process_zero and full and verdict.kind != self._last_kind:
             # the console line names the verdict at every log step; its evidence and next step when it changes
@@ -427,6 +436,10 @@ class TelemetryCallback(TrainerCallback):
             suggested_micro_batch=self.suggested_micro_batch,
             host_cpu_pct=metrics.get("host/cpu_pct"),
         )
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
 class TelemetryNotAttached(RuntimeError):

@@ -42,7 +42,8 @@ def _summary(samples: list[dict], windows: list[dict], verdict: dict | None, gpu
         verdict_counts[w["verdict"]["kind"]] += 1
     return {"gpus": {str(k): v for k, v in gpu_names.items()}, "samples": len(samples), "windows": len(windows),
             "metrics": stats, "throttle_reasons_seen": throttle, "straggler_ranks": stragglers, "stragglers_named": named,
-            "verdict_counts": dict(verdict_counts), "final_verdict": verdict}
+            "verdict_counts": dict(verdict_counts), "final_verdict": verdict,
+            "gpu_health": [event for w in windows for event in w.get("gpu_health", [])]}
 
 
 def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log_history: list | None = None,
@@ -194,6 +195,8 @@ def render_terminal_summary(summary: dict) -> str:
         lines.append(f"throttling seen: {', '.join(summary['throttle_reasons_seen'])}")
     for key in sorted(k for k in m if k.endswith("/power_capped_pct") and m[k]["max"] > 0):
         lines.append(f"{key.split('/')[0]} at power limit (SwPowerCap, not throttling) in {m[key]['mean']:.0f}% of readings on average")
+    for event in summary.get("gpu_health") or []:
+        lines.append(f"GPU health, rank {event.get('rank')}: {event.get('message')} (fix: {event.get('fix')})")
     for named in summary.get("stragglers_named") or []:
         lines.append(f"named at step {named.get('since_step')}: {named.get('line')}")
     counts = summary.get("verdict_counts", {})

@@ -1,4 +1,5 @@
 import json
+import logging
 import re
 import threading
 import time
@@ -324,3 +325,32 @@ def test_the_clock_reads_like_tqdms():
     assert (clock(72), clock(220), clock(3725)) == ("01:12", "03:40", "1:02:05")
     assert progress(40, 500, 72.0, 40) == " [01:12<13:48]"  # 460 steps left at 1.8 s a step
     assert progress(40, None, 72.0, 40) == " [01:12]" and progress(40, 500, None, 40) == ""
+
+
+def test_a_gpu_health_event_during_the_run_is_said_once_with_the_rank(tmp_path, machine, caplog):
+    """Issue 39, item 2: an XID the driver reports mid-run, and a row remap that becomes pending, reach telemetry.jsonl,
+    the summary and the log once each, with the rank; what the GPU had before the run is not news."""
+    backend = FakeNvmlBackend(machine("1x-h200"))
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(tmp_path, max_steps=8), train_dataset=TokenDataset())
+    attach_telemetry(trainer, backend=backend, gpu_indices=[0], interval_s=0.02, memory_probe=fake_memory, health_every_s=0.02)
+
+    class GpuFallsSick(TelemetryCallback.__mro__[1]):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                backend.inject_xid(backend.handle(0), 48)
+                backend.set_health(backend.handle(0), row_remap_pending=True)
+            if state.global_step in (3, 6):
+                time.sleep(0.2)  # the sampler's next health reading
+            return control
+
+    trainer.add_callback(GpuFallsSick())
+    with caplog.at_level(logging.WARNING, logger="hf_gpu_train.telemetry"):
+        trainer.train()
+    events = [e for w in windows(tmp_path) for e in w.get("gpu_health", [])]
+    assert sorted(e["kind"] for e in events) == ["row_remap_pending", "xid"], events
+    assert all(e["rank"] == 0 and e["gpu"] == 0 for e in events)
+    assert "XID 48" in next(e["message"] for e in events if e["kind"] == "xid")
+    said = [r.getMessage() for r in caplog.records if "XID 48" in r.getMessage()]
+    assert len(said) == 1 and "rank 0" in said[0] and "Fix:" in said[0]
+    summary = json.loads((tmp_path / "telemetry_summary.json").read_text())
+    assert [e["kind"] for e in summary["gpu_health"]] == [e["kind"] for e in events]
