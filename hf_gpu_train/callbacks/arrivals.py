@@ -44,6 +44,7 @@ import torch
 
 from ..collectives.cpu_votes import cpu_group, several_processes
 from ..collectives.wait_clock import waited_so_far, waiting
+from ..launch.rank_report import write_straggler
 
 log = logging.getLogger("hf_gpu_train.telemetry")
 
@@ -54,6 +55,12 @@ MIN_EXCESS_FRACTION = 0.15  # of the median step: smaller differences are noise 
 MIN_EXCESS_S = 0.001
 ARRIVAL_SHARE = 0.5  # the others must have waited longer by at least this share of the excess
 TIMELINE_WINDOWS = 200  # exchanges kept for the report's picture (the ones that named a rank are always kept)
+NAMED_NOW: list[dict | None] = [None]  # this process's straggler named now, for the hang summary (faults/watchdog.py)
+
+
+def named_straggler() -> dict | None:
+    """The straggler telemetry names now in this process (every rank names the same), or None."""
+    return NAMED_NOW[0]
 
 
 @dataclass(frozen=True)
@@ -343,6 +350,15 @@ class StragglerWatch:
             self.windows = found + self.windows[-TIMELINE_WINDOWS // 2:]
 
     def _judge(self, step: int, finding: Finding | None, is_world_zero: bool) -> dict | None:
+        before = self.named
+        said = self._decide(step, finding, is_world_zero)
+        if self.named is not before or said is not None:
+            NAMED_NOW[0] = self.named
+            if is_world_zero:
+                write_straggler(self.named)  # for hf-gpu-train launch's failure line (nothing when not launched by it)
+        return said
+
+    def _decide(self, step: int, finding: Finding | None, is_world_zero: bool) -> dict | None:
         key = (finding.rank, finding.phase) if finding else None
         repeated = key is not None and key == self._flagged
         self._flagged = key

@@ -37,6 +37,7 @@ from ..launch.rank_report import (
     read_progress,
     read_rank_gpus,
     read_resumes,
+    read_straggler,
     root_cause,
 )
 from ..launch.restarts import (
@@ -423,7 +424,7 @@ def _launch_once(cmd: list[str], env: dict[str, str], health) -> Outcome:
             hang = read_hang_report(progress)
             cause, reached = root_cause(shown.decode(errors="replace")), read_progress(progress)
             events = named_events(health.poll(), read_rank_gpus(progress)) if code and health else []
-            line = failure_line(cause, reached, hang, events) if code else None
+            line = failure_line(cause, reached, hang, events, read_straggler(progress)) if code else None
             if line:
                 node = os.environ.get("SLURMD_NODENAME")  # several machines under SLURM: which one's ranks these are
                 print(f"hf-gpu-train launch{f' on node {node}' if node else ''}: {line}", file=sys.stderr)

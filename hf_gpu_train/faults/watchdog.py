@@ -30,6 +30,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..callbacks.arrivals import named_straggler
 from ..collectives.lone_rank import check_not_alone
 from ..collectives.wrappers import on_default_group, wrap_collectives
 from ..hardware.backend import normalize_bus_id
@@ -197,6 +198,9 @@ def summary(states: dict[int, dict | None], culprit_rank: int, limit_s: float, w
     if health:  # each rank read its own GPU: a hang on a GPU that reported an XID is the GPU's, not the code's
         lines.append("  GPU health changed during the run:")
         lines += [f"    {line}" for line in health]
+    named = next((s["straggler"] for r, s in sorted(states.items()) if s and s.get("straggler")), None)
+    if named:  # every rank names the same one (callbacks/arrivals.py)
+        lines.append(f"  before the hang, telemetry had named a {named['line']} (at step {named['since_step']})")
     if len(states) == 1:
         lines.append("  one process: its stacks show where it waits")
     elif not lagging:
@@ -295,7 +299,7 @@ class Watchdog:
                     pass
         stamp, _, first = stamp.partition("|")
         folder = self.output_dir / f"hang-{stamp}"
-        state = {**self.progress.state(), "pid": os.getpid()}
+        state = {**self.progress.state(), "pid": os.getpid(), "straggler": named_straggler()}
         if self.gpu is not None:  # NVML answers in microseconds; a lost GPU's may not: bounded
             gpu, health = self.gpu, []
             _within(min(self.collect_s, 5.0), lambda: health.extend(gpu.events()))

@@ -56,6 +56,22 @@ def read_rank_gpus(folder: Path) -> dict[int, int]:
     return found
 
 
+STRAGGLER = "straggler.json"
+
+
+def write_straggler(named: dict | None, environ=os.environ) -> None:
+    """The straggler telemetry names now (``callbacks/arrivals.py``: its line), or none, for the launcher's failure
+    line: a run that failed after one rank fell behind says which."""
+    _write_json(STRAGGLER, {"named": named}, environ)
+
+
+def read_straggler(folder: Path) -> str | None:
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        named = json.loads((Path(folder) / STRAGGLER).read_text()).get("named")
+        return f"{named['line']} (named at step {named['since_step']})" if isinstance(named, dict) else None
+    return None
+
+
 RESUMES = "resumes.json"  # the training processes resume from their newest complete checkpoint: a restart helps
 
 
@@ -168,9 +184,10 @@ def _how(code: int) -> str:
 
 
 def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang: dict | None = None,
-                 health: list[str] | None = None) -> str | None:
+                 health: list[str] | None = None, straggler: str | None = None) -> str | None:
     """The one line a failed launch ends with; None when there is nothing to say. ``health``: what the node's GPUs
-    reported while the run went (``faults/gpu_health.named_events``), each naming the rank on that GPU."""
+    reported while the run went (``faults/gpu_health.named_events``), each naming the rank on that GPU. ``straggler``:
+    the straggler telemetry had named when it failed (``read_straggler``)."""
     if cause is None and not progress and hang is None and not health:
         return None
     steps = ", ".join(f"rank {r} {p.get('step')}" for r, p in sorted(progress.items())) or "not recorded"
@@ -180,6 +197,8 @@ def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang:
                  "hang: every rank at the same place") + f" (every rank's stacks in {hang.get('folder')}; exit 3)"
     else:
         first = f"rank {cause[0]} {_how(cause[1])}" if cause else "a rank failed"
+    if straggler:
+        first += f"; before it, telemetry had named a {straggler}"
     if health:
         return (f"{first}; last step finished: {steps}. GPU health changed during the run: " + "; ".join(health)
                 + ". Fix the GPU before running the same command again (it resumes from the last complete checkpoint, "

@@ -46,6 +46,10 @@ def test_the_ranks_not_where_the_others_are_are_named():
     assert "  rank 1: step 3 finished, in data for 9 s, not in a collective (0 entered)   <- not where the others are" in lines
     assert "  rank 3: no answer (stuck holding the interpreter, or gone)" in lines
     assert "watchdog=SECONDS sets the limit for every phase, watchdog=off turns it off" in lines[-1]  # the fix when merely slow
+    assert not any("telemetry had named" in line for line in lines)
+    named = {"rank": 1, "phase": "data", "since_step": 2, "line": "straggler: rank 1 is slow in data (+60 ms per step)"}
+    lines = summary({r: {**s, "straggler": named} for r, s in at.items()}, 1, 4.0, "the floor for a step", Path("out/hang-x"))
+    assert "  before the hang, telemetry had named a straggler: rank 1 is slow in data (+60 ms per step) (at step 2)" in lines
 
 
 def test_one_process_that_stalls_dumps_its_stacks_and_exits(tmp_path):

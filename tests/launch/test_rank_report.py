@@ -27,3 +27,26 @@ def test_the_dead_rank_its_signal_and_every_ranks_last_step(tmp_path):
     hang = {"behind": [1], "folder": "out/hang-x"}
     assert failure_line((0, 3), {}, hang).startswith("hang: rank(s) 1 not where the others are (every rank's stacks in "
                                                      "out/hang-x; exit 3)")
+
+
+def test_the_failure_line_names_the_straggler_telemetry_had_named(tmp_path, monkeypatch):
+    """Issue 39, item 1: a run that dies after telemetry named a straggler says which rank and phase, from the file rank
+    0 leaves in the launcher's progress folder; cleared, it says nothing of it."""
+    from hf_gpu_train.callbacks.arrivals import StragglerWatch, attribute
+    from hf_gpu_train.launch.rank_report import PROGRESS_DIR_ENV, read_straggler
+    from tests.callbacks.test_stragglers import row
+
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path))
+    watch = StragglerWatch(clock=None)
+    slow = attribute([row(wait=70.0), row(optimizer=61.0, wait=10.0)])
+    watch._judge(5, slow, True)
+    assert read_straggler(tmp_path) is None  # found once: not named yet
+    watch._judge(10, slow, True)
+    line = failure_line((0, -9), {0: {"step": 12}, 1: {"step": 12}}, straggler=read_straggler(tmp_path))
+    assert line.startswith("rank 0 died (SIGKILL, exit -9); before it, telemetry had named a straggler: rank 1 is slow in "
+                           "optimizer (+60 ms per step"), line
+    assert line.endswith("(named at step 10); last step finished: rank 0 12, rank 1 12. Run the same command again to "
+                         "resume from the last complete checkpoint, if one was saved")
+    watch._judge(15, None, True)
+    watch._judge(20, None, True)
+    assert read_straggler(tmp_path) is None
