@@ -44,7 +44,7 @@ import torch
 
 from ..collectives.cpu_votes import cpu_group, several_processes
 from ..collectives.wait_clock import waited_so_far, waiting
-from ..launch.rank_report import write_straggler
+from ..launch.rank_report import note_straggler
 
 log = logging.getLogger("hf_gpu_train.telemetry")
 
@@ -55,12 +55,6 @@ MIN_EXCESS_FRACTION = 0.15  # of the median step: smaller differences are noise 
 MIN_EXCESS_S = 0.001
 ARRIVAL_SHARE = 0.5  # the others must have waited longer by at least this share of the excess
 TIMELINE_WINDOWS = 200  # exchanges kept for the report's picture (the ones that named a rank are always kept)
-NAMED_NOW: list[dict | None] = [None]  # this process's straggler named now, for the hang summary (faults/watchdog.py)
-
-
-def named_straggler() -> dict | None:
-    """The straggler telemetry names now in this process (every rank names the same), or None."""
-    return NAMED_NOW[0]
 
 
 @dataclass(frozen=True)
@@ -105,6 +99,9 @@ class PhaseClock:
         self._grad_params: list[torch.nn.Parameter] = []
         self._grads_seen: list[int] = []  # the parameters' order of gradients in the first backward
         self._learning = True
+        # the first step holds what each rank did before the loop (a tracker's start on rank 0 alone, a first compile):
+        # the others wait for it there, which is no straggler's phase; it is left out
+        self._skip = 1
 
     # -- marks -------------------------------------------------------------------------------
     def mark(self, on_device: bool = False) -> Mark:
@@ -210,7 +207,9 @@ class PhaseClock:
 
     def step_end(self) -> None:
         end = self.mark()
-        if self._gap_start is not None and self._step.begin is not None:
+        if self._skip:
+            self._skip -= 1
+        elif self._gap_start is not None and self._step.begin is not None:
             self._pending.append((self._step, self._gap_start, end))
         if self._learning:
             self._keep_only_the_last_gradient_hook()
@@ -352,10 +351,8 @@ class StragglerWatch:
     def _judge(self, step: int, finding: Finding | None, is_world_zero: bool) -> dict | None:
         before = self.named
         said = self._decide(step, finding, is_world_zero)
-        if self.named is not before or said is not None:
-            NAMED_NOW[0] = self.named
-            if is_world_zero:
-                write_straggler(self.named)  # for hf-gpu-train launch's failure line (nothing when not launched by it)
+        if self.named is not before or said is not None:  # for the hang summary and hf-gpu-train launch's failure line
+            note_straggler(self.named, write=is_world_zero)
         return said
 
     def _decide(self, step: int, finding: Finding | None, is_world_zero: bool) -> dict | None:

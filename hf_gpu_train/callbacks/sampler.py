@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..hardware.backend import UNKNOWN_VALUE_KINDS, NvmlBackend, NvmlFailure
+from ..hardware.health import HealthWatch
 from ..hardware.profile import clock_event_reason_names
 
 log = logging.getLogger("hf_gpu_train.telemetry")
@@ -95,8 +96,6 @@ class DeviceSampler:
 
     def check_health(self) -> list[dict]:
         """Read the GPUs' health now: the findings since the baseline (the first call takes it). Never raises."""
-        from ..hardware.health import HealthWatch
-
         self._health_due = time.monotonic() + self.health_every_s
         try:
             if self.health is None:

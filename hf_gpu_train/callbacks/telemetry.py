@@ -53,6 +53,7 @@ from .forward_timer import ForwardTimer
 from .ranks import gather_ranks
 from .sampler import DeviceSampler
 from .tokens import TokenCounter
+from .trackers import publish_texts, tracker_metrics, tracker_texts
 from .verdicts import Verdict, WindowStats, judge, speed_trend
 from .window import LoopTimer, deciding_window, is_full_window, summarize_samples
 
@@ -393,7 +394,9 @@ class TelemetryCallback(TrainerCallback):
             try:
                 # the base class's log: a subclass's own log (TRL's) would fold its pending metrics into this entry and
                 # clear them before the Trainer's loss log of the same step
-                Trainer.log(self.trainer, {k: round(v, 4) for k, v in metrics.items()})
+                # the record's per-rank figures and verdict as numbers too (trackers.py), not in the record's own metrics
+                Trainer.log(self.trainer, {k: round(v, 4) for k, v in {**metrics, **tracker_metrics(record)}.items()})
+                publish_texts(self.trainer, state.global_step, tracker_texts(record))  # the verdict's words, where shown
             finally:
                 self.emitting = False
 

@@ -30,11 +30,15 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..callbacks.arrivals import named_straggler
 from ..collectives.lone_rank import check_not_alone
 from ..collectives.wrappers import on_default_group, wrap_collectives
 from ..hardware.backend import normalize_bus_id
-from ..launch.rank_report import HANG_EXIT_CODE, write_hang_report, write_progress  # exit 3: documented in the README
+from ..launch.rank_report import (  # exit 3: documented in the README
+    HANG_EXIT_CODE,
+    named_straggler,
+    write_hang_report,
+    write_progress,
+)
 from ..process_group import rendezvous_store
 from .collective_gate import make_collective_safe, new_namespace, publish_position
 from .gpu_health import RankGpu, named_events

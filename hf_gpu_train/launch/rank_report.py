@@ -57,12 +57,21 @@ def read_rank_gpus(folder: Path) -> dict[int, int]:
 
 
 STRAGGLER = "straggler.json"
+_NAMED_NOW: list[dict | None] = [None]
 
 
-def write_straggler(named: dict | None, environ=os.environ) -> None:
-    """The straggler telemetry names now (``callbacks/arrivals.py``: its line), or none, for the launcher's failure
-    line: a run that failed after one rank fell behind says which."""
-    _write_json(STRAGGLER, {"named": named}, environ)
+def note_straggler(named: dict | None, write: bool, environ=os.environ) -> None:
+    """The straggler telemetry names now (``callbacks/arrivals.py``: its line), or none: kept in this process for the
+    hang summary (``faults/watchdog.py``), and with ``write`` (rank 0) left for the launcher's failure line too: a run
+    that failed after one rank fell behind says which."""
+    _NAMED_NOW[0] = named
+    if write:
+        _write_json(STRAGGLER, {"named": named}, environ)
+
+
+def named_straggler() -> dict | None:
+    """The straggler named now in this process (every rank names the same one), or None."""
+    return _NAMED_NOW[0]
 
 
 def read_straggler(folder: Path) -> str | None:

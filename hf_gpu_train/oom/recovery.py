@@ -85,7 +85,8 @@ class _RecoveryHooks(TrainerCallback):
         worked on the second try. That is memory thrash, and usually the step before an OOM."""
         if not torch.cuda.is_available() or self._warned_thrash:
             return
-        self._retries.append(float(torch.cuda.memory_stats().get("num_alloc_retries", 0)))
+        # the nested form: memory_stats() flattens ~100 entries into a new dict at every step
+        self._retries.append(float(torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0)))
         self._retries = self._retries[-(THRASH_STEPS + 1):]
         rising = len(self._retries) > THRASH_STEPS and all(b > a for a, b in zip(self._retries, self._retries[1:]))
         if rising:

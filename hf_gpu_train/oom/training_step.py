@@ -93,6 +93,7 @@ class InPlaceTrainingStep:
         self._fatal: str | None = None  # an OOM at micro-batch 1 on several processes, raised at the micro-step's ballot
         self.restarts = 0  # steps every rank computed again because one rank ran out of memory inside a collective's reach
         self._tallies: dict = {}  # the Trainer's tallies (trainer_state.py) at the start of the optimizer step
+        self._tallies_unused = False
         self._chunk_tallies: dict = {}  # the same, at the start of the micro-batch that runs now
         self._warned: set[str] = set()
 
@@ -149,6 +150,7 @@ class InPlaceTrainingStep:
             if self.weighting is None and self._probes < PROBE_TRIES:
                 self._decide_weighting(model, inputs, num_items_in_batch)
             self._tallies = restorable.take(self.trainer)  # what a restarted step must not count twice
+            self._tallies_unused = True  # nothing ran since: the first micro-batch's copy is this one (a copy less per step)
         reducer = self.machinery.reducer_for(model)
         distributed = self.machinery.several_processes()
         lock = self.machinery.lockstep_for(reducer) if distributed else None
@@ -275,7 +277,11 @@ class InPlaceTrainingStep:
         if arm:
             self.machinery.reducer.arm()
         CHUNKS.begin_chunk()
-        self._chunk_tallies = restorable.take(self.trainer)  # put back if this micro-batch fails (it runs again)
+        if self._tallies_unused:  # taken at this optimizer step's start, and nothing has run since
+            self._chunk_tallies = self._tallies
+        else:
+            self._chunk_tallies = restorable.take(self.trainer)  # put back if this micro-batch fails (it runs again)
+        self._tallies_unused = False
         self.share = self._share(inputs, start, stop)
         if distributed:
             model.require_forward_param_sync = False  # no DDP buffer broadcast inside a forward that may fail

@@ -1,0 +1,39 @@
+"""Launched with 2 gloo processes by test_trackers.py: telemetry with TensorBoard, MLflow and W&B as the Trainer's
+report_to (their stores set by the environment the test gives); rank 1 reads its data slowly."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformers import Trainer  # noqa: E402
+
+from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
+from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E402
+
+
+class SlowOnRank1(TokenDataset):
+    def __getitem__(self, i):
+        if os.environ.get("RANK") == "1":
+            time.sleep(0.03)
+        return super().__getitem__(i)
+
+
+out = sys.argv[1]
+trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2, report_to=["tensorboard", "mlflow", "wandb"]),
+                  train_dataset=SlowOnRank1(n=96))
+attach_telemetry(trainer, interval_s=0.05, straggler_check_steps=2)  # rank 1 named at step 4: the second exchange
+trainer.train()
+if trainer.is_world_process_zero():
+    import wandb
+
+    wandb.finish()  # the WandbCallback leaves the run open at train end; finishing writes its summary
+
+from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
+from hf_gpu_train.process_group import leave_process_group  # noqa: E402
+
+end_quickly()  # seconds less per rank at exit (hf_gpu_train/fast_exit.py)
+
+leave_process_group()  # Gloo's threads could otherwise abort the exit (see hf_gpu_train/process_group.py)
