@@ -148,7 +148,7 @@ class TelemetryCallback(TrainerCallback):
         if model is not None:
             self.tokens.install(model)
             self.forward_timer = ForwardTimer(self.device).install(model)
-            if several_processes() is not None:
+            if several_processes() is not None and self.straggler_check_steps:  # 0: no straggler attribution
                 clock = PhaseClock(self.device).install(self.trainer, model)
                 self.stragglers = StragglerWatch(clock, self.straggler_check_steps)
         self._estimate_flops(args, model, train_dataloader)

@@ -56,11 +56,15 @@ FLAGS_ALIKE = frozenset({
     "hf_gpu_train.faults.background_save.attach_to_trainer.<locals>.BackgroundSavesAtStepBoundaries",
 })
 REPORTERS = "transformers.integrations.integration_utils"  # the report_to sinks (TensorBoard, W&B ...): they set no flag
+# A callback of the user's that sets no control flag, or sets them only from what every rank sees alike, says so with
+# this class attribute set to True: without it any callback of the user's turns the per-step all-reduce on
+DECLARED_ALIKE = "hf_gpu_train_sets_flags_alike"
 
 
 def sets_flags_alike(callback) -> bool:
     kind = type(callback)
-    return f"{kind.__module__}.{kind.__qualname__}" in FLAGS_ALIKE or kind.__module__ == REPORTERS
+    return (f"{kind.__module__}.{kind.__qualname__}" in FLAGS_ALIKE or kind.__module__ == REPORTERS
+            or vars(kind).get(DECLARED_ALIKE) is True)
 
 
 def needs_agreement(trainer) -> bool:

@@ -83,7 +83,9 @@ class _RecoveryHooks(TrainerCallback):
     def _check_thrash(self) -> None:
         """Allocator retries climbing step after step: cudaMalloc failed, caches were flushed, and it
         worked on the second try. That is memory thrash, and usually the step before an OOM."""
-        if not torch.cuda.is_available() or self._warned_thrash:
+        # is_initialized, not is_available: no CUDA allocation has happened before CUDA started, and is_available asks
+        # the driver at every call (~0.1 ms a step on a machine without a GPU)
+        if self._warned_thrash or not torch.cuda.is_initialized():
             return
         # the nested form: memory_stats() flattens ~100 entries into a new dict at every step
         self._retries.append(float(torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0)))

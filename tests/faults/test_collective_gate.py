@@ -140,3 +140,14 @@ def test_the_flags_are_agreed_only_where_a_callback_may_set_one_alone():
         trainer.add_callback(extra)
         assert needs_agreement(trainer)
         trainer.remove_callback(extra)
+
+    class MyMeter(TrainerCallback):  # says it sets no flag: no all-reduce per step for it
+        hf_gpu_train_sets_flags_alike = True
+
+    class ItsSubclass(MyMeter):  # a subclass may set flags: it says so itself, or it counts as any callback
+        pass
+
+    trainer.add_callback(MyMeter())
+    assert not needs_agreement(trainer)
+    trainer.add_callback(ItsSubclass())
+    assert needs_agreement(trainer)

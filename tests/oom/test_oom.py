@@ -196,7 +196,7 @@ def test_allocator_retries_climbing_warn_before_the_crash(monkeypatch, caplog):
     from hf_gpu_train.oom.recovery import _RecoveryHooks
 
     retries = iter([0, 2, 5, 9, 14])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda *a, **k: {"num_alloc_retries": next(retries)})
     state = _RecoveryHooks(recovery=None)
     with caplog.at_level("WARNING", logger="hf_gpu_train.oom"):
