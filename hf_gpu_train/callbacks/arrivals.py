@@ -246,6 +246,8 @@ def split_step(step: _Step, gap_start: Mark, end: Mark) -> dict[str, float]:
             out["wait"] += own_seconds(count_began, count_ended)
         elif step.begin is not None:
             out["data"] += own_seconds(began, step.begin)
+    elif step.begin is not None:  # a loop without get_batch_samples: it loads in the gap before the step
+        out["data"] += own_seconds(gap_start, step.begin)
     if step.forwards and step.begin is not None:  # the item count's end (or the fetch) to the first forward: DDP's broadcast
         first = step.forwards[0][0]
         before = step.fetch[2] if step.fetch is not None and step.fetch[2] is not None else step.begin

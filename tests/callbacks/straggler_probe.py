@@ -2,6 +2,9 @@
 the phase the case names (none: no delay). Each rank writes what telemetry named, and at which step, as JSON.
 
 Usage: straggler_probe.py OUT [CASE ...]
+
+``STRAGGLER_ON_GPU=1`` (scripts/gpu_checks/stragglers_on_gpu.py, NCCL): the model on the GPU, and a delay inside the
+forward or the backward a GPU spin (a host sleep there would not be the GPU's time).
 """
 
 import json
@@ -21,12 +24,18 @@ DELAY_S = float(os.environ.get("STRAGGLER_DELAY_S", "0.06"))
 ONSET = 10  # the first step with the delay
 STEPS = 10 + 2 * 5 + 4  # onset, then the two exchanges that name it (check every 5 steps), and a few more
 RANK = int(os.environ.get("RANK", "0"))
+ON_GPU = os.environ.get("STRAGGLER_ON_GPU") == "1"
 delaying = [False]
 
 
-def pause(seconds: float = DELAY_S) -> None:
+def pause(seconds: float = DELAY_S, on_device: bool = False) -> None:
     if delaying[0] and RANK == 1:
-        time.sleep(seconds)
+        if on_device and ON_GPU:
+            from scripts.gpu_checks.stragglers_on_gpu import spin
+
+            spin(1000 * seconds)
+        else:
+            time.sleep(seconds)
 
 
 class SlowData(TokenDataset):
@@ -42,9 +51,9 @@ class Injector(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if CASE == "forward":
-            model.bert.encoder.register_forward_pre_hook(lambda module, inputs: pause())
+            model.bert.encoder.register_forward_pre_hook(lambda module, inputs: pause(on_device=True))
         if CASE == "backward":  # inside the backward, before this rank's last gradient (the embeddings come last)
-            model.classifier.weight.register_hook(lambda grad: (pause(), grad)[1])
+            model.classifier.weight.register_hook(lambda grad: (pause(on_device=True), grad)[1])
         if CASE == "optimizer":
             torch_optimizer = getattr(optimizer, "optimizer", optimizer)
             torch_optimizer.register_step_pre_hook(lambda *a: pause())
@@ -59,7 +68,7 @@ out = Path(sys.argv[1])
 for CASE in sys.argv[2:]:
     delaying[0] = False
     data = SlowData(n=8 * 2 * STEPS)
-    trainer = Trainer(model=tiny_bert(), args=tiny_args(out / CASE, max_steps=STEPS, logging_steps=4),
+    trainer = Trainer(model=tiny_bert(), args=tiny_args(out / CASE, max_steps=STEPS, logging_steps=4, use_cpu=not ON_GPU),
                       train_dataset=data, callbacks=[Injector()])
     telemetry = attach_telemetry(trainer, interval_s=0.5)
     trainer.train()

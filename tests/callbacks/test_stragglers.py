@@ -49,6 +49,10 @@ def test_one_step_is_split_into_own_work_and_waiting():
     # ours 2 ms + the item count 8 ms + to the forward 7 ms + the gradient all-reduce's end 15 ms
     assert split["wait"] == pytest.approx(0.032)
     assert split["host"] == pytest.approx(0.120 - 0.010 - 0.020 - 0.040 - 0.004 - 0.032)
+    # a loop without get_batch_samples: the gap before the step is its loading
+    step.fetch = None
+    split = split_step(step, m(0.990), m(1.110))
+    assert split["data"] == pytest.approx(0.030) and split["wait"] == pytest.approx(0.005 + 0.015)
 
 
 def test_the_clock_keeps_one_gradient_hook_after_the_first_backward():
