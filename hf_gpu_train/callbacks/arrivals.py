@@ -17,20 +17,24 @@ work, by phase, and its waiting:
 
 Every ``check_steps`` optimizer steps (a step number every rank shares, so every rank enters the exchange, whatever it
 measured) the ranks exchange their per-phase sums over those steps in one small all-reduce on the CPU. A rank whose own
-time in one phase exceeds the other ranks' (their median) by at least ``min_excess_fraction`` of the median step, while
-the others waited longer by at least half that excess (they were there before it), is flagged; flagged in two exchanges
-in a row, it is named: rank, phase, milliseconds per step. Named within ``2 * check_steps`` steps of a slowdown that
-lasts (within ``3 * check_steps`` when it begins in the last steps of a window).
+time in one phase exceeds the other ranks' (their median; forward and backward per unit of work, so longer rows are not
+a sick rank) by at least ``min_excess_fraction`` of the median step, while the others waited longer by at least half
+that excess (they were there before it), is flagged; flagged in ``NAMED_AFTER`` exchanges in a row, it is named: rank,
+phase, milliseconds per step. The first step of a run is left out (the ranks' start-up skew).
 
-On CUDA a host clock around a forward times kernel launches, not the work, so forward, backward, the gradient wait and
-the optimizer are timed with CUDA events on the current stream (read at the exchange, after the last one finished);
-data loading, the host and our collectives are host work, timed by the host clock.
+On CUDA a host clock around a forward times kernel launches, not the work, so the step's start, forward, backward, the
+gradient wait and the optimizer are timed with CUDA events (read at the exchange, after a device synchronisation);
+data loading and our collectives are host work, timed by the host clock. A rank whose device waits for another's
+blocks its host later (at a loss check, the allocator), inside what would be its host phase: on CUDA the host phase is
+not named. Not run on two GPUs yet (scripts/gpu_checks/stragglers_on_gpu.py is the check).
 
 Where it does not hold (said in docs/telemetry-and-report.md): under FSDP and DeepSpeed ZeRO-3 the forward and the
 backward hold the parameter all-gathers and reduce-scatters, so a rank that waits for a late rank inside them shows a
 longer forward or backward; such a finding fails the arrival check (the rank that waited did not wait less) unless the
-late rank also waited less at a collective we see, and nothing is named. With one process there is no other rank: no
-clock is installed.
+late rank also waited less at a collective we see, and nothing is named. Under DeepSpeed the optimizer step runs inside
+the backward call and counts as waiting. The backward's end is the gradient of the parameter that came last in the
+first backward: a step in which it gets none (a branch not taken) puts that backward in the host phase. With one
+process there is no other rank: no clock is installed.
 """
 
 from __future__ import annotations
@@ -49,11 +53,13 @@ from ..launch.rank_report import note_straggler
 log = logging.getLogger("hf_gpu_train.telemetry")
 
 PHASES = ("data", "forward", "backward", "optimizer", "host")
-COLUMNS = (*PHASES, "wait", "period", "steps")
+PER_UNIT = ("forward", "backward")  # compared per unit of work: a rank that drew longer rows is slower, not sick
+COLUMNS = (*PHASES, "wait", "period", "units", "steps")
 CHECK_STEPS = 5
 MIN_EXCESS_FRACTION = 0.15  # of the median step: smaller differences are noise on a shared host
 MIN_EXCESS_S = 0.001
 ARRIVAL_SHARE = 0.5  # the others must have waited longer by at least this share of the excess
+NAMED_AFTER = 3  # exchanges in a row that flag the same rank and phase before it is named (one or two: batch noise)
 TIMELINE_WINDOWS = 200  # exchanges kept for the report's picture (the ones that named a rank are always kept)
 
 
@@ -81,6 +87,7 @@ class _Step:
     begin: Mark | None = None
     fetch: tuple[Mark, Mark | None, Mark | None] | None = None  # (fetch began, item count began, item count ended)
     forwards: list[tuple[Mark, Mark | None]] = field(default_factory=list)
+    units: float = 0.0  # the work its forwards were given: input positions (rows x padded length), else rows
     last_grads: list[Mark | None] = field(default_factory=list)  # per forward: this rank's last gradient after it
     optimizer: tuple[Mark | None, Mark | None] = (None, None)
 
@@ -113,7 +120,7 @@ class PhaseClock:
 
     # -- installing --------------------------------------------------------------------------
     def install(self, trainer, model: torch.nn.Module) -> PhaseClock:
-        self._handles = [model.register_forward_pre_hook(self._forward_begins),
+        self._handles = [model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
                          model.register_forward_hook(self._forward_ends)]
         self._grad_params = [p for p in model.parameters() if p.requires_grad]
         for index, param in enumerate(self._grad_params):
@@ -160,10 +167,11 @@ class PhaseClock:
 
         return count
 
-    def _forward_begins(self, module, args) -> None:
+    def _forward_begins(self, module, args, kwargs) -> None:
         if module.training and torch.is_grad_enabled():
             self._step.forwards.append((self.mark(on_device=True), None))
             self._step.last_grads.append(None)
+            self._step.units += work_units(args, kwargs)
 
     def _forward_ends(self, module, args, output) -> None:
         forwards = self._step.forwards
@@ -195,7 +203,7 @@ class PhaseClock:
 
     # -- loop events -------------------------------------------------------------------------
     def step_begin(self) -> None:
-        self._step.begin = self.mark()
+        self._step.begin = self.mark(on_device=True)  # on CUDA: where the device waits for the item count's gather
         if self._gap_start is None:  # the first step, or the first after a pause: its gap starts at its fetch
             self._gap_start = self._step.fetch[0] if self._step.fetch else self._step.begin
 
@@ -223,14 +231,30 @@ class PhaseClock:
     def take(self) -> dict[str, float]:
         """This rank's sums over the steps since the last take (on CUDA after the last recorded event finished)."""
         pending, self._pending = self._pending, []
-        if self.cuda and pending:
-            torch.cuda.current_stream().synchronize()
-        for step, gap_start, end in pending:
-            for key, value in split_step(step, gap_start, end).items():
-                self.sums[key] += value
-            self.sums["steps"] += 1
+        try:
+            if self.cuda and pending:
+                torch.cuda.synchronize()  # every stream: a gradient hook's event is on its backward op's stream
+            for step, gap_start, end in pending:
+                for key, value in split_step(step, gap_start, end).items():
+                    self.sums[key] += value
+                self.sums["steps"] += 1
+        except Exception as error:  # this rank then brings no steps to the exchange, which it still enters
+            log.warning("telemetry: this rank's step phases could not be read (%s: %s); its exchange holds no steps",
+                        type(error).__name__, error)
+            self.sums["steps"] = 0.0
         out, self.sums = self.sums, dict.fromkeys(COLUMNS, 0.0)
         return out
+
+
+def work_units(args: tuple, kwargs: dict) -> float:
+    """The work a forward is given, known on the host without a sync: ``input_ids``' (or ``inputs_embeds``') rows x
+    length, padding included (the compute is spent on it), else the first tensor's rows (images)."""
+    for name in ("input_ids", "inputs_embeds"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return float(value.shape[0] * value.shape[1])
+    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+    return float(first.shape[0]) if first is not None else 0.0
 
 
 def split_step(step: _Step, gap_start: Mark, end: Mark) -> dict[str, float]:
@@ -238,6 +262,7 @@ def split_step(step: _Step, gap_start: Mark, end: Mark) -> dict[str, float]:
     period = max(0.0, end.t - gap_start.t)
     out = dict.fromkeys((*PHASES, "wait"), 0.0)
     out["period"] = period
+    out["units"] = step.units
     out["wait"] = end.waited - gap_start.waited  # our own collectives, wherever they fell in the step
     if step.fetch is not None:
         began, count_began, count_ended = step.fetch
@@ -248,10 +273,13 @@ def split_step(step: _Step, gap_start: Mark, end: Mark) -> dict[str, float]:
             out["data"] += own_seconds(began, step.begin)
     elif step.begin is not None:  # a loop without get_batch_samples: it loads in the gap before the step
         out["data"] += own_seconds(gap_start, step.begin)
-    if step.forwards and step.begin is not None:  # the item count's end (or the fetch) to the first forward: DDP's broadcast
+    if step.forwards and step.begin is not None:  # the item count's end to the first forward: DDP's broadcast
         first = step.forwards[0][0]
-        before = step.fetch[2] if step.fetch is not None and step.fetch[2] is not None else step.begin
-        out["wait"] += own_seconds(Mark(before.t, before.waited), Mark(first.t, first.waited))
+        if step.begin.event is not None and first.event is not None:  # CUDA: the device's wait for the gather, the broadcast
+            out["wait"] += own_seconds(step.begin, first)
+        else:
+            before = step.fetch[2] if step.fetch is not None and step.fetch[2] is not None else step.begin
+            out["wait"] += own_seconds(Mark(before.t, before.waited), Mark(first.t, first.waited))
     for (began, ended), last_grad in zip(step.forwards, step.last_grads):
         if ended is None:
             continue
@@ -300,9 +328,12 @@ def per_step(row: dict[str, float]) -> dict[str, float]:
 
 
 def attribute(rows: list[dict[str, float]], min_excess_fraction: float = MIN_EXCESS_FRACTION,
-              min_excess_s: float = MIN_EXCESS_S) -> Finding | None:
+              min_excess_s: float = MIN_EXCESS_S, phases: tuple[str, ...] = PHASES) -> Finding | None:
     """The slowest (rank, phase) of one exchange, or None. ``rows[r]``: rank r's sums (``COLUMNS``). Pure: every rank
-    computes it from the same exchanged numbers, so every rank finds the same."""
+    computes it from the same exchanged numbers, so every rank finds the same. Forward and backward are compared per
+    unit of work where every rank counted some: the others' median rate times this rank's work is what it should
+    have taken (dynamic padding gives one rank longer rows now and then: it is slower, and the others wait, but it is
+    not sick)."""
     if len(rows) < 2 or any(row.get("steps", 0.0) < 1 for row in rows):
         return None
     means = [per_step(row) for row in rows]
@@ -312,8 +343,11 @@ def attribute(rows: list[dict[str, float]], min_excess_fraction: float = MIN_EXC
     for rank, mine in enumerate(means):
         others = [m for r, m in enumerate(means) if r != rank]
         waited_less = _median([m["wait"] for m in others]) - mine["wait"]
-        for phase in PHASES:
-            excess = mine[phase] - _median([m[phase] for m in others])
+        for phase in phases:
+            if phase in PER_UNIT and all(m["units"] > 0 for m in means):
+                excess = mine[phase] - _median([m[phase] / m["units"] for m in others]) * mine["units"]
+            else:
+                excess = mine[phase] - _median([m[phase] for m in others])
             if excess >= threshold and waited_less >= ARRIVAL_SHARE * excess and (best is None or excess > best.excess_s):
                 best = Finding(rank, phase, excess, step_s, waited_less)
     return best
@@ -328,6 +362,7 @@ class StragglerWatch:
         self.named: dict | None = None  # the straggler named now: Finding.to_dict() with "since_step" and "line"
         self.windows: list[dict] = []  # one per exchange: {"step", "ranks": [per-step seconds by column], "finding"}
         self._flagged: tuple[int, str] | None = None
+        self._run = 0  # exchanges in a row that flagged it
         self._clear_run = 0
 
     def on_step_end(self, global_step: int, is_world_zero: bool) -> dict | None:
@@ -339,7 +374,9 @@ class StragglerWatch:
         rows = exchange(self.clock.take())
         if rows is None:
             return None
-        finding = attribute(rows)
+        # on CUDA a rank that waits for another on the device blocks its host later (a loss check, the allocator):
+        # that shows as its host time, so host is not a phase named there (data, forward, backward, optimizer are)
+        finding = attribute(rows, phases=PHASES[:4] if self.clock.cuda else PHASES)
         self._keep(global_step, rows, finding)
         return self._judge(global_step, finding, is_world_zero)
 
@@ -359,9 +396,9 @@ class StragglerWatch:
 
     def _decide(self, step: int, finding: Finding | None, is_world_zero: bool) -> dict | None:
         key = (finding.rank, finding.phase) if finding else None
-        repeated = key is not None and key == self._flagged
+        self._run = self._run + 1 if key is not None and key == self._flagged else 1
         self._flagged = key
-        if repeated:
+        if key is not None and self._run >= NAMED_AFTER:
             self._clear_run = 0
             if self.named is None or (self.named["rank"], self.named["phase"]) != key:
                 self.named = {**finding.to_dict(), "since_step": step, "line": finding.line()}

@@ -11,8 +11,10 @@ The hooks are thin: they take timestamps and call the pure functions in ``window
 out through the public ``Trainer.log``, so TensorBoard and every ``report_to`` sink get them).
 
 What it costs per step: two timestamps, and forward hooks that add the batch's token count into a
-device tensor and time the forward (CUDA events on a GPU). No host sync happens between log steps; at a log step one
-device sync reads the counters and one collective gathers the ranks' summaries (tokens included).
+device tensor and time the forward (CUDA events on a GPU). With one process no host sync happens between log steps; at
+a log step one device sync reads the counters and one collective gathers the ranks' summaries (tokens included). With
+several, the straggler attribution (``arrivals.py``) adds a hook per phase boundary, and every 5 steps a device sync
+(on CUDA) and one small all-reduce on the CPU.
 
 That gather is entered on a decision every rank shares, never on a flag one rank set alone: a callback may set
 ``control.should_log`` from what only its rank sees. So the control flags are agreed across the ranks after each step

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from .wait_clock import waiting
+
 GATED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
          "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter",
          "scatter_object_list", "all_to_all", "all_to_all_single", "barrier", "all_reduce_coalesced",
@@ -57,7 +59,8 @@ def broadcast_from_rank_0(tensors: list, group=None) -> None:
     with torch.no_grad():
         for same in groups.values():
             flat = torch.cat([t.reshape(-1) for t in same])
-            raw.broadcast(flat, src=0, group=group)
+            with waiting():  # a rank that arrives first waits here for the last: not its own work (arrivals.py)
+                raw.broadcast(flat, src=0, group=group)
             offset = 0
             for tensor in same:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))

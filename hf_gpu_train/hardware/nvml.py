@@ -7,6 +7,7 @@ here, so callers never see pynvml's dynamically generated exception classes.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class PynvmlBackend:
 
     def __init__(self) -> None:
         self._pynvml: Any = None
+        self._xid_indices: dict[Any, int] = {}  # a registered handle's address -> its NVML index
 
     def init(self) -> None:
         try:
@@ -329,6 +331,10 @@ class PynvmlBackend:
     @_translating
     def register_xid_events(self, handle: Any, event_set: Any) -> None:
         self._pynvml.nvmlDeviceRegisterEvents(handle, self._pynvml.nvmlEventTypeXidCriticalError, event_set)
+        try:  # its index now, while the GPU answers: after an XID 79 (off the bus) it may not
+            self._xid_indices[_handle_key(handle)] = int(self._pynvml.nvmlDeviceGetIndex(handle))
+        except self._pynvml.NVMLError:
+            pass
 
     def next_xid_event(self, event_set: Any) -> tuple[int, int] | None:
         """The next XID the driver queued on ``event_set`` as (NVML index, XID), without waiting (timeout 0): None
@@ -338,7 +344,8 @@ class PynvmlBackend:
             data = nv.nvmlEventSetWait_v2(event_set, 0)
             if data.eventType != nv.nvmlEventTypeXidCriticalError:
                 return None
-            return int(nv.nvmlDeviceGetIndex(data.device)), int(data.eventData)
+            index = self._xid_indices.get(_handle_key(data.device))
+            return (int(nv.nvmlDeviceGetIndex(data.device)) if index is None else index), int(data.eventData)
         except nv.NVMLError as error:
             if getattr(error, "value", None) == nv.NVML_ERROR_TIMEOUT:
                 return None
@@ -347,3 +354,14 @@ class PynvmlBackend:
     @_translating
     def free_event_set(self, event_set: Any) -> None:
         self._pynvml.nvmlEventSetFree(event_set)
+
+
+def _handle_key(handle: Any) -> Any:
+    """A device handle by the address it points to (an event's ``device`` is a new ctypes object for the same GPU)."""
+    if isinstance(handle, (ctypes._Pointer, ctypes.c_void_p)):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    try:
+        hash(handle)
+        return handle
+    except TypeError:
+        return id(handle)

@@ -227,7 +227,7 @@ def failure_line(cause: tuple[int, int] | None, progress: dict[int, dict], hang:
         first += f"; before it, telemetry had named a {straggler}"
     if health:
         return (f"{first}; last step finished: {steps}. GPU health changed during the run: " + "; ".join(health)
-                + ". Fix the GPU before running the same command again (it resumes from the last complete checkpoint, "
+                + ". Do what each fix says, then run the same command again (it resumes from the last complete checkpoint, "
                 "if one was saved)")
     return (f"{first}; last step finished: {steps}. Run the same command again to resume from the last complete "
             "checkpoint, if one was saved")

@@ -22,7 +22,7 @@ from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E40
 
 DELAY_S = float(os.environ.get("STRAGGLER_DELAY_S", "0.06"))
 ONSET = 10  # the first step with the delay
-STEPS = 10 + 2 * 5 + 4  # onset, then the two exchanges that name it (check every 5 steps), and a few more
+STEPS = 10 + 3 * 5 + 4  # onset, then the three exchanges that name it (check every 5 steps), and a few more
 RANK = int(os.environ.get("RANK", "0"))
 ON_GPU = os.environ.get("STRAGGLER_ON_GPU") == "1"
 delaying = [False]

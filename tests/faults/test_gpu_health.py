@@ -59,7 +59,7 @@ def test_the_dead_rank_line_names_the_rank_and_its_gpus_xid(machine, tmp_path):
     line = failure_line((1, -6), {0: {"step": 12}, 1: {"step": 12}}, None, events[:1])
     assert line.startswith("rank 1 died (SIGABRT, exit -6); last step finished: rank 0 12, rank 1 12. GPU health changed "
                            "during the run: rank 1, 2 (GPU 1): GPU 1: XID 79")
-    assert line.endswith("Fix the GPU before running the same command again (it resumes from the last complete checkpoint, "
+    assert line.endswith("Do what each fix says, then run the same command again (it resumes from the last complete checkpoint, "
                          "if one was saved)")
     assert failure_line((1, -6), {}, None, []) == ("rank 1 died (SIGABRT, exit -6); last step finished: not recorded. Run the "
                                                     "same command again to resume from the last complete checkpoint, if one "

@@ -243,3 +243,14 @@ def test_real_backend_reads_xid_events_without_waiting(real, monkeypatch):
     assert real.next_xid_event("set") == (3, 79)
     assert real.next_xid_event("set") is None
     assert waits == [0, 0]  # never blocks the sampler
+
+    # XID 79: the GPU fell off the bus and no longer tells its index; the index it had when registered is used
+    monkeypatch.setattr(pynvml, "nvmlDeviceRegisterEvents", lambda handle, kind, event_set: None)
+    real.register_xid_events("handle-3", "set")
+
+    def lost(handle):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetIndex", lost)
+    queue.append(Data())
+    assert real.next_xid_event("set") == (3, 79)

@@ -40,13 +40,14 @@ def test_the_failure_line_names_the_straggler_telemetry_had_named(tmp_path, monk
     watch = StragglerWatch(clock=None)
     slow = attribute([row(wait=70.0), row(optimizer=61.0, wait=10.0)])
     watch._judge(5, slow, True)
-    assert read_straggler(tmp_path) is None  # found once: not named yet
     watch._judge(10, slow, True)
+    assert read_straggler(tmp_path) is None  # found twice: not named yet
+    watch._judge(15, slow, True)
     line = failure_line((0, -9), {0: {"step": 12}, 1: {"step": 12}}, straggler=read_straggler(tmp_path))
     assert line.startswith("rank 0 died (SIGKILL, exit -9); before it, telemetry had named a straggler: rank 1 is slow in "
                            "optimizer (+60 ms per step"), line
-    assert line.endswith("(named at step 10); last step finished: rank 0 12, rank 1 12. Run the same command again to "
+    assert line.endswith("(named at step 15); last step finished: rank 0 12, rank 1 12. Run the same command again to "
                          "resume from the last complete checkpoint, if one was saved")
-    watch._judge(15, None, True)
     watch._judge(20, None, True)
+    watch._judge(25, None, True)
     assert read_straggler(tmp_path) is None
