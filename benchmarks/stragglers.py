@@ -1,7 +1,7 @@
 """Straggler attribution by arrival (``callbacks/arrivals.py``) on 2 gloo processes: which rank and phase it names, how
 many steps after the slowdown, and what it costs.
 
-1. Attribution: ``tests/callbacks/straggler_probe.py`` runs the tiny BERT of the tests with telemetry as shipped, 24
+1. Attribution: ``tests/callbacks/straggler_probe.py`` runs the tiny BERT of the tests with telemetry as shipped, 29
    steps, once per case: 60 ms per step on rank 1 from step 10 on, in its data loading, its forward, its backward (the
    phase DDP's all-reduce hides), its optimizer step or its host work (a callback), and once without a delay. For each:
    the (rank, phase) named, the step it was named at, and the steps from the slowdown to the verdict.
@@ -92,7 +92,7 @@ def main() -> int:
         if run.returncode != 0:
             print(run.stderr[-4000:], file=sys.stderr)
             return 1
-        print(f"attribution: 6 runs of 24 steps in {time.monotonic() - began:.0f} s (2 gloo processes)\n")
+        print(f"attribution: 6 runs of 29 steps in {time.monotonic() - began:.0f} s (2 gloo processes)\n")
         print("| delay (60 ms per step on rank 1 from step 10) | named | at step | steps from the slowdown | ranks never named |")
         print("|---|---|---|---|---|")
         for case in CASES:
