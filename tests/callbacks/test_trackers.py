@@ -131,6 +131,7 @@ def test_telemetry_reaches_tensorboard_mlflow_and_wandb(tmp_path, monkeypatch, m
         trainer.train()
     finally:
         wandb.finish()  # the WandbCallback leaves the run open at train end; finishing writes its summary
+        wandb.teardown()  # its service process, now: at the test process's exit its atexit hook finds the socket gone
     windows = [r for r in callback.records if not r["final"]]  # the final window is written to the report, not logged
     steps = [w["step"] for w in windows]
     assert steps == [2, 4, 6, 8], steps

@@ -30,6 +30,7 @@ if trainer.is_world_process_zero():
     import wandb
 
     wandb.finish()  # the WandbCallback leaves the run open at train end; finishing writes its summary
+    wandb.teardown()  # its service process, before end_quickly's exit
 
 from hf_gpu_train.fast_exit import end_quickly  # noqa: E402
 from hf_gpu_train.process_group import leave_process_group  # noqa: E402
