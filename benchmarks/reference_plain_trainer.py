@@ -4,11 +4,14 @@ saving until the end, then one evaluation, its metrics through ``evaluate`` as H
 
     python benchmarks/reference_plain_trainer.py OUT TRAIN_CSV VALIDATION_CSV EPOCHS BATCH MAX_LENGTH [static]
 
+``PLAIN_MODEL=DIR``: that model folder instead of the shipped MiniLM (benchmarks/phases.py's nearly-free steps).
+
 ``static`` pads every example to MAX_LENGTH in preprocessing with the default collator, as HF's
 ``run_classification.py`` does (the second comparison line).
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,8 +41,9 @@ def main() -> None:
     static = len(sys.argv) > 7 and sys.argv[7] == "static"
     raw = load_dataset("csv", data_files={"train": train_csv, "validation": validation_csv})
     labels = sorted(set(raw["train"]["label"]))
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(labels))
+    source = os.environ.get("PLAIN_MODEL") or minilm_path()  # benchmarks/phases.py: a tiny model, steps nearly free
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=len(labels))
 
     def preprocess(rows):
         encoded = tokenizer(rows["text"], truncation=True, max_length=max_length, padding="max_length" if static else False)
