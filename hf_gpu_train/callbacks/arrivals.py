@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ import torch
 
 from ..collectives.cpu_votes import cpu_group, several_processes
 from ..collectives.wait_clock import waited_so_far, waiting
+from ..instance_methods import replace_methods
 from ..launch.rank_report import note_straggler
 
 log = logging.getLogger("hf_gpu_train.telemetry")
@@ -61,6 +63,10 @@ MIN_EXCESS_S = 0.001
 ARRIVAL_SHARE = 0.5  # the others must have waited longer by at least this share of the excess
 NAMED_AFTER = 3  # exchanges in a row that flag the same rank and phase before it is named (one or two: batch noise)
 TIMELINE_WINDOWS = 200  # exchanges kept for the report's picture (the ones that named a rank are always kept)
+
+
+def _nothing_to_restore() -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class PhaseClock:
         self._step = _Step()
         self._gap_start: Mark | None = None
         self._handles: list[Any] = []
-        self._restore: list[tuple[Any, str, bool, Any]] = []
+        self._restore: Callable[[], None] = _nothing_to_restore  # the Trainer's methods back as they were
         self._grad_params: list[torch.nn.Parameter] = []
         self._grads_seen: list[int] = []  # the parameters' order of gradients in the first backward
         self._learning = True
@@ -126,27 +132,16 @@ class PhaseClock:
         for index, param in enumerate(self._grad_params):
             self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(index)))
         if trainer is not None:
-            self._wrap(trainer, "get_batch_samples", self._timed_fetch)
-            self._wrap(trainer, "_get_num_items_in_batch", self._timed_item_count)
+            self._restore = replace_methods(trainer, {"get_batch_samples": self._timed_fetch,
+                                                      "_get_num_items_in_batch": self._timed_item_count})
         return self
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for owner, name, had_own, original in self._restore:
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-        self._restore = []
-
-    def _wrap(self, owner, name: str, make) -> None:
-        original = getattr(owner, name, None)
-        if original is None:
-            return
-        self._restore.append((owner, name, name in vars(owner), original))
-        setattr(owner, name, make(original))
+        self._restore()
+        self._restore = _nothing_to_restore
 
     def _timed_fetch(self, original):
         def fetch(*args, **kwargs):

@@ -13,6 +13,7 @@ gate's (``faults/collective_gate.py``).
 
 from __future__ import annotations
 
+from ..instance_methods import replace_methods
 from .cpu_votes import any_rank, cpu_group, several_processes
 from .wait_clock import waiting
 
@@ -123,26 +124,13 @@ def agree_on_control(trainer, after_agreement=None) -> bool:
 
 def _agree_after(trainer, names: tuple[str, ...]):
     """Wrap these methods of the Trainer instance so the control flags are agreed after each call; returns the undo."""
-    wrapped = {}
-    for name in names:
-        original = getattr(trainer, name, None)
-        if original is None:
-            continue
-        had_own = name in vars(trainer)
 
-        def agreeing(*args, _original=original, **kwargs):
-            result = _original(*args, **kwargs)
+    def agreeing_after(original):
+        def agreeing(*args, **kwargs):
+            result = original(*args, **kwargs)
             agree_flags(trainer.control)
             return result
 
-        wrapped[name] = (had_own, original)
-        setattr(trainer, name, agreeing)
+        return agreeing
 
-    def restore() -> None:
-        for name, (had_own, original) in wrapped.items():
-            if had_own:
-                setattr(trainer, name, original)
-            else:
-                delattr(trainer, name)
-
-    return restore
+    return replace_methods(trainer, dict.fromkeys(names, agreeing_after))

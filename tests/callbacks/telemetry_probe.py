@@ -1,9 +1,7 @@
 """Launched with 2 gloo processes by test_telemetry_ranks.py: rank 1 reads its data slowly. 6 steps of
 2 x 8 samples are one epoch of the 96 samples, so the run's tokens are the data set's."""
 
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -11,15 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import Trainer  # noqa: E402
 
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
-from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E402
-
-
-class SlowOnRank1(TokenDataset):
-    def __getitem__(self, i):
-        if os.environ.get("RANK") == "1":
-            time.sleep(0.03)
-        return super().__getitem__(i)
-
+from tests.callbacks.tiny import SlowOnRank1, tiny_args, tiny_bert  # noqa: E402
 
 out = sys.argv[1]
 trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2), train_dataset=SlowOnRank1(n=96))

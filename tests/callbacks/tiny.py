@@ -1,5 +1,8 @@
 """A tiny BERT and a padded token dataset for Trainer tests on the CPU."""
 
+import os
+import time
+
 import torch
 from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
@@ -20,6 +23,15 @@ class TokenDataset(torch.utils.data.Dataset):
             raise RuntimeError("broken sample (injected)")
         mask = (torch.arange(self.ids.shape[1]) < self.lengths[i]).long()
         return {"input_ids": self.ids[i] * mask, "attention_mask": mask, "labels": self.labels[i]}
+
+
+class SlowOnRank1(TokenDataset):
+    """Rank 1 (of a launch) reads each sample 30 ms slowly: the straggler of the 2-process telemetry probes."""
+
+    def __getitem__(self, i):
+        if os.environ.get("RANK") == "1":
+            time.sleep(0.03)
+        return super().__getitem__(i)
 
 
 def tiny_bert():

@@ -1,9 +1,7 @@
 """Launched with 2 gloo processes by test_trackers.py: telemetry with TensorBoard, MLflow and W&B as the Trainer's
 report_to (their stores set by the environment the test gives); rank 1 reads its data slowly."""
 
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -11,15 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import Trainer  # noqa: E402
 
 from hf_gpu_train.callbacks import attach_telemetry  # noqa: E402
-from tests.callbacks.tiny import TokenDataset, tiny_args, tiny_bert  # noqa: E402
-
-
-class SlowOnRank1(TokenDataset):
-    def __getitem__(self, i):
-        if os.environ.get("RANK") == "1":
-            time.sleep(0.03)
-        return super().__getitem__(i)
-
+from tests.callbacks.tiny import SlowOnRank1, tiny_args, tiny_bert  # noqa: E402
 
 out = sys.argv[1]
 trainer = Trainer(model=tiny_bert(), args=tiny_args(out, max_steps=6, logging_steps=2, report_to=["tensorboard", "mlflow", "wandb"]),

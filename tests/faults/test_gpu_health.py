@@ -2,13 +2,13 @@
 watch in the hang summary, the launcher's node watch in the dead-rank line. NVML through the fake backend."""
 
 import json
-import time
 from pathlib import Path
 
 from hf_gpu_train.faults.gpu_health import RankGpu, named_events, node_watch
-from hf_gpu_train.faults.watchdog import HANG_EXIT_CODE, Limits, Watchdog, summary
+from hf_gpu_train.faults.watchdog import Limits, Watchdog, summary
 from hf_gpu_train.hardware.fake import FakeNvmlBackend
 from hf_gpu_train.launch.rank_report import PROGRESS_DIR_ENV, failure_line, read_rank_gpus
+from tests.faults.test_watchdog import wait_for_the_trip
 from tests.hardware.odd_machines import odd_machine
 
 XID_79 = {"gpu": 1, "kind": "xid", "severity": "critical", "message": "GPU 1: XID 79, GPU has fallen off the bus: "
@@ -75,10 +75,7 @@ def test_a_rank_that_hangs_on_a_gpu_with_a_new_xid_says_so_in_its_summary(tmp_pa
     watchdog.gpu = RankGpu.watch(box.gpus[1].pci_bus_id, backend)  # the snapshot's XIDs 79/48/63 are history
     backend.inject_xid(1, 74)
     watchdog.start()
-    deadline = time.monotonic() + 10
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert exits == [HANG_EXIT_CODE]
+    wait_for_the_trip(exits)
     (folder,) = tmp_path.glob("hang-*")
     state = json.loads((folder / "summary.json").read_text())["ranks"]["0"]
     assert state["gpu"] == 1 and [e["message"] for e in state["gpu_health"]] == [

@@ -13,6 +13,13 @@ from hf_gpu_train.faults.watchdog import HANG_EXIT_CODE, Limits, Progress, Watch
 from tests.launching import cpu_config, launch
 
 
+def wait_for_the_trip(exits: list, seconds: float = 10) -> None:
+    """Until the watchdog has called its exit (with the hang's code), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [HANG_EXIT_CODE]
+
 def test_the_limit_follows_the_measured_step_time_above_its_floors():
     progress = Progress()
     limits = Limits(floor_s=5, long_floor_s=50, factor=10)
@@ -56,10 +63,7 @@ def test_one_process_that_stalls_dumps_its_stacks_and_exits(tmp_path):
     exits = []
     watchdog = Watchdog(tmp_path, Limits(floor_s=0.3, long_floor_s=0.3), poll_s=0.05, exit=exits.append)
     watchdog.start()
-    deadline = time.monotonic() + 10
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert exits == [HANG_EXIT_CODE]
+    wait_for_the_trip(exits)
     (folder,) = tmp_path.glob("hang-*")
     assert "test_one_process_that_stalls_dumps_its_stacks_and_exits" in (folder / "rank-0.txt").read_text()  # the main thread
     assert json.loads((folder / "summary.json").read_text())["ranks"]["0"]["phase"] == "data"
@@ -161,8 +165,5 @@ def test_a_disk_that_fails_or_stops_answering_does_not_keep_the_run_alive(tmp_pa
     exits = []
     watchdog = Watchdog(blocked, Limits(floor_s=0.2, long_floor_s=0.2), poll_s=0.05, collect_s=1, exit=exits.append)
     watchdog.start()
-    deadline = time.monotonic() + 10
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert exits == [HANG_EXIT_CODE]
+    wait_for_the_trip(exits)
     assert "could not write" in capsys.readouterr().err
