@@ -191,8 +191,8 @@ class TelemetryCallback(TrainerCallback):
 
             try:
                 write_run_report(args.output_dir, self.samples(), self.records, self.last_verdict, self.gpu_names,
-                                 log_history=list(state.log_history),
-                                 arrivals=self.stragglers.windows if self.stragglers is not None else None)  # the loss curves of a Trainer that never saves its state
+                                 log_history=list(state.log_history),  # the loss curves of a Trainer that never saves its state
+                                 arrivals=self.stragglers.windows if self.stragglers is not None else None)
             except Exception as error:  # the report must never cost the run its final evaluation and model
                 log.warning("telemetry: the run report was not written (%s: %s); the training is not affected",
                             type(error).__name__, error)
@@ -381,7 +381,7 @@ class TelemetryCallback(TrainerCallback):
             record["straggler"] = named
         health = self.sampler.take_health_events() if self.sampler else []
         if health:  # said once, by the rank whose GPU it is (each rank samples its own GPUs)
-            rank = _rank()
+            rank = args.process_index
             record["gpu_health"] = [{**event, "rank": rank} for event in health]
             metrics["gpu_health/events"] = float(len(health))
             for event in health:
@@ -441,10 +441,6 @@ class TelemetryCallback(TrainerCallback):
             suggested_micro_batch=self.suggested_micro_batch,
             host_cpu_pct=metrics.get("host/cpu_pct"),
         )
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
 class TelemetryNotAttached(RuntimeError):

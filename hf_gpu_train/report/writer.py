@@ -73,40 +73,38 @@ def write_run_report(output_dir, samples, records, verdict, gpu_names: dict, log
 def load_run(output_dir) -> tuple[list[dict], list[dict], dict]:
     """The telemetry's samples, windows and summary; a line that is not a JSON object (the last line of a killed
     process's file is often cut short) is skipped."""
-    out = Path(output_dir)
-    samples, windows = [], []
-    for line in (out / JSONL).read_text().splitlines():
-        if '"kind": "arrivals"' in line:  # load_arrivals reads those
-            continue
+    samples, windows, _ = read_telemetry_lines(output_dir)
+    return samples, windows, read_summary(output_dir)
+
+
+def read_telemetry_lines(output_dir) -> tuple[list[dict], list[dict], list[dict]]:
+    """telemetry.jsonl read once: (sampler readings, log windows, the exchanges of the ranks' phase times: none with
+    one process). A line that is not a JSON object is skipped, and an exchange without its ranks."""
+    samples, windows, arrivals = [], [], []
+    for line in (Path(output_dir) / JSONL).read_text().splitlines():
         try:
             item = json.loads(line)
         except ValueError:
             continue
         if not isinstance(item, dict):
             continue
-        if item.get("kind") != "sample" and isinstance(item.get("metrics"), dict):
+        kind = item.get("kind")
+        if kind == "arrivals":
+            if isinstance(item.get("ranks"), list):
+                arrivals.append(item)
+            continue
+        if kind != "sample" and isinstance(item.get("metrics"), dict):
             item["metrics"] = renamed_loop_keys(item["metrics"])
-        (samples if item.get("kind") == "sample" else windows).append(item)
+        (samples if kind == "sample" else windows).append(item)
+    return samples, windows, arrivals
+
+
+def read_summary(output_dir) -> dict:
     try:
-        summary = json.loads((out / SUMMARY).read_text())
+        summary = json.loads((Path(output_dir) / SUMMARY).read_text())
     except ValueError:
         summary = {}
-    return samples, windows, summary if isinstance(summary, dict) else {}
-
-
-def load_arrivals(output_dir) -> list[dict]:
-    """The exchanges of the ranks' phase times recorded in telemetry.jsonl (none with one process)."""
-    arrivals = []
-    for line in (Path(output_dir) / JSONL).read_text().splitlines():
-        if '"kind": "arrivals"' not in line:
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict) and isinstance(item.get("ranks"), list):
-            arrivals.append(item)
-    return arrivals
+    return summary if isinstance(summary, dict) else {}
 
 
 def renamed_loop_keys(metrics: dict) -> dict:
@@ -129,9 +127,10 @@ def render_report(output_dir) -> list[Path]:
     out = Path(output_dir)
     told, story_plots = story(out)
     recorded = telemetry_recorded(out)
-    samples, windows, summary = load_run(out) if recorded else ([], [], {})
+    samples, windows, arrivals = read_telemetry_lines(out) if recorded else ([], [], [])
+    summary = read_summary(out) if recorded else {}
     plots = draw_all(out, samples, windows) if recorded else []
-    timeline = draw_rank_timeline(out, load_arrivals(out)) if recorded else None
+    timeline = draw_rank_timeline(out, arrivals) if recorded else None
     plots += [timeline] if timeline else []
     lines = ["# Run report", "", *told]
     run_summary = read_json_object(out / "run_summary.json")
