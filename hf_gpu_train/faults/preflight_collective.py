@@ -73,10 +73,13 @@ def check_ranks_join(seconds: float) -> None:
     import torch.distributed as dist
 
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    # a rank that cannot connect says so before the others give up on it and end the run (the store client retries
-    # once after the timeout: up to twice this)
+    # a rank that cannot connect says so before the others give up on it and end the run: our own connect, bounded
+    # by us (the store client's retries add a random back-off of about its timeout again: 3.3 s for a 1 s timeout)
     connect_s = seconds / 3
+    unreachable = _unreachable(host, port, connect_s)
     try:
+        if unreachable:
+            raise RuntimeError(unreachable)
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_s), wait_for_workers=False)
     except (RuntimeError, TimeoutError) as error:  # DistNetworkError / DistStoreError are RuntimeErrors
         raise PreflightError(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous at {host}:{port} within "
@@ -95,6 +98,20 @@ def check_ranks_join(seconds: float) -> None:
                                  f"start its launch, started late (slow imports: HF_GPU_TRAIN_PREFLIGHT_TIMEOUT=300), or "
                                  f"cannot reach this one; {network_fix()}")
         if waiting:
+            time.sleep(0.1)
+
+
+def _unreachable(host: str, port: int, seconds: float) -> str:
+    """Why ``host:port`` took no TCP connection within ``seconds`` (tried again while refused), or "" once it did."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(left, 0.05)):
+                return ""
+        except OSError as error:
+            if deadline - time.monotonic() <= 0.1:
+                return f"connecting: {error.strerror or error}"
             time.sleep(0.1)
 
 
