@@ -20,6 +20,7 @@ START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
@@ -62,7 +63,8 @@ def main() -> None:
 
     args = TrainingArguments(output_dir=out, num_train_epochs=epochs, per_device_train_batch_size=batch, per_device_eval_batch_size=2 * batch,
                              learning_rate=5e-5, weight_decay=0.01, warmup_steps=0.1, seed=42, eval_strategy="no", save_strategy="no",
-                             report_to="none", disable_tqdm=True, use_cpu=True, logging_steps=50,
+                             report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available(), logging_steps=50,
+                             bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),  # on a GPU, as a user would
                              train_sampling_strategy="random" if static else "group_by_length")
     trainer = Trainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["validation"],
                       data_collator=default_data_collator if static else DataCollatorWithPadding(tokenizer),

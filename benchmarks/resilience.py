@@ -3,8 +3,9 @@
 ``saves``: one process, a plain ``transformers.Trainer`` with ``guard_saves`` (what scripts/finetune.py installs), a
 BERT-base-sized model (6 layers, hidden 768: ~67 M parameters, random weights, no hub) and AdamW: each checkpoint holds
 the weights, the optimizer's two moments, the scheduler and the RNG (~0.8 GB). Side by side in one process, alternating:
-the training time each save blocks (the first save's included: it allocates the staging buffers), synchronous (``HF_GPU_TRAIN_BACKGROUND_SAVES=0``, what the Trainer does) against
-background (the default); and the steps/s (from the third step's end to the last) of a run that saves every N steps against one that never
+the training time each save blocks (the first save's included: it allocates the staging buffers): the Trainer's own
+save (no ``guard_saves``), synchronous (``HF_GPU_TRAIN_BACKGROUND_SAVES=0``, the default on a CPU) and background (the
+default on a GPU); and the steps/s (from the third step's end to the last) of a run that saves every N steps against one that never
 saves. Arms alternate their order from round to round, after a warm-up run in none. The
 background write ``fsync``s its files (the synchronous save does not): the comparison favours the synchronous save.
 
@@ -42,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _trainer(out: Path, steps: int, save_every: int | None, background: bool, gpu: bool = False):
+def _trainer(out: Path, steps: int, save_every: int | None, background: bool | None, gpu: bool = False):
+    """``background``: None for the Trainer's own save (no ``guard_saves``), else guarded, in the background or not."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
@@ -64,7 +66,8 @@ def _trainer(out: Path, steps: int, save_every: int | None, background: bool, gp
                              disable_tqdm=True, logging_steps=steps, save_strategy="steps" if save_every else "no",
                              save_steps=save_every or 1, save_total_limit=2)
     trainer = Trainer(model=model, args=args, train_dataset=Rows())
-    guard_saves(trainer, background=background)
+    if background is not None:
+        guard_saves(trainer, background=background)
     blocked: list[float] = []
     original = trainer._save_checkpoint
 
@@ -102,7 +105,8 @@ def saves(rounds: int, steps: int, save_every: int, gpu: bool = False) -> dict[s
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-    arms = {"never saves": (None, True), "synchronous saves": (save_every, False), "background saves": (save_every, True)}
+    arms = {"never saves": (None, True), "the Trainer's own saves (no guard)": (save_every, None),
+            "synchronous saves": (save_every, False), "background saves": (save_every, True)}
     results: dict[str, dict[str, list[float]]] = {name: {"blocked": [], "steps_per_s": [], "write": []} for name in arms}
     size = 0
     warm, _ = _trainer(Path(tempfile.mkdtemp()), 2, None, True, gpu)
@@ -116,7 +120,7 @@ def saves(rounds: int, steps: int, save_every: int, gpu: bool = False) -> dict[s
                 trainer.train()
                 results[name]["steps_per_s"].append((len(ends) - 2) / (ends[-1] - ends[1]))
                 results[name]["blocked"] += blocked
-                written = trainer._hf_gpu_train_background_saves
+                written = getattr(trainer, "_hf_gpu_train_background_saves", None)
                 if background and written is not None:
                     results[name]["write"] += written.write_seconds
                 size = max(size, _checkpoint_bytes(Path(folder)))
@@ -136,7 +140,11 @@ def saves(rounds: int, steps: int, save_every: int, gpu: bool = False) -> dict[s
         print(f"| {name} | {'-' if blocked is None else f'{blocked:.2f} s'} | "
               f"{'-' if blocked is None else f'{blocked / sync:.2f}x'} | {'-' if write is None else f'{write:.2f} s'} | "
               f"{rate:.3f} | {rate / never:.2f}x |")
+    own = medians["the Trainer's own saves (no guard)"]["blocked_s"]
+    print(f"blocked per save: background {medians['background saves']['blocked_s'] / own:.2f}x and synchronous (guarded) "
+          f"{sync / own:.2f}x the Trainer's own save's")
     return {"blocked_ratio": medians["background saves"]["blocked_s"] / sync,
+            "blocked_vs_trainer": medians["background saves"]["blocked_s"] / own,
             "background_vs_never": medians["background saves"]["steps_per_s"] / never,
             "synchronous_vs_never": medians["synchronous saves"]["steps_per_s"] / never}
 

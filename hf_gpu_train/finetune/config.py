@@ -87,8 +87,8 @@ class FinetuneConfig:
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     # evaluate the model as loaded before training, for the comparison the run ends with (baseline_results.json):
-    # auto: when the validation set has at most 4,000 rows, and at most a quarter of the rows the training processes (or
-    # 256), and the model is not sharded (finetune/evaluate_before.py)
+    # on a seeded sample of 512 rows above 512; auto: when those rows are at most a quarter of the rows the training
+    # processes (or 256), and the model is not sharded (finetune/evaluate_before.py)
     evaluate_before: bool | str = "auto"
     # schedule
     output_dir: str = "outputs/run"

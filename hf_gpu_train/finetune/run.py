@@ -42,6 +42,7 @@ from .checkpoints import (
 )
 from .config import ConfigError, FinetuneConfig, save_resolved
 from .deepspeed_env import deepspeed_optimizer_line, hold_zero3_init
+from .evaluate_before import sample_words
 from .fsdp import fsdp_requested, save_full_model
 from .launch_plan import apply_launch_plan, confirm_launched_strategy, strategy_of_state
 from .loading import load_config_and_keys, read_config_values
@@ -182,9 +183,10 @@ def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneCo
     def figures(values: dict) -> str:
         return ", ".join(f"{name} {values[key]:.4g}" for key, name in SHOWN_METRICS.items() if key in values)
 
-    line = f"{figures(metrics)} on {rows} validation {task_for(cfg.task).rows_word}"
+    word = task_for(cfg.task).rows_word
+    line = f"{figures(metrics)} on {rows} validation {word}"
     if baseline:
-        line += f"; before training (the model as loaded): {figures(baseline)}"
+        line += f"; before training (the model as loaded{sample_words(baseline, word)}): {figures(baseline)}"
     return line
 
 

@@ -108,8 +108,11 @@ def metrics_section(results: dict) -> list[str]:
     lines += [f"| {k.removeprefix('eval_')} | {_fmt(v)} |" for k, v in shown.items()]
     baseline = results.get("baseline")
     if isinstance(baseline, dict) and baseline:
-        lines += ["", "Before training (the same evaluation of the model as it was loaded): "
-                  + ", ".join(f"{k.removeprefix('eval_')} {_fmt(v)}" for k, v in baseline.items())]
+        rows, of = baseline.get("rows"), baseline.get("validation_rows")
+        where = (f"the same evaluation on a seeded sample of {rows} of the {of} validation rows" if rows and of and rows < of
+                 else "the same evaluation")
+        lines += ["", f"Before training ({where} of the model as it was loaded): "
+                  + ", ".join(f"{k.removeprefix('eval_')} {_fmt(v)}" for k, v in baseline.items() if k.startswith("eval_"))]
     return lines + [""]
 
 

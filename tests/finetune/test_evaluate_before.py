@@ -7,15 +7,24 @@ import json
 
 import pytest
 
-from hf_gpu_train.finetune.evaluate_before import BASELINE, attach_evaluate_before, trained_rows, why_not
+from hf_gpu_train.finetune.evaluate_before import (
+    BASELINE,
+    SAMPLE_ROWS,
+    attach_evaluate_before,
+    sample_indices,
+    sample_words,
+    trained_rows,
+    why_not,
+)
 
 
 @pytest.mark.parametrize("validation, trained, sharded, reason", [
     (199, 2400, False, ""),  # the default run: 199 sentences beside 3 epochs of 800
     (200, 100, False, ""),  # small however short the training: seconds
-    (1000, 2000, False, "would cost more than about a tenth"),  # a short training beside a large validation set
-    (1000, 8000, False, ""),
-    (5000, 10**7, False, "has 5000 rows (auto: at most 4000)"),
+    (400, 1000, False, "would cost more than about a tenth"),  # a short training beside a large validation set
+    (1000, 2400, False, ""),  # 512 of its rows, a sample: under a quarter of 2400
+    (1000, 1600, False, "its 512 validation rows (a sample) would cost"),
+    (5000, 10**7, False, ""),  # a sample however large the set (4000 rows was the limit before the sample)
     (100, 1000, True, "sharded"),
 ])
 def test_auto_weighs_the_evaluation_against_the_training(validation, trained, sharded, reason):
@@ -46,11 +55,20 @@ class FakeTrainer:
 def test_a_run_that_does_not_evaluate_first_says_why_and_drops_an_earlier_starts_file(tmp_path, capsys):
     (tmp_path / BASELINE).write_text(json.dumps({"eval_loss": 9.0}))  # an earlier start of another config
     trainer = FakeTrainer()
-    assert attach_evaluate_before("auto", tmp_path, trainer, 5000, resuming=False, trained_rows=10**6) is None
+    assert attach_evaluate_before("auto", tmp_path, trainer, 5000, resuming=False, trained_rows=1000) is None
     assert not (tmp_path / BASELINE).exists() and not trainer.callbacks
-    assert "no evaluation before training: the validation set has 5000 rows" in capsys.readouterr().out
+    assert "no evaluation before training: its 512 validation rows (a sample) would cost" in capsys.readouterr().out
     (tmp_path / BASELINE).write_text(json.dumps({"eval_loss": 1.5}))  # this run's, from its first start
     assert attach_evaluate_before("auto", tmp_path, trainer, 100, resuming=True, trained_rows=1000) is None
     assert json.loads((tmp_path / BASELINE).read_text()) == {"eval_loss": 1.5}  # a resumed run keeps its own
     callback = attach_evaluate_before("auto", tmp_path, trainer, 100, resuming=False, trained_rows=1000)
     assert callback is not None and trainer.callbacks == [callback]
+
+
+def test_the_sample_is_the_same_rows_in_every_run_and_every_row_below_its_size():
+    assert sample_indices(SAMPLE_ROWS) is None  # every row: no sample
+    rows = sample_indices(5000)
+    assert rows == sample_indices(5000) and len(rows) == SAMPLE_ROWS == len(set(rows))
+    assert rows == sorted(rows) and rows[-1] < 5000 and rows[-1] > 4000  # spread over the set, in its order
+    assert sample_words({"rows": 512, "validation_rows": 5000}, "examples") == " on a sample of 512 of 5000 validation examples"
+    assert sample_words({"rows": 64, "validation_rows": 64}) == "" and sample_words({"eval_loss": 1.0}) == ""

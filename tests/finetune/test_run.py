@@ -25,27 +25,31 @@ def results(out: Path) -> dict:
     return json.loads((out / "eval_results.json").read_text())
 
 
-def figures_by_hand(out: Path, arguments: list[str]) -> dict[str, float]:
-    """The saved model, its validation split rebuilt from the same arguments, a plain forward and argmax, scored by
-    scikit-learn: what the Trainer's evaluation (class ids gathered across ranks, padding duplicates dropped, our
-    numpy metrics) reported."""
+def figures_by_hand(out: Path, arguments: list[str], trained: bool = True, rows: list[int] | None = None) -> dict[str, float]:
+    """The saved model (``trained=False``: the model as the run loaded it, the same seed first), its validation split
+    rebuilt from the same arguments (``rows``: those of it), a plain forward and argmax, scored by scikit-learn: what
+    the Trainer's evaluation (class ids gathered across ranks, padding duplicates dropped, our numpy metrics) reported."""
     import torch
     from safetensors.torch import load_file
     from sklearn.metrics import accuracy_score, f1_score
+    from transformers import set_seed
 
     from hf_gpu_train.finetune.loading import load_config
     from hf_gpu_train.finetune.run import prepared_for
     from hf_gpu_train.finetune.runtime import resolve_runtime
 
     cfg = load_config(None, [*arguments, f"output_dir={out.parent / 'by-hand'}"])
+    set_seed(cfg.seed)  # what the run does before it loads the model: the new head's weights
     p = prepared_for(cfg, resolve_runtime(cfg))
     model, validation, collator = p.model, p.validation, p.collator
-    model.load_state_dict(load_file(out / "model.safetensors"))
+    if trained:
+        model.load_state_dict(load_file(out / "model.safetensors"))
     model.eval()
+    chosen = list(range(len(validation))) if rows is None else rows
     predicted, labels = [], []
     with torch.no_grad():
-        for start in range(0, len(validation), 16):
-            batch = collator([validation[i] for i in range(start, min(len(validation), start + 16))])
+        for start in range(0, len(chosen), 16):
+            batch = collator([validation[i] for i in chosen[start:start + 16]])
             labels += batch.pop("labels").tolist()
             predicted += model(**batch)["logits"].argmax(-1).tolist()
     return {"eval_accuracy": accuracy_score(labels, predicted), "eval_f1": f1_score(labels, predicted, average="macro")}
@@ -83,18 +87,32 @@ def test_text_one_process(tmp_path, capsys):
     assert "learning_rate: 0.0001 -> 0.0003" in capsys.readouterr().err
 
 
-def test_evaluating_before_training_changes_nothing_the_run_trains(tmp_path):
+def test_evaluating_before_training_on_a_sample_scores_those_rows_and_changes_nothing_the_run_trains(tmp_path, capsys,
+                                                                                                     monkeypatch):
     """The evaluation before training draws from the random generators (its DataLoader's seed); the run puts them back,
-    so the weights equal those of a run that did not evaluate first."""
+    so the weights equal those of a run that did not evaluate first. Above SAMPLE_ROWS validation rows (16 here, 512
+    as shipped) it scores the seeded sample's rows, as a plain forward over those rows of the model as loaded does,
+    and says so on the last line and in baseline_results.json."""
     from safetensors.torch import load_file
 
+    from hf_gpu_train.finetune import evaluate_before
     from tests.scaling.equivalence import assert_same_params
 
+    monkeypatch.setattr(evaluate_before, "SAMPLE_ROWS", 16)
+    arguments = [*TEXT_SMALL, "max_train_samples=48", "save_strategy=no"]
     outs = {flag: tmp_path / f"before-{flag}" for flag in ("true", "false")}
     for flag, out in outs.items():
-        assert main([*TEXT_SMALL, "max_train_samples=48", f"evaluate_before={flag}", "save_strategy=no", f"output_dir={out}"]) == 0
-    assert (outs["true"] / "baseline_results.json").is_file() and not (outs["false"] / "baseline_results.json").exists()
+        assert main([*arguments, f"evaluate_before={flag}", f"output_dir={out}"]) == 0
+    assert not (outs["false"] / "baseline_results.json").exists()
     assert_same_params(load_file(outs["true"] / "model.safetensors"), load_file(outs["false"] / "model.safetensors"), atol=0)
+    baseline = json.loads((outs["true"] / "baseline_results.json").read_text())
+    rows = evaluate_before.sample_indices(64)
+    assert len(rows) == 16 and rows == sorted(set(rows)) and {"rows": 16, "validation_rows": 64}.items() <= baseline.items()
+    by_hand = figures_by_hand(outs["true"], [*arguments, "evaluate_before=true"], trained=False, rows=rows)
+    assert {k: baseline[k] for k in by_hand} == pytest.approx(by_hand, abs=1e-9)
+    last = [line for line in capsys.readouterr().out.splitlines() if "before training (the model as loaded" in line][0]
+    assert "on 64 validation examples; before training (the model as loaded on a sample of 16 of 64 validation examples): " \
+           f"accuracy {baseline['eval_accuracy']:.4g}" in last
 
 
 def test_vision_one_process(tmp_path):
