@@ -7,8 +7,8 @@ and the latest optimizer step. Around the pieces both scripts call (the model's 
 the Trainer's ``__init__``, ``train``, ``training_step``, ``evaluate``, ``_save_checkpoint``, ``save_model`` and its
 callbacks' events) a clock is wrapped at class level that adds each call's own seconds (its nested clocked calls
 taken out, so the items add up) to its item, split by when it started: before the first optimizer step ends, between
-the first and the last, or after. RECORD is rewritten with one ``pwrite`` at each step and when the script returns (a
-process that ends with ``os._exit`` has written all but its end). The script runs as ``__main__`` with its own
+the first and the last (a call after a step is filed once the next step ends), or after the last. RECORD is rewritten
+with one ``pwrite`` at each step, when ``train()`` returns and when the script returns or calls ``os._exit``. The script runs as ``__main__`` with its own
 arguments; what it imports and does is untouched.
 """
 
@@ -21,7 +21,7 @@ import runpy
 import sys
 import time
 
-RECORD_BYTES = 16384
+RECORD_BYTES = 32768
 
 
 class Clock:
@@ -29,22 +29,41 @@ class Clock:
         self.fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.times: dict[str, float] = {"script_start": time.time()}
         self.items: dict[str, float] = {}  # "phase/item" -> own seconds
+        self.calls: dict[str, int] = {}  # "phase/item" -> how many calls
+        self.since_last_step: dict[str, list] = {}  # item -> [own seconds, calls] inside train() after the latest step
         self.stack: list[float] = []  # seconds of clocked calls nested in each open one
 
-    def phase(self, at: float) -> str:
-        if "first_step_end" not in self.times:
-            return "start"
-        return "end" if "train_returned" in self.times else "steps"
+    def add(self, began: float, item: str, seconds: float) -> None:
+        """Before the first step's end: "start"; inside train() after a step, held until the next step ends ("steps")
+        or train() returns without one (then it was after the last step: "end"); after train() returned: "end"."""
+        if "first_step_end" not in self.times or began < self.times["first_step_end"]:
+            key = f"start/{item}"
+        elif "train_returned" in self.times:
+            key = f"end/{item}"
+        else:
+            held = self.since_last_step.setdefault(item, [0.0, 0])
+            held[0] += seconds
+            held[1] += 1
+            return
+        self._file(key, seconds, 1)
+
+    def _file(self, key: str, seconds: float, calls: int) -> None:
+        self.items[key] = self.items.get(key, 0.0) + seconds
+        self.calls[key] = self.calls.get(key, 0) + calls
+
+    def settle(self, phase: str) -> None:
+        for item, (seconds, calls) in self.since_last_step.items():
+            self._file(f"{phase}/{item}", seconds, calls)
+        self.since_last_step.clear()
 
     def write(self) -> None:
-        data = json.dumps({**self.times, "items": self.items}).encode()
+        data = json.dumps({**self.times, "items": self.items, "calls": self.calls}).encode()
         os.pwrite(self.fd, data.ljust(RECORD_BYTES), 0)
 
-    def clocked(self, label: str, function):
+    def clocked(self, label, function):
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             began = time.time()
-            phase = self.phase(began)
             self.stack.append(0.0)
             try:
                 return function(*args, **kwargs)
@@ -53,8 +72,7 @@ class Clock:
                 nested = self.stack.pop()
                 if self.stack:
                     self.stack[-1] += took
-                key = f"{phase}/{label(args) if callable(label) else label}"
-                self.items[key] = self.items.get(key, 0.0) + took - nested
+                self.add(began, label(args) if callable(label) else label, took - nested)
         return wrapper
 
     def step_ended(self, *unused) -> None:
@@ -62,6 +80,16 @@ class Clock:
         self.times.setdefault("first_step_end", now)
         self.times["last_step_end"] = now
         self.times["steps"] = self.times.get("steps", 0) + 1
+        self.settle("steps")
+        self.write()
+
+    def train_returned(self) -> None:
+        self.times["train_returned"] = time.time()
+        self.settle("end")
+        self.write()
+
+    def script_returned(self) -> None:
+        self.times.setdefault("script_returned", time.time())
         self.write()
 
 
@@ -101,9 +129,14 @@ def install(clock: Clock) -> None:
         try:
             return train(*args, **kwargs)
         finally:
-            clock.times["train_returned"] = time.time()
-            clock.write()
+            clock.train_returned()
     transformers.Trainer.train = train_noted
+    leave = os._exit
+
+    def exit_noted(code):  # a run of several processes ends with os._exit (hf_gpu_train/fast_exit.py): no finally runs
+        clock.script_returned()
+        leave(code)
+    os._exit = exit_noted
 
 
 def main() -> None:
@@ -116,8 +149,7 @@ def main() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        clock.times["script_returned"] = time.time()
-        clock.write()
+        clock.script_returned()
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ Each run is a process of its own, started and waited for here; inside it ``phase
 the last optimizer step end and clocks what both scripts call (the model load, ``Dataset.map``, the Trainer's
 construction, its training steps, evaluations, saves and callbacks; neither script is changed). Phases: process start
 to the end of the first optimizer step (imports, model load, data preparation, what runs before the first step: our
-evaluation before training), the steps (the first step's end to ``train()`` returning: the steps, what runs between
-them and at the training's end), and ``train()`` returning to the process's exit (the final evaluation, saving, our
-report, the interpreter's exit); then
+evaluation before training), the steps (the first step's end to the last's: the steps and what runs between them),
+and the last step's end to the process's exit (the training's end, the final evaluation, saving, our report, the
+interpreter's exit); then
 each phase by item, ours beside the plain script's. Both scripts get the same data, epochs, batch, max_length and
 learning rate; ours keeps every other default as shipped (the evaluation before training included).
 
@@ -71,9 +71,9 @@ def run(arm: str, out: Path, data: tuple[Path, Path], args, model: Path | None) 
         raise SystemExit(f"{arm}: exit {done.returncode}\n{done.stderr[-3000:]}")
     clock = json.loads(record.read_text())
     summary = json.loads((out / "run_summary.json").read_text())
-    # the boundaries phase_clock.py files its items by: the first step's end, and train() returning
-    phases = {"start": clock["first_step_end"] - began, "steps": clock["train_returned"] - clock["first_step_end"],
-              "end": ended - clock["train_returned"]}
+    # the boundaries phase_clock.py files its items by: the first and the last optimizer step's ends
+    phases = {"start": clock["first_step_end"] - began, "steps": clock["last_step_end"] - clock["first_step_end"],
+              "end": ended - clock["last_step_end"]}
     return {"wall": ended - began, "to_first_step": phases["start"], "steps": phases["steps"], "after_last_step": phases["end"],
             "optimizer_steps": clock["steps"], "padded_tokens": clock.get("padded_tokens", 0), "accuracy": summary.get("eval_accuracy"), "items": items(clock, began, ended)}
 
@@ -85,11 +85,11 @@ def items(clock: dict, began: float, ended: float) -> dict[str, float]:
     found = dict(clock["items"])
     found["start/interpreter, torch, transformers, datasets"] = clock["clock_installed"] - began
     bounds = {"start": (clock["clock_installed"], clock["first_step_end"]),
-              "steps": (clock["first_step_end"], clock["train_returned"]),
-              "end": (clock["train_returned"], clock.get("script_returned", ended))}
+              "steps": (clock["first_step_end"], clock["last_step_end"]),
+              "end": (clock["last_step_end"], clock.get("script_returned", ended))}
     rest = {"start": "script imports, arguments, tokenizer, plan (unclocked)",
             "steps": "data, optimizer, host between steps (unclocked)",
-            "end": "report, summary, outputs (unclocked)"}
+            "end": "training's end, report, summary, outputs (unclocked)"}
     for phase, (low, high) in bounds.items():
         clocked = sum(v for k, v in clock["items"].items() if k.startswith(phase + "/"))
         found[f"{phase}/{rest[phase]}"] = high - low - clocked
@@ -137,7 +137,7 @@ def main() -> int:
                              "accuracy": statistics.median(x["accuracy"] for x in runs),
                              "items": {k: statistics.median(x["items"].get(k, 0.0) for x in runs) for k in keys}})
     print(f"{args.epochs} epochs, batch {args.batch}, max_length {args.max_length}, {args.rounds} round(s), medians, seconds")
-    print("| shape | script | wall | start to the first step's end | then to train() returning | then to exit | optimizer steps | padded tokens | accuracy |")
+    print("| shape | script | wall | start to the first step's end | first to last step | last step to exit | optimizer steps | padded tokens | accuracy |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         name = "scripts/finetune.py (defaults)" if row["arm"] == "ours" else "plain Trainer script"

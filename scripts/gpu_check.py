@@ -469,24 +469,30 @@ def check_background_saves() -> bool:
     return found["blocked_ratio"] <= 0.1
 
 
-def check_phases() -> bool:
+def check_phases(budget_s: float = 540.0) -> bool:
     """Issue 40: the default fine-tune's wall time by phase against the plain Trainer script on this GPU
     (benchmarks/phases.py, one round each: the default run, the unseen text set, the nearly-free steps). Goals: ours
-    <= 1.0x the plain script's wall time on MiniLM, <= the plain script + 3 s on the nearly-free steps."""
+    <= 1.0x the plain script's wall time on both MiniLM shapes, <= the plain script + 3 s on the nearly-free steps.
+    One round: a figure, not a verdict on noise (the CPU table has several)."""
     section("the fine-tune's fixed costs by phase: scripts/finetune.py as shipped against a plain Trainer script")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phases.py"), "--rounds", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200)
-    tables = [line for line in done.stdout.splitlines() if not line.startswith("[{")]
-    print("\n".join(tables))
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phases.py"), "--rounds", "1"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired as timeout:
+        printed = timeout.stdout.decode(errors="replace") if isinstance(timeout.stdout, bytes) else timeout.stdout or ""
+        print(f"benchmarks/phases.py did not end within {budget_s:.0f} s; what it printed:\n{printed[-3000:]}")
+        return False
+    print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("[{")))
     if done.returncode != 0:
         print(done.stderr[-3000:])
         return False
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     wall = {(r["shape"], r["arm"]): r["wall"] for r in rows}
-    minilm = wall["minilm", "ours"] / wall["minilm", "plain"]
+    ratios = {shape: wall[shape, "ours"] / wall[shape, "plain"] for shape in ("minilm", "unseen")}
     tiny = wall["tiny", "ours"] - wall["tiny", "plain"]
-    print(f"ours / plain on MiniLM {minilm:.3f}x (goal <= 1.0), nearly-free steps: ours - plain {tiny:+.1f} s (goal <= +3)")
-    return minilm <= 1.0 and tiny <= 3.0
+    print(f"ours / plain: default run {ratios['minilm']:.3f}x, unseen text set {ratios['unseen']:.3f}x (goal <= 1.0); "
+          f"nearly-free steps: ours - plain {tiny:+.1f} s (goal <= +3)")
+    return max(ratios.values()) <= 1.0 and tiny <= 3.0
 
 
 def check_stragglers_on_gpu() -> bool:

@@ -102,17 +102,30 @@ def check_ranks_join(seconds: float) -> None:
 
 
 def _unreachable(host: str, port: int, seconds: float) -> str:
-    """Why ``host:port`` took no TCP connection within ``seconds`` (tried again while refused), or "" once it did."""
+    """Why ``host:port`` took no TCP connection within ``seconds`` (each of its addresses tried, again while refused),
+    or "" once one did. The name is resolved once (a bracketed IPv6 address as written in MASTER_ADDR too)."""
     deadline = time.monotonic() + seconds
+    try:
+        addresses = [a[4] for a in socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)]
+    except OSError as error:
+        return f"resolving {host}: {error.strerror or error}"
+    why = ""
     while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(left, 0.05)):
-                return ""
-        except OSError as error:
-            if deadline - time.monotonic() <= 0.1:
-                return f"connecting: {error.strerror or error}"
-            time.sleep(0.1)
+        for address in addresses:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"connecting: {why}"
+            family = socket.AF_INET6 if len(address) == 4 else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.settimeout(max(left, 0.05))
+                try:
+                    probe.connect(address)
+                    return ""
+                except OSError as error:
+                    why = error.strerror or str(error) or type(error).__name__
+        if deadline - time.monotonic() <= 0.1:
+            return f"connecting: {why}"
+        time.sleep(0.1)
 
 
 def _ranges(ranks: list[int]) -> str:

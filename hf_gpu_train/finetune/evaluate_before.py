@@ -21,15 +21,17 @@ import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_utils import has_length
 
 from .fsdp import fsdp_requested
 from .run_record import SHOWN_METRICS
 
 BASELINE = "baseline_results.json"
 # The figure before training is a reference the run's last line compares with, not the result: above SAMPLE_ROWS
-# validation rows it is measured on a seeded sample of that many (said on the line and in baseline_results.json).
-# 512 rows put a proportion's standard error at most 0.022 (+-0.044 at 95%), below what a fine-tune moves it, at a
+# validation rows it is measured on a seeded sample of that many (said on the line and in baseline_results.json), at a
 # bounded cost however large the validation set (issue 40: on a fast GPU a short fine-tune is mostly fixed work).
+# 512 rows put accuracy's standard error at most 0.022 (+-0.044 at 95%), below what a fine-tune moves it; macro F1
+# over many classes of few rows each, and the loss of a model that is sure and wrong, vary more than that on a sample.
 SAMPLE_ROWS = 512
 SAMPLE_SEED = 0  # the same rows on every rank and in every run of the same validation set
 # evaluate_before=auto: the evaluation first is worth it when it costs little beside the training. Rows are the
@@ -113,9 +115,9 @@ class EvaluateBeforeTraining(TrainerCallback):
         self.done = True
         started = time.perf_counter()
         validation = self.trainer.eval_dataset
-        rows = len(validation) if validation is not None and not isinstance(validation, dict) else None
+        rows = len(validation) if validation is not None and not isinstance(validation, dict) and has_length(validation) else None
         chosen = sample_indices(rows) if rows is not None else None
-        with untouched_random_state():
+        with untouched_random_state(), _loader_not_kept(self.trainer, chosen is not None):
             metrics = self.trainer.evaluate(**({} if chosen is None else {"eval_dataset": _subset(validation, chosen)}))
         self.seconds = time.perf_counter() - started
         metrics = self.derive(metrics)
@@ -124,6 +126,23 @@ class EvaluateBeforeTraining(TrainerCallback):
             self.baseline.update(rows=sample_rows(rows), validation_rows=rows)
         if self.trainer.is_world_process_zero():
             self.file.write_text(json.dumps(self.baseline, indent=2))
+
+
+@contextlib.contextmanager
+def _loader_not_kept(trainer, sampled: bool):
+    """With ``dataloader_persistent_workers`` the Trainer keeps an evaluation's DataLoader under "eval" and hands it
+    to every later evaluation, even one built from a dataset passed in (transformers 5): the sample's must not become
+    the validation set's, and one kept before must not replace the sample. Both put back as they were."""
+    kept = getattr(trainer, "_eval_dataloaders", None)
+    earlier = kept.pop("eval", None) if sampled and isinstance(kept, dict) else None
+    try:
+        yield
+    finally:
+        now = getattr(trainer, "_eval_dataloaders", None)
+        if sampled and isinstance(now, dict):
+            now.pop("eval", None)
+            if earlier is not None:
+                now["eval"] = earlier
 
 
 def _subset(dataset, indices: list[int]):

@@ -177,8 +177,12 @@ def story(out: Path) -> tuple[list[str], list[Path]]:
     series = log_series(history, baseline)
     plots = charts(out, series)
     if plots:
+        rows, of = (baseline or {}).get("rows"), (baseline or {}).get("validation_rows")
+        sampled = rows and of and rows < of and "eval_loss" in series
         lines += ["## Training", "", *([f"From `{source}` (the run's final state was not saved)."]
                                        if source != "trainer_state.json" else []),
+                  *([f"The evaluation loss at step 0 is the evaluation before training's, on a seeded sample of {rows} "
+                     f"of the {of} validation rows; the later points are on every row."] if sampled else []),
                   *[f"![{p.stem}]({p.name})" for p in plots], ""]
     lines += checkpointing_lines(read_json_object(out / CHECKPOINTING_RECORD) or {})
     config_file = out / "finetune_config.yaml"

@@ -72,3 +72,40 @@ def test_the_sample_is_the_same_rows_in_every_run_and_every_row_below_its_size()
     assert rows == sorted(rows) and rows[-1] < 5000 and rows[-1] > 4000  # spread over the set, in its order
     assert sample_words({"rows": 512, "validation_rows": 5000}, "examples") == " on a sample of 512 of 5000 validation examples"
     assert sample_words({"rows": 64, "validation_rows": 64}) == "" and sample_words({"eval_loss": 1.0}) == ""
+
+
+def test_with_persistent_workers_the_evaluations_after_a_sampled_baseline_read_every_row(tmp_path, monkeypatch):
+    """transformers keeps an evaluation's DataLoader under "eval" when workers persist, even one built from a dataset
+    passed in: without care the baseline's sample would be what every later evaluation reads."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_gpu_train.finetune import evaluate_before
+
+    monkeypatch.setattr(evaluate_before, "SAMPLE_ROWS", 8)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(1, 6) + i % 7, "labels": torch.tensor(i % 2)}
+
+    counted: list[int] = []
+
+    class Count(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            counted.append(int(metrics["eval_rows"]))
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                                     intermediate_size=16, num_labels=2))
+    args = TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                             report_to="none", use_cpu=True, save_strategy="no", eval_strategy="steps", eval_steps=2,
+                             dataloader_num_workers=1, dataloader_persistent_workers=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), eval_dataset=Rows(), callbacks=[Count()],
+                      compute_metrics=lambda p: {"rows": len(p.label_ids)})
+    callback = attach_evaluate_before(True, tmp_path, trainer, 20, resuming=False)
+    trainer.train()
+    trainer.evaluate()
+    assert counted == [8, 20, 20]  # the sample before training, then every row at step 2 and after
+    assert json.loads((tmp_path / BASELINE).read_text())["rows"] == 8 and callback.baseline["validation_rows"] == 20

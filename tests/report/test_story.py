@@ -140,3 +140,20 @@ def test_the_newest_of_the_runs_own_histories_is_drawn(tmp_path):
     os.utime(out / "log_history.json", ns=(old + 10**9, old + 10**9))
     history, source = read_history(out)
     assert source == "log_history.json" and history == HISTORY[:2]
+
+
+def test_a_baseline_measured_on_a_sample_is_said_to_be_one_beside_its_figures_and_its_point_on_the_loss_curve(tmp_path):
+    out = finished_run(tmp_path / "run")
+    (out / "baseline_results.json").write_text(json.dumps({"eval_loss": 1.6, "eval_accuracy": 0.2, "rows": 512,
+                                                           "validation_rows": 5000}))
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert ("Before training (the same evaluation on a seeded sample of 512 of the 5000 validation rows of the model as "
+            "it was loaded): loss 1.6, accuracy 0.2") in report  # its row counts are not figures
+    assert "The evaluation loss at step 0 is the evaluation before training's, on a seeded sample of 512 of the 5000" in report
+    (out / "baseline_results.json").write_text(json.dumps({"eval_loss": 1.6, "eval_accuracy": 0.2, "rows": 64,
+                                                           "validation_rows": 64}))
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "Before training (the same evaluation of the model as it was loaded): loss 1.6, accuracy 0.2" in report
+    assert "seeded sample" not in report
