@@ -32,6 +32,7 @@ class Clock:
         self.calls: dict[str, int] = {}  # "phase/item" -> how many calls
         self.since_last_step: dict[str, list] = {}  # item -> [own seconds, calls] inside train() after the latest step
         self.stack: list[float] = []  # seconds of clocked calls nested in each open one
+        self.pid = os.getpid()  # a forked child (a DataLoader worker, a map process) inherits the clock: never writes
 
     def add(self, began: float, item: str, seconds: float) -> None:
         """Before the first step's end: "start"; inside train() after a step, held until the next step ends ("steps")
@@ -57,6 +58,8 @@ class Clock:
         self.since_last_step.clear()
 
     def write(self) -> None:
+        if os.getpid() != self.pid:
+            return
         data = json.dumps({**self.times, "items": self.items, "calls": self.calls}).encode()
         os.pwrite(self.fd, data.ljust(RECORD_BYTES), 0)
 
@@ -89,7 +92,10 @@ class Clock:
         self.write()
 
     def script_returned(self) -> None:
+        """The script returned or called ``os._exit``; calls held since the last step (an exit from inside train():
+        a stop signal, the watchdog) were after it."""
         self.times.setdefault("script_returned", time.time())
+        self.settle("end")
         self.write()
 
 
@@ -105,8 +111,8 @@ def install(clock: Clock) -> None:
                (transformers.Trainer, "__init__", "Trainer.__init__"),
                (transformers.Trainer, "training_step", "training_step (forward, backward)"),
                (transformers.Trainer, "evaluate", "evaluation"),
-               (transformers.Trainer, "_save_checkpoint", "checkpoint save"),
-               (transformers.Trainer, "save_model", "model save"),
+               (transformers.Trainer, "_save_checkpoint", "checkpoint save (optimizer, scheduler, state)"),
+               (transformers.Trainer, "save_model", "model save (the final one's, and each checkpoint's weights)"),
                (trainer_callback.CallbackHandler, "call_event", lambda args: f"callbacks: {args[1]}")]
     for owner, name, label in patches:
         original = owner.__dict__[name]

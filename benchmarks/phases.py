@@ -87,7 +87,7 @@ def items(clock: dict, began: float, ended: float) -> dict[str, float]:
     bounds = {"start": (clock["clock_installed"], clock["first_step_end"]),
               "steps": (clock["first_step_end"], clock["last_step_end"]),
               "end": (clock["last_step_end"], clock.get("script_returned", ended))}
-    rest = {"start": "script imports, arguments, tokenizer, plan (unclocked)",
+    rest = {"start": "script imports, arguments, tokenizer, plan, train() setup, first optimizer step (unclocked)",
             "steps": "data, optimizer, host between steps (unclocked)",
             "end": "training's end, report, summary, outputs (unclocked)"}
     for phase, (low, high) in bounds.items():

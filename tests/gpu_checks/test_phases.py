@@ -45,8 +45,9 @@ class Slow(TrainerCallback):
             time.sleep(0.5)
 
 args = TrainingArguments(out, max_steps=6, per_device_train_batch_size=4, report_to="none", use_cpu=True,
-                         eval_strategy="steps", eval_steps=3, save_strategy="no", disable_tqdm=True, logging_steps=100,
-                         remove_unused_columns=False)
+                         eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4, disable_tqdm=True,
+                         logging_steps=100, remove_unused_columns=False, dataloader_num_workers=1,
+                         dataloader_persistent_workers=True)
 def metrics(prediction):  # each evaluation takes 0.3 s more than its forwards
     time.sleep(0.3)
     return {{}}
@@ -56,6 +57,8 @@ trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
 trainer.train()
 trainer.evaluate()
 trainer.save_model()
+import os
+os._exit(0)  # as a run of several processes ends (hf_gpu_train/fast_exit.py): no finally runs
 """
 
 
@@ -82,8 +85,18 @@ def test_the_clock_files_each_call_in_its_phase_and_the_items_add_up_to_the_wall
     # at train begin; after step 3 (a step follows); after step 6, the last, and after train(): the end
     assert {k: clock["calls"].get(k) for k in ("start/evaluation", "steps/evaluation", "end/evaluation")} == {
         "start/evaluation": 1, "steps/evaluation": 1, "end/evaluation": 2}
+    # checkpoints at step 4 and at the last step, 6 (their weights through save_model, nested), the final model after
+    # train(): one in the steps, two saves of weights and one checkpoint after the last step
+    saves = {k: v for k, v in clock["calls"].items() if "save" in k and "callbacks" not in k}
+    assert saves == {"steps/checkpoint save (optimizer, scheduler, state)": 1,
+                     "steps/model save (the final one's, and each checkpoint's weights)": 1,
+                     "end/checkpoint save (optimizer, scheduler, state)": 1,
+                     "end/model save (the final one's, and each checkpoint's weights)": 2}
     for key in ("start/model load", "start/data preparation (Dataset.map)", "start/Trainer.__init__",
-                "start/training_step (forward, backward)", "steps/training_step (forward, backward)", "end/model save"):
+                "start/training_step (forward, backward)", "steps/training_step (forward, backward)"):
         assert items[key] > 0, key
+    # the DataLoader's worker processes (forked, ended by os._exit) never wrote their copy of the clock over it, and
+    # the script's own os._exit was noted
+    assert "script_returned" in clock and clock["script_returned"] >= clock["train_returned"]
     assert clock["calls"]["start/training_step (forward, backward)"] == 1
     assert clock["calls"]["steps/training_step (forward, backward)"] == 5
