@@ -42,7 +42,6 @@ from .checkpoints import (
 )
 from .config import ConfigError, FinetuneConfig, save_resolved
 from .deepspeed_env import deepspeed_optimizer_line, hold_zero3_init
-from .evaluate_before import sample_words
 from .fsdp import fsdp_requested, save_full_model
 from .launch_plan import apply_launch_plan, confirm_launched_strategy, strategy_of_state
 from .loading import load_config_and_keys, read_config_values
@@ -182,6 +181,8 @@ def result_line(metrics: dict, baseline: dict | None, rows: int, cfg: FinetuneCo
     """The run's last line: the figures that mean something, and what the model scored before training."""
     def figures(values: dict) -> str:
         return ", ".join(f"{name} {values[key]:.4g}" for key, name in SHOWN_METRICS.items() if key in values)
+
+    from .evaluate_before import sample_words  # here: it imports transformers' Trainer, and the CLI imports this module
 
     word = task_for(cfg.task).rows_word
     line = f"{figures(metrics)} on {rows} validation {word}"
