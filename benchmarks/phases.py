@@ -81,7 +81,7 @@ def run(arm: str, out: Path, data: tuple[Path, Path], args, model: Path | None) 
 def items(clock: dict, began: float, ended: float) -> dict[str, float]:
     """Each phase's seconds by what is in it (phase_clock.py's clocked calls), the unclocked rest named by where it is:
     the interpreter and the libraries both scripts import before the clock, the script's own imports and setup, the
-    loop's data, optimizer and host work between steps, and what runs after ``train()`` returns up to the exit."""
+    loop's data, optimizer and host work between steps, and what runs after the last step up to the script's end."""
     found = dict(clock["items"])
     found["start/interpreter, torch, transformers, datasets"] = clock["clock_installed"] - began
     bounds = {"start": (clock["clock_installed"], clock["first_step_end"]),

@@ -19,7 +19,11 @@ from hf_gpu_train.finetune.builtin import python_docs_split  # noqa: E402
 
 
 def write(out: Path, seed: int = 0, validation_fraction: float = 0.2) -> tuple[Path, Path]:
-    train, validation = python_docs_split(seed, validation_fraction)
+    return write_split(out, *python_docs_split(seed, validation_fraction))
+
+
+def write_split(out: Path, train: list[dict], validation: list[dict]) -> tuple[Path, Path]:
+    """Rows {text, label} as OUT/train.csv and OUT/validation.csv, the files the plain-Trainer scripts read."""
     out.mkdir(parents=True, exist_ok=True)
     paths = (out / "train.csv", out / "validation.csv")
     for path, rows in zip(paths, (train, validation)):

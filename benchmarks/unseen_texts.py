@@ -8,7 +8,6 @@ sentences each, split 80/20 per class with a seeded shuffle. Nothing is download
 
 from __future__ import annotations
 
-import csv
 import importlib
 import inspect
 import pkgutil
@@ -16,6 +15,10 @@ import random
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from real_texts import write_split  # noqa: E402
 
 PACKAGES = ("asyncio", "email", "http", "logging", "xml")  # pure Python, in every CPython on Linux (tkinter is not)
 PER_CLASS = 250
@@ -62,14 +65,7 @@ def write(out: Path, seed: int = 0, validation_fraction: float = 0.2) -> tuple[P
         validation += rows[:cut]
         train += rows[cut:]
     rng.shuffle(train)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = (out / "train.csv", out / "validation.csv")
-    for path, rows in zip(paths, (train, validation)):
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["text", "label"])
-            writer.writeheader()
-            writer.writerows(rows)
-    return paths
+    return write_split(out, train, validation)
 
 
 if __name__ == "__main__":

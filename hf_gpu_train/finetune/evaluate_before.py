@@ -23,6 +23,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_utils import has_length
 
+from ..report.story import baseline_sample
 from .fsdp import fsdp_requested
 from .run_record import SHOWN_METRICS
 
@@ -92,8 +93,8 @@ def why_not(evaluate_before: bool | str, validation_rows: int, sharded: bool, tr
 
 def sample_words(baseline: dict, word: str = "rows") -> str:
     """' on a sample of 512 of 5000 validation rows' when the figure before training is a sample's, else ''."""
-    rows, of = baseline.get("rows"), baseline.get("validation_rows")
-    return f" on a sample of {rows} of {of} validation {word}" if rows and of and rows < of else ""
+    sample = baseline_sample(baseline)
+    return f" on a sample of {sample[0]} of {sample[1]} validation {word}" if sample else ""
 
 
 class EvaluateBeforeTraining(TrainerCallback):
@@ -115,7 +116,7 @@ class EvaluateBeforeTraining(TrainerCallback):
         self.done = True
         started = time.perf_counter()
         validation = self.trainer.eval_dataset
-        rows = len(validation) if validation is not None and not isinstance(validation, dict) and has_length(validation) else None
+        rows = len(validation) if has_length(validation) and not isinstance(validation, dict) else None  # None has none
         chosen = sample_indices(rows) if rows is not None else None
         with untouched_random_state(), _loader_not_kept(self.trainer, chosen is not None):
             metrics = self.trainer.evaluate(**({} if chosen is None else {"eval_dataset": _subset(validation, chosen)}))

@@ -99,6 +99,13 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def baseline_sample(baseline: dict | None) -> tuple[int, int] | None:
+    """(rows read, validation rows) when the evaluation before training read a sample (baseline_results.json's
+    ``rows`` below its ``validation_rows``), else None."""
+    rows, of = (baseline or {}).get("rows"), (baseline or {}).get("validation_rows")
+    return (rows, of) if rows and of and rows < of else None
+
+
 def metrics_section(results: dict) -> list[str]:
     shown = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, (int, float))
              and not k.endswith(("_runtime", "_per_second", "_preparation_time"))}  # time, not a metric
@@ -108,8 +115,8 @@ def metrics_section(results: dict) -> list[str]:
     lines += [f"| {k.removeprefix('eval_')} | {_fmt(v)} |" for k, v in shown.items()]
     baseline = results.get("baseline")
     if isinstance(baseline, dict) and baseline:
-        rows, of = baseline.get("rows"), baseline.get("validation_rows")
-        where = (f"the same evaluation on a seeded sample of {rows} of the {of} validation rows" if rows and of and rows < of
+        sample = baseline_sample(baseline)
+        where = (f"the same evaluation on a seeded sample of {sample[0]} of the {sample[1]} validation rows" if sample
                  else "the same evaluation")
         lines += ["", f"Before training ({where} of the model as it was loaded): "
                   + ", ".join(f"{k.removeprefix('eval_')} {_fmt(v)}" for k, v in baseline.items() if k.startswith("eval_"))]
@@ -177,12 +184,11 @@ def story(out: Path) -> tuple[list[str], list[Path]]:
     series = log_series(history, baseline)
     plots = charts(out, series)
     if plots:
-        rows, of = (baseline or {}).get("rows"), (baseline or {}).get("validation_rows")
-        sampled = rows and of and rows < of and "eval_loss" in series
+        sample = baseline_sample(baseline) if "eval_loss" in series else None
         lines += ["## Training", "", *([f"From `{source}` (the run's final state was not saved)."]
                                        if source != "trainer_state.json" else []),
-                  *([f"The evaluation loss at step 0 is the evaluation before training's, on a seeded sample of {rows} "
-                     f"of the {of} validation rows; the later points are on every row."] if sampled else []),
+                  *([f"The evaluation loss at step 0 is the evaluation before training's, on a seeded sample of {sample[0]} "
+                     f"of the {sample[1]} validation rows; the later points are on every row."] if sample else []),
                   *[f"![{p.stem}]({p.name})" for p in plots], ""]
     lines += checkpointing_lines(read_json_object(out / CHECKPOINTING_RECORD) or {})
     config_file = out / "finetune_config.yaml"
